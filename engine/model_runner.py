@@ -1,0 +1,91 @@
+"""Turns a scheduler output into one model forward over paged KV, and samples."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_manager import KVCacheManager
+from engine.model import AttentionMetadata, LlamaModel, PrefillSeq
+from engine.request import Request
+from engine.sampler import Sampler
+from engine.scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerResult:
+    sampled: list[tuple[Request, int]]
+    host_ms: float
+    forward_ms: float
+    sample_ms: float
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int) -> None:
+        c = model.config
+        self.model = model
+        self.block_size = block_size
+        shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
+            for _ in range(c.num_layers)
+        ]
+        self.sampler = Sampler()
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        k, _ = self.kv_caches[0]
+        return 2 * len(self.kv_caches) * k.numel() * k.element_size()
+
+    def _inputs(self, sched: SchedulerOutput, kv: KVCacheManager):
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_idx: list[int] = []
+        samplers: list[Request] = []
+        tables, ctx_lens = [], []
+        for s in sched.decodes:
+            req = s.request
+            pos = req.num_computed_tokens
+            table = kv.block_table(req.request_id)
+            logits_idx.append(len(ids))
+            samplers.append(req)
+            ids.append(req.all_token_ids[pos])
+            positions.append(pos)
+            slots.append(table.slot(pos))
+            tables.append(table.blocks)
+            ctx_lens.append(pos + 1)
+        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long),
+                                 num_decodes=len(sched.decodes))
+        if tables:
+            width = max(len(t) for t in tables)
+            meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+            meta.decode_context_lens = torch.tensor(ctx_lens)
+        for s in sched.prefills:
+            req = s.request
+            start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
+            table = kv.block_table(req.request_id)
+            meta.prefills.append(PrefillSeq(len(ids), len(ids) + s.num_new_tokens, end,
+                                            torch.tensor(table.blocks, dtype=torch.long)))
+            ids.extend(req.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table.slot(p) for p in range(start, end))
+            if end == req.num_tokens:  # whole prompt computed: this forward yields token one
+                logits_idx.append(len(ids) - 1)
+                samplers.append(req)
+        meta.slot_mapping = torch.tensor(slots, dtype=torch.long)
+        return (torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
+                meta, torch.tensor(logits_idx, dtype=torch.long), samplers)
+
+    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> RunnerResult:
+        t0 = time.perf_counter_ns()
+        ids, positions, meta, logits_idx, samplers = self._inputs(sched, kv)
+        t1 = time.perf_counter_ns()
+        logits = self.model.forward(ids, positions, meta, self.kv_caches, logits_idx)
+        t2 = time.perf_counter_ns()
+        tokens = self.sampler.sample(logits, samplers) if samplers else []
+        t3 = time.perf_counter_ns()
+        return RunnerResult(list(zip(samplers, tokens, strict=True)), (t1 - t0) / 1e6,
+                            (t2 - t1) / 1e6, (t3 - t2) / 1e6)

@@ -1,0 +1,121 @@
+"""Request state machine: an ordered enum, a transition table, and the request dataclass.
+
+States follow DESIGN.md §1. Terminal states compare greater than every live state, so
+``state >= RequestState.REJECTED`` is the terminal test. (DESIGN lists REJECTED first among
+the admission states; we place it with the terminals so that the ordering rule holds.)
+Every transition is an event stamped with ``time.monotonic_ns()``; stage timings are derived
+from these events in one place (``engine.observer``), never in the scheduler.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestState(enum.IntEnum):
+    QUEUED = 1
+    DEGRADED = 2
+    RUNNABLE = 3
+    PREFILLING = 4
+    DECODING = 5
+    BACKPRESSURED = 6
+    PREEMPTED = 7
+    SWAPPED = 8
+    RESUMED = 9
+    # Terminal states: all compare greater than every live state.
+    REJECTED = 10
+    FINISHED = 11
+    CANCELLED = 12
+    TIMED_OUT = 13
+    FAILED = 14
+
+    @property
+    def is_terminal(self) -> bool:
+        return self >= RequestState.REJECTED
+
+
+S = RequestState
+_ENDINGS = {S.CANCELLED, S.TIMED_OUT, S.FAILED}
+
+# None is the state of a request that has not been through admission yet.
+TRANSITIONS: dict[RequestState | None, frozenset[RequestState]] = {
+    None: frozenset({S.QUEUED, S.REJECTED}),
+    S.QUEUED: frozenset({S.RUNNABLE, S.DEGRADED, S.REJECTED} | _ENDINGS),
+    S.DEGRADED: frozenset({S.RUNNABLE} | _ENDINGS),
+    S.RUNNABLE: frozenset({S.PREFILLING, S.PREEMPTED} | _ENDINGS),
+    S.PREFILLING: frozenset({S.DECODING, S.PREEMPTED, S.SWAPPED} | _ENDINGS),
+    S.DECODING: frozenset({S.FINISHED, S.BACKPRESSURED, S.PREEMPTED, S.SWAPPED} | _ENDINGS),
+    S.BACKPRESSURED: frozenset({S.DECODING, S.PREEMPTED, S.SWAPPED} | _ENDINGS),
+    S.PREEMPTED: frozenset({S.RESUMED} | _ENDINGS),
+    S.SWAPPED: frozenset({S.RESUMED} | _ENDINGS),
+    S.RESUMED: frozenset({S.PREFILLING, S.DECODING, S.PREEMPTED, S.SWAPPED} | _ENDINGS),
+    S.REJECTED: frozenset(),
+    S.FINISHED: frozenset(),
+    S.CANCELLED: frozenset(),
+    S.TIMED_OUT: frozenset(),
+    S.FAILED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """Raised when a request is moved along an edge the transition table does not have."""
+
+
+@dataclass(frozen=True, slots=True)
+class StateEvent:
+    state: RequestState
+    ts_ns: int  # time.monotonic_ns() of this process
+    detail: str = ""
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence inside the engine: token ids in, token ids out.
+
+    ``num_computed_tokens`` catches up with ``len(all_token_ids)`` (vLLM v1 style), which covers
+    chunked prefill and decode in one rule: a request whose computed count reaches its token count
+    samples its next token.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_ns: int = field(default_factory=time.monotonic_ns)
+    deadline_ns: int | None = None  # monotonic deadline; past it the request ends TIMED_OUT
+    state: RequestState | None = None
+    events: list[StateEvent] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    token_times_ns: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout" | "rejected" | ...
+    error: str | None = None
+    reclaim_count: int = 0  # how many times reclaim ran (must end at exactly 1)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.prompt_token_ids) + self.params.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state is not None and self.state.is_terminal
+
+    def transition(self, new: RequestState, detail: str = "", ts_ns: int | None = None) -> None:
+        if new not in TRANSITIONS[self.state]:
+            old = "NEW" if self.state is None else self.state.name
+            raise IllegalTransition(
+                f"request {self.request_id}: {old} -> {new.name} is not allowed"
+            )
+        self.state = new
+        self.events.append(StateEvent(new, time.monotonic_ns() if ts_ns is None else ts_ns, detail))

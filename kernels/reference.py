@@ -1,0 +1,71 @@
+"""Torch reference kernels for attention over a paged KV cache.
+
+Cache layout: ``k_cache``/``v_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``;
+a sequence's token at position ``p`` lives in block ``block_table[p // block_size]`` at offset
+``p % block_size``. These are the oracle for the Triton kernels and the CPU implementation.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store new keys/values ``[T, Hk, D]`` at flat slots ``block * block_size + offset``."""
+    num_blocks, block_size, hk, d = k_cache.shape
+    k_cache.view(num_blocks * block_size, hk, d).index_copy_(0, slot_mapping, k)
+    v_cache.view(num_blocks * block_size, hk, d).index_copy_(0, slot_mapping, v)
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """``[B, M]`` block tables -> ``[B, Hk, M*block_size, D]`` keys or values."""
+    b, m = block_tables.shape
+    _, block_size, hk, d = cache.shape
+    return cache[block_tables].view(b, m * block_size, hk, d).transpose(1, 2)
+
+
+def paged_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """One query token per sequence. ``q`` is ``[B, H, D]``, block tables ``[B, M]`` (padded with
+    any valid block id), ``context_lens`` ``[B]`` counts the keys each query may see."""
+    k = _gather(k_cache, block_tables)
+    v = _gather(v_cache, block_tables)
+    max_len = k.shape[2]
+    mask = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+    )
+    return out.squeeze(2)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_table: torch.Tensor, context_len: int, scale: float,
+) -> torch.Tensor:
+    """A chunk of ``n`` queries ``[n, H, D]`` of one sequence, the last ``n`` of its
+    ``context_len`` positions, attending to the cached prefix and causally to the chunk."""
+    n = q.shape[0]
+    k = _gather(k_cache, block_table[None])[:, :, :context_len]
+    v = _gather(v_cache, block_table[None])[:, :, :context_len]
+    q_pos = torch.arange(context_len - n, context_len, device=q.device)
+    mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k, v, attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return out[0].transpose(0, 1)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+                     ) -> torch.Tensor:
+    """Dense causal attention over one whole sequence: ``q [n, H, D]``, ``k, v [n, Hk, D]``."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        is_causal=True, scale=scale, enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)

@@ -1,0 +1,33 @@
+"""Every TAILSCOPE_* environment variable, in one typed place."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(f"TAILSCOPE_{name}", default)
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str = "bundled"  # TAILSCOPE_MODEL: 'bundled', 'tiny', a .gguf file or an HF dir
+    dtype: str = "float32"  # TAILSCOPE_DTYPE: float32 | bfloat16 | float16
+    kv_cache_mb: int = 512  # TAILSCOPE_KV_CACHE_MB: paged KV budget per replica
+    block_size: int = 16  # TAILSCOPE_BLOCK_SIZE: tokens per KV block
+    max_num_seqs: int = 64  # TAILSCOPE_MAX_NUM_SEQS: running sequences per tick
+    max_batched_tokens: int = 512  # TAILSCOPE_MAX_BATCHED_TOKENS: token budget per tick
+    threads: int = 0  # TAILSCOPE_THREADS: torch intra-op threads (0 = torch's default)
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        return cls(
+            model=_env("MODEL", cls.model),
+            dtype=_env("DTYPE", cls.dtype),
+            kv_cache_mb=int(_env("KV_CACHE_MB", str(cls.kv_cache_mb))),
+            block_size=int(_env("BLOCK_SIZE", str(cls.block_size))),
+            max_num_seqs=int(_env("MAX_NUM_SEQS", str(cls.max_num_seqs))),
+            max_batched_tokens=int(_env("MAX_BATCHED_TOKENS", str(cls.max_batched_tokens))),
+            threads=int(_env("THREADS", str(cls.threads))),
+        )

@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """The tiny random Llama in float64, so chunking/batching cannot flip a greedy argmax
+    through rounding: any token mismatch is a real bug."""
+    from engine import load_model
+
+    return load_model("tiny", dtype="float64")
+
+
+@pytest.fixture(scope="session")
+def bundled_path():
+    from engine import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def bundled_model(bundled_path):
+    from engine import load_model
+
+    return load_model(bundled_path, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def bundled_tokenizer(bundled_path):
+    from engine.text import load_tokenizer
+
+    return load_tokenizer(bundled_path)
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_model(bundled_path):
+    """transformers' own implementation loading the same GGUF: the reference."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(bundled_path.parent), gguf_file=bundled_path.name, dtype=torch.float32
+    )
+    model.eval()
+    return model
