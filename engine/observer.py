@@ -24,6 +24,10 @@ _STAGES = {
 
 @dataclass(frozen=True, slots=True)
 class RequestStats:
+    """Stage durations; ``e2e_ms == admit_ms + queue_ms + prefill_ms + decode_ms +
+    preempted_ms`` holds exactly (every interval between events belongs to one stage)."""
+
+    admit_ms: float  # engine arrival -> admission decision (first event)
     queue_ms: float
     prefill_ms: float
     decode_ms: float
@@ -62,6 +66,7 @@ def request_stats(req: Request) -> RequestStats:
     end = req.events[-1].ts_ns
     offsets = tuple((t - req.arrival_ns) / 1e6 for t in req.token_times_ns)
     return RequestStats(
+        admit_ms=(req.events[0].ts_ns - req.arrival_ns) / 1e6,
         **{name: ms(states) for name, states in _STAGES.items()},
         preemptions=sum(1 for e in req.events if e.state in (S.PREEMPTED, S.SWAPPED)),
         ttft_ms=offsets[0] if offsets else None,

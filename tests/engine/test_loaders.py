@@ -1,0 +1,178 @@
+"""Loaders: GGUF (permuted Q/K, quantized types), HF directories, and clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from engine import UnsupportedModelError, load_model
+from engine.loader.tiny import TINY_CONFIG, tiny_llama
+
+_GGUF_NAMES = {"attn_norm": "attn_norm", "q": "attn_q", "k": "attn_k", "v": "attn_v",
+               "o": "attn_output", "ffn_norm": "ffn_norm", "gate": "ffn_gate", "up": "ffn_up",
+               "down": "ffn_down"}
+
+
+def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to Q/K rows."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+             .swapaxes(1, 2).reshape(w.shape))
+
+
+def write_tiny_gguf(path: Path, qtype: Q = Q.F32, arch: str = "llama",
+                    raw_override: dict[str, tuple[np.ndarray, Q]] | None = None) -> dict:
+    c, weights = tiny_llama()
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_heads)
+    w.add_head_count_kv(c.num_kv_heads)
+    w.add_rope_freq_base(c.rope_theta)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    w.add_eos_token_id(c.eos_token_id)
+    tensors = {"token_embd.weight": weights["embed"], "output.weight": weights["lm_head"],
+               "output_norm.weight": weights["final_norm"]}
+    for i in range(c.num_layers):
+        for ours, theirs in _GGUF_NAMES.items():
+            t = weights[f"{i}.{ours}"].numpy()
+            if ours == "q":
+                t = llamacpp_permute(t, c.num_heads)
+            elif ours == "k":
+                t = llamacpp_permute(t, c.num_kv_heads)
+            tensors[f"blk.{i}.{theirs}.weight"] = torch.from_numpy(np.ascontiguousarray(t))
+    for name, t in tensors.items():
+        arr = t.numpy().astype(np.float32)
+        if raw_override and name in raw_override:
+            data, raw = raw_override[name]
+            w.add_tensor(name, data, raw_dtype=raw)
+        elif arr.ndim == 1 or qtype == Q.F32:
+            w.add_tensor(name, arr)
+        elif qtype == Q.F16:
+            w.add_tensor(name, arr.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return weights
+
+
+def _logits(model, ids):
+    return model.dense_forward(torch.tensor(ids))
+
+
+IDS = [5, 99, 300, 7, 42, 511, 3, 256, 128, 64, 1, 2]
+
+
+def test_gguf_f32_roundtrip_undoes_qk_permutation(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    loaded = load_model(path)
+    original = load_model("tiny")
+    assert loaded.config.num_kv_heads == TINY_CONFIG.num_kv_heads
+    assert loaded.config.tie_word_embeddings is False
+    torch.testing.assert_close(_logits(loaded, IDS), _logits(original, IDS), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
+def test_gguf_quantized_weights_dequantize_exactly(tmp_path, qtype):
+    path = tmp_path / f"tiny-{qtype.name}.gguf"
+    weights = write_tiny_gguf(path, qtype)
+    loaded = load_model(path)
+    c = loaded.config
+    qd, kd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    for i, layer in enumerate(loaded.layers):
+        got = {"q": layer.qkv[:qd], "k": layer.qkv[qd:qd + kd], "v": layer.qkv[qd + kd:],
+               "o": layer.o, "gate": layer.gate_up[:c.intermediate_size],
+               "up": layer.gate_up[c.intermediate_size:], "down": layer.down}
+        for name, tensor in got.items():
+            ref = weights[f"{i}.{name}"].numpy().astype(np.float32)
+            if qtype == Q.F16:
+                expect = ref.astype(np.float16).astype(np.float32)
+            else:
+                expect = gguf.quants.dequantize(gguf.quants.quantize(ref, qtype), qtype)
+            np.testing.assert_array_equal(tensor.numpy(), expect.reshape(tensor.shape),
+                                          err_msg=f"layer {i} {name}")
+    if qtype in (Q.F16, Q.Q8_0):  # 4-bit error on this random model is large by nature
+        original = _logits(load_model("tiny"), IDS)
+        diff = (_logits(loaded, IDS) - original).abs().max().item()
+        assert diff < 0.02 * original.abs().max().item()
+
+
+def test_gguf_unsupported_architecture_is_named(tmp_path):
+    path = tmp_path / "mamba.gguf"
+    write_tiny_gguf(path, arch="mamba")
+    with pytest.raises(UnsupportedModelError, match="architecture 'mamba'"):
+        load_model(path)
+
+
+def test_gguf_unsupported_quantization_type_is_named(tmp_path):
+    path = tmp_path / "q8_1.gguf"
+    c = TINY_CONFIG
+    block_bytes = gguf.GGML_QUANT_SIZES[Q.Q8_1][1]
+    raw = np.zeros((c.vocab_size, c.hidden_size // 32 * block_bytes), dtype=np.uint8)
+    write_tiny_gguf(path, raw_override={"token_embd.weight": (raw, Q.Q8_1)})
+    with pytest.raises(UnsupportedModelError, match="token_embd.weight.*Q8_1"):
+        load_model(path)
+
+
+def test_missing_and_unknown_paths_fail_clearly(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        load_model(tmp_path / "nope.gguf")
+    (tmp_path / "weights.bin").write_bytes(b"\0")
+    with pytest.raises(UnsupportedModelError, match="expected a .gguf file"):
+        load_model(tmp_path / "weights.bin")
+    (tmp_path / "emptydir").mkdir()
+    with pytest.raises(UnsupportedModelError, match="config.json"):
+        load_model(tmp_path / "emptydir")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_hf_directory_matches_transformers(tmp_path, tied):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=48, intermediate_size=96,
+                      num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+                      max_position_embeddings=256, rope_theta=5000.0, rms_norm_eps=1e-6,
+                      tie_word_embeddings=tied)
+    ref = LlamaForCausalLM(cfg).eval()
+    ref.save_pretrained(tmp_path)
+    ours = load_model(tmp_path)
+    assert ours.config.num_heads == 6 and ours.config.num_kv_heads == 2
+    assert ours.config.tie_word_embeddings is tied
+    ids = [3, 17, 255, 42, 99, 1, 0, 299, 150]
+    with torch.no_grad():
+        theirs = ref(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_logits(ours, ids), theirs, rtol=0, atol=1e-4)
+
+
+def test_hf_unsupported_architecture_is_named(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
+        load_model(tmp_path)
+
+
+@pytest.mark.bundled
+def test_hf_tokenizer_json_matches_gguf_tokenizer(tmp_path, bundled_path, bundled_tokenizer):
+    from transformers import AutoTokenizer
+
+    from engine.text import load_tokenizer
+
+    AutoTokenizer.from_pretrained(str(bundled_path.parent),
+                                  gguf_file=bundled_path.name).save_pretrained(tmp_path)
+    hf = load_tokenizer(tmp_path)
+    for text in ["Hello 123 world", "naïve 東京 🤖", "<|im_start|>user\nhi<|im_end|>"]:
+        assert hf.encode(text) == bundled_tokenizer.encode(text)
+    assert hf.eos_token_id == bundled_tokenizer.eos_token_id == 2
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert hf.apply_chat_template(msgs) == bundled_tokenizer.apply_chat_template(msgs)
