@@ -1,0 +1,73 @@
+"""Scheduler policy: token budget, chunked prefill, seat limit, FCFS, continuous refill."""
+
+from __future__ import annotations
+
+from engine import Engine, EngineConfig, RequestState, SamplingParams
+
+S = RequestState
+
+
+def _engine(tiny_model, **kw):
+    cfg = dict(block_size=4, num_kv_blocks=64, max_batched_tokens=8, max_num_seqs=2,
+               dtype="float64")
+    return Engine(tiny_model, EngineConfig(**(cfg | kw)))
+
+
+def test_long_prompt_is_chunked_within_the_token_budget(tiny_model):
+    engine = _engine(tiny_model)
+    req = engine.add_request("long", list(range(3, 23)), SamplingParams(max_tokens=2))
+    engine.step()
+    engine.step()
+    assert req.state == S.PREFILLING and req.num_computed_tokens == 16
+    engine.step()  # last 4 prompt tokens: the same forward yields the first token
+    assert req.state == S.DECODING and len(req.output_token_ids) == 1
+    assert [s.prefill_tokens for s in engine.observer.steps] == [8, 8, 4]
+
+
+def test_decodes_are_served_before_prefill_chunks(tiny_model):
+    engine = _engine(tiny_model)
+    a = engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=5))
+    engine.step()
+    assert a.state == S.DECODING
+    engine.add_request("b", list(range(3, 40)), SamplingParams(max_tokens=2))
+    engine.step()
+    last = engine.observer.steps[-1]
+    assert (last.decode_tokens, last.prefill_tokens) == (1, 7)
+
+
+def test_max_num_seqs_caps_running_and_freed_slots_refill_next_tick(tiny_model):
+    engine = _engine(tiny_model, max_batched_tokens=64)
+    reqs = [engine.add_request(f"r{i}", [5 + i, 6, 7], SamplingParams(max_tokens=2 + i))
+            for i in range(4)]
+    engine.step()
+    assert [r.state for r in reqs] == [S.DECODING, S.DECODING, S.QUEUED, S.QUEUED]
+    engine.step()  # r0 finishes (2 tokens)
+    assert reqs[0].state == S.FINISHED
+    engine.step()  # r2 takes the freed seat at once, in arrival order
+    assert reqs[2].state == S.DECODING and reqs[3].state == S.QUEUED
+    while engine.has_unfinished():
+        engine.step()
+        assert len(engine.scheduler.running) <= 2
+
+
+def test_fcfs_head_waiting_for_kv_is_not_overtaken(tiny_model):
+    engine = _engine(tiny_model, num_kv_blocks=6, max_num_seqs=4, max_batched_tokens=64)
+    engine.add_request("big1", list(range(3, 15)), SamplingParams(max_tokens=4))  # 4 blocks
+    big2 = engine.add_request("big2", list(range(3, 15)), SamplingParams(max_tokens=4))
+    small = engine.add_request("small", [5], SamplingParams(max_tokens=1))  # 1 block: fits
+    engine.step()
+    assert big2.state == S.QUEUED and small.state == S.QUEUED
+    assert not engine.kv.has_reservation("small")
+    while engine.has_unfinished():
+        engine.step()
+    assert big2.events[1].ts_ns < small.events[1].ts_ns  # RUNNABLE in arrival order
+
+
+def test_observer_step_stats_describe_the_batch(tiny_model):
+    engine = _engine(tiny_model, max_batched_tokens=64)
+    engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3))
+    first = engine.observer.steps[0]
+    assert (first.num_seqs, first.prefill_tokens, first.decode_tokens) == (2, 5, 0)
+    assert first.kv_blocks_total == 64 and first.kv_blocks_used == 2
+    assert first.forward_ms > 0 and first.duration_ms >= first.forward_ms
+    assert all(s.decode_tokens == 2 for s in list(engine.observer.steps)[1:])
