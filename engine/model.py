@@ -7,6 +7,7 @@ into one matrix each so a decoder layer is a handful of large matmuls.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -14,6 +15,13 @@ import torch.nn.functional as F
 
 import kernels
 from engine.config import ModelConfig
+from kernels.linear import Linear
+
+WeightSource = torch.Tensor | Callable[[], torch.Tensor]
+
+
+def _materialise(w: WeightSource) -> torch.Tensor:
+    return w if isinstance(w, torch.Tensor) else w()
 
 
 @dataclass
@@ -41,34 +49,40 @@ class AttentionMetadata:
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor
-    qkv: torch.Tensor  # [(H + 2*Hk) * D, hidden]
-    o: torch.Tensor
+    qkv: Linear  # [(H + 2*Hk) * D, hidden]
+    o: Linear
     ffn_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * ffn, hidden]
-    down: torch.Tensor
+    gate_up: Linear  # [2 * ffn, hidden]
+    down: Linear
 
 
 class LlamaModel:
     """Inference-only decoder. ``forward`` reads and writes K/V through block tables;
     ``dense_forward`` is the no-cache full-recompute reference used by tests."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
+    def __init__(self, config: ModelConfig, weights: dict[str, WeightSource],
                  dtype: torch.dtype = torch.float32) -> None:
+        """Consumes ``weights`` (entries are popped as they are converted and fused; callables
+        are materialised only then), so peak load memory stays near one copy of the model."""
         self.config = config
         self.dtype = dtype
         c = config
-        w = {k: v.to(dtype) for k, v in weights.items()}
-        self.embed = w["embed"]
-        self.lm_head = self.embed if c.tie_word_embeddings else w["lm_head"]
-        self.final_norm = w["final_norm"]
+
+        def take(*names: str) -> torch.Tensor:
+            parts = [_materialise(weights.pop(n)).to(dtype) for n in names]
+            return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
+
+        self.embed = take("embed")
+        self.lm_head = Linear(self.embed if c.tie_word_embeddings else take("lm_head"))
+        self.final_norm = take("final_norm")
         self.layers = [
             LayerWeights(
-                attn_norm=w[f"{i}.attn_norm"],
-                qkv=torch.cat([w[f"{i}.q"], w[f"{i}.k"], w[f"{i}.v"]]).contiguous(),
-                o=w[f"{i}.o"],
-                ffn_norm=w[f"{i}.ffn_norm"],
-                gate_up=torch.cat([w[f"{i}.gate"], w[f"{i}.up"]]).contiguous(),
-                down=w[f"{i}.down"],
+                attn_norm=take(f"{i}.attn_norm"),
+                qkv=Linear(take(f"{i}.q", f"{i}.k", f"{i}.v")),
+                o=Linear(take(f"{i}.o")),
+                ffn_norm=take(f"{i}.ffn_norm"),
+                gate_up=Linear(take(f"{i}.gate", f"{i}.up")),
+                down=Linear(take(f"{i}.down")),
             )
             for i in range(c.num_layers)
         ]
@@ -80,49 +94,51 @@ class LlamaModel:
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = emb.cos().to(dtype)
-        self.sin = emb.sin().to(dtype)
+        half = c.head_dim // 2
+        self.sin_signed = torch.cat([-emb[:, :half].sin(), emb[:, half:].sin()], -1).to(dtype)
 
     @property
     def num_parameters(self) -> int:
-        tensors = [self.embed, self.final_norm]
-        if self.lm_head is not self.embed:
-            tensors.append(self.lm_head)
+        n = self.embed.numel() + self.final_norm.numel()
+        if not self.config.tie_word_embeddings:
+            n += self.lm_head.numel
         for lw in self.layers:
-            tensors += [lw.attn_norm, lw.qkv, lw.o, lw.ffn_norm, lw.gate_up, lw.down]
-        return sum(t.numel() for t in tensors)
+            n += lw.attn_norm.numel() + lw.ffn_norm.numel()
+            n += lw.qkv.numel + lw.o.numel + lw.gate_up.numel + lw.down.numel
+        return n
 
     @property
     def weight_bytes(self) -> int:
+        """Bytes one decode step must read: every weight once (the tied output matrix once)."""
         return self.num_parameters * self.embed.element_size()
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin for this step's positions, shared by every layer:
+        ``rope(x) = x * cos + roll(x, half) * sin_signed`` equals HF's rotate_half form."""
+        return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
 
-    def _qkv(self, lw: LayerWeights, h: torch.Tensor, positions: torch.Tensor):
+    def _qkv(self, lw: LayerWeights, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         c = self.config
         x = F.rms_norm(h, (c.hidden_size,), lw.attn_norm, c.rms_norm_eps)
-        qkv = F.linear(x, lw.qkv)
-        nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        q = qkv[:, :nq].view(-1, c.num_heads, c.head_dim)
-        k = qkv[:, nq:nq + nk].view(-1, c.num_kv_heads, c.head_dim)
-        v = qkv[:, nq + nk:].view(-1, c.num_kv_heads, c.head_dim)
-        return self._rope(q, positions), self._rope(k, positions), v
+        qkv = lw.qkv(x)
+        nqk = (c.num_heads + c.num_kv_heads) * c.head_dim
+        qk = qkv[:, :nqk].view(-1, c.num_heads + c.num_kv_heads, c.head_dim)
+        cos, sin = rope
+        qk = qk * cos + qk.roll(c.head_dim // 2, dims=-1) * sin  # Q and K rotated in one pass
+        v = qkv[:, nqk:].view(-1, c.num_kv_heads, c.head_dim)
+        return qk[:, :c.num_heads], qk[:, c.num_heads:], v
 
     def _mlp_residual(self, lw: LayerWeights, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         c = self.config
-        h = h + F.linear(attn.reshape(attn.shape[0], -1), lw.o)
+        h = h + lw.o(attn.reshape(attn.shape[0], -1))
         x = F.rms_norm(h, (c.hidden_size,), lw.ffn_norm, c.rms_norm_eps)
-        gate, up = F.linear(x, lw.gate_up).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, lw.down)
+        gate, up = lw.gate_up(x).chunk(2, dim=-1)
+        return h + lw.down(F.silu(gate) * up)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         c = self.config
-        return F.linear(F.rms_norm(h, (c.hidden_size,), self.final_norm, c.rms_norm_eps),
-                        self.lm_head).float()
+        return self.lm_head(F.rms_norm(h, (c.hidden_size,), self.final_norm, c.rms_norm_eps)
+                            ).float()
 
     @torch.inference_mode()
     def forward(
@@ -133,8 +149,9 @@ class LlamaModel:
         ``logits_indices`` (the positions that sample a token this step)."""
         h = self.embed[input_ids]
         nd = meta.num_decodes
+        rope = self._rope_tables(positions)
         for lw, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            q, k, v = self._qkv(lw, h, positions)
+            q, k, v = self._qkv(lw, h, rope)
             kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = torch.empty_like(q)
             if nd:
@@ -159,9 +176,9 @@ class LlamaModel:
     @torch.inference_mode()
     def dense_forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """No cache, full recompute: logits ``[n, vocab]`` for every position of one sequence."""
-        positions = torch.arange(input_ids.shape[0])
+        rope = self._rope_tables(torch.arange(input_ids.shape[0]))
         h = self.embed[input_ids]
         for lw in self.layers:
-            q, k, v = self._qkv(lw, h, positions)
+            q, k, v = self._qkv(lw, h, rope)
             h = self._mlp_residual(lw, h, kernels.causal_attention(q, k, v, self.scale))
         return self._logits(h)

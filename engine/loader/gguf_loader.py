@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -27,10 +28,9 @@ _LAYER_TENSORS = {
 }
 
 
-@functools.lru_cache(maxsize=2)
 def open_gguf(path: Path) -> GGUFReader:
-    """Parsing a GGUF's metadata (tens of thousands of vocab strings) takes seconds; the model
-    and the tokenizer loaded in one process share one reader."""
+    """Not cached on purpose: the parsed metadata (one numpy object per vocab string) costs
+    ~170 MB, which a replica should not keep after its weights are built."""
     return GGUFReader(path)
 
 
@@ -107,11 +107,15 @@ def _tensor(t) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(arr).reshape(shape).astype(np.float32, copy=False))
 
 
-def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_gguf(path: str | Path
+              ) -> tuple[ModelConfig, dict[str, Callable[[], torch.Tensor]]]:
+    """Returns the config and *lazy* weights: each entry dequantizes its tensor when called, so
+    the model can convert and fuse tensors one at a time instead of holding every float32 copy
+    at once (peak load memory near one copy of the model)."""
     path = Path(path)
     reader = open_gguf(path.resolve())
     config = read_config(reader, path)
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, Callable[[], torch.Tensor]] = {}
     for t in reader.tensors:
         name = t.name
         if name == "token_embd.weight":
@@ -127,10 +131,11 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             key = f"{idx}.{_LAYER_TENSORS[kind]}"
         else:
             continue
-        w = _tensor(t)
-        if key.endswith(".q"):
-            w = unpermute_qk(w, config.num_heads)
-        elif key.endswith(".k"):
-            w = unpermute_qk(w, config.num_kv_heads)
-        weights[key] = w
+        n_head = {"q": config.num_heads, "k": config.num_kv_heads}.get(key.rsplit(".", 1)[-1])
+        weights[key] = functools.partial(_load_tensor, t, n_head)
     return config, weights
+
+
+def _load_tensor(t, unpermute_heads: int | None) -> torch.Tensor:
+    w = _tensor(t)
+    return w if unpermute_heads is None else unpermute_qk(w, unpermute_heads)

