@@ -22,10 +22,12 @@ def write_kv(
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """``[B, M]`` block tables -> ``[B, Hk, M*block_size, D]`` keys or values."""
+    """``[B, M]`` block tables -> ``[B, Hk, M*block_size, D]`` keys or values.
+    (``index_select`` is ~3x faster than advanced indexing for this copy on CPU.)"""
     b, m = block_tables.shape
     _, block_size, hk, d = cache.shape
-    return cache[block_tables].view(b, m * block_size, hk, d).transpose(1, 2)
+    rows = cache.index_select(0, block_tables.reshape(-1))
+    return rows.view(b, m * block_size, hk, d).transpose(1, 2)
 
 
 def paged_decode_attention(
@@ -34,14 +36,21 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """One query token per sequence. ``q`` is ``[B, H, D]``, block tables ``[B, M]`` (padded with
     any valid block id), ``context_lens`` ``[B]`` counts the keys each query may see."""
+    b, h, d = q.shape
+    hk = k_cache.shape[2]
     k = _gather(k_cache, block_tables)
     v = _gather(v_cache, block_tables)
-    max_len = k.shape[2]
-    mask = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None]
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
-    )
-    return out.squeeze(2)
+    # The query heads sharing one KV head ride along as a "query length" of h // hk: no K/V
+    # repetition, and every one of them sees the same keys.
+    qg = q.view(b, hk, h // hk, d)
+    if b == 1:  # one sequence: cut to its length instead of masking
+        n = int(context_lens[0])
+        out = F.scaled_dot_product_attention(qg, k[:, :, :n], v[:, :, :n], scale=scale)
+    else:
+        mask = torch.arange(k.shape[2], device=q.device)[None, :] < context_lens[:, None]
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[:, None, None, :],
+                                             scale=scale)
+    return out.reshape(b, h, d)
 
 
 def paged_prefill_attention(
