@@ -8,14 +8,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from engine.constrained import GrammarCompiler
 from engine.kv_manager import KVCacheManager
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.observer import OutputObserver, RequestStats, StepStats
 from engine.request import Request, RequestState
+from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 
@@ -34,6 +36,7 @@ class RequestOutput:
     finish_reason: str | None = None
     error: str | None = None
     stats: RequestStats | None = None
+    new_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -42,7 +45,11 @@ class RequestOutput:
 
 class Engine:
     def __init__(self, model: LlamaModel, config: EngineConfig | None = None,
-                 observer: OutputObserver | None = None) -> None:
+                 observer: OutputObserver | None = None,
+                 grammar: GrammarCompiler | None = None) -> None:
+        """``grammar`` compiles ``response_format`` constraints; without it such requests
+        are rejected."""
+        self.grammar = grammar
         self.config = config or EngineConfig(dtype=_dtype_name(model))
         self.model = model
         mc = model.config
@@ -93,8 +100,17 @@ class Engine:
         if not self.kv.can_ever_fit(n + p.max_tokens):
             return (f"prompt + max_tokens needs {self.kv.blocks_needed(n + p.max_tokens)} KV "
                     f"blocks but the pool has {self.kv.pool.num_blocks}")
-        if p.top_p != 1.0 or p.top_k not in (-1, 0) or p.min_p != 0.0:
-            return "top_p, top_k and min_p are not supported by this engine version yet"
+        try:
+            p.check_vocab(vocab)
+        except ValueError as exc:
+            return str(exc)
+        if p.structured is not None:
+            if self.grammar is None:
+                return "structured output (response_format) needs an engine built with a tokenizer"
+            try:
+                req.constraint = self.grammar.compile(p.structured)
+            except ValueError as exc:
+                return f"invalid response_format: {exc}"
         return None
 
     # ---- termination: every terminal path goes through _end -> _reclaim ---------------
@@ -106,8 +122,21 @@ class Engine:
         self._end(req, S.CANCELLED, reason)
         return True
 
-    def _end(self, req: Request, state: RequestState, reason: str, error: str | None = None
-             ) -> None:
+    def stop(self, request_id: str, stop_reason: str | int | None = None) -> bool:
+        """Finish a request normally (``finish_reason == "stop"``) because the text side matched
+        a stop string. Idempotent like ``abort``; tokens sampled after the match stay counted
+        as generated but are never emitted."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return False
+        req.stop_reason = stop_reason
+        self._end(req, S.FINISHED, "stop")
+        return True
+
+    def _end(self, req: Request, state: RequestState, reason: str, error: str | None = None,
+             last_token: int | None = None) -> None:
+        """The one way a request ends: transition, reclaim, stats, and its terminal output
+        (carrying ``last_token`` when the ending token was just sampled)."""
         if req.reclaim_count:  # already reclaimed: cancel/timeout races end here
             return
         req.transition(state, reason)
@@ -115,7 +144,11 @@ class Engine:
         req.error = error
         self._reclaim(req)
         stats = self.observer.on_request_end(req)
-        self._ended.append(RequestOutput(req.request_id, [], [], state, reason, error, stats))
+        tokens = [] if last_token is None else [last_token]
+        times = [req.token_times_ns[-1]] if tokens else []
+        lps = [req.output_logprobs[-1]] if tokens else []
+        self._ended.append(RequestOutput(req.request_id, tokens, times, state, reason, error,
+                                         stats, lps))
 
     def _reclaim(self, req: Request) -> None:
         """Release everything the request holds: batch slot, KV blocks (shared ones return to
@@ -154,16 +187,24 @@ class Engine:
         for s in sched.all:
             s.request.num_computed_tokens += s.num_new_tokens
         outputs = []
-        for req, token in result.sampled:
+        for req, token, logprobs in result.sampled:
             if req.state == S.PREFILLING:
                 req.transition(S.DECODING, ts_ns=t_tok)
             req.output_token_ids.append(token)
+            req.output_logprobs.append(logprobs)
             req.token_times_ns.append(t_tok)
             reason = self._stop_reason(req, token)
+            if req.constraint is not None:
+                try:
+                    req.constraint.accept(token)
+                except ValueError as exc:
+                    self._end(req, S.FAILED, "error", error=str(exc), last_token=token)
+                    continue
             if reason is not None:
-                self._end(req, S.FINISHED, reason)
+                self._end(req, S.FINISHED, reason, last_token=token)
             else:
-                outputs.append(RequestOutput(req.request_id, [token], [t_tok], req.state))
+                outputs.append(RequestOutput(req.request_id, [token], [t_tok], req.state,
+                                             new_logprobs=[logprobs]))
         self.step_count += 1
         usage = self.kv.usage()
         self.observer.on_step(StepStats(
@@ -176,20 +217,17 @@ class Engine:
         return self._drain_ended(outputs)
 
     def _drain_ended(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """Finished requests report their last token together with the terminal state."""
-        for ended in self._ended:
-            req = self.requests[ended.request_id]
-            last = [req.output_token_ids[-1]] if ended.finish_reason in ("stop", "length") else []
-            times = [req.token_times_ns[-1]] if last else []
-            outputs.append(RequestOutput(ended.request_id, last, times, ended.state,
-                                         ended.finish_reason, ended.error, ended.stats))
+        outputs.extend(self._ended)
         self._ended.clear()
         return outputs
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         p = req.params
         eos = self.model.config.eos_token_id
-        if (not p.ignore_eos and token == eos) or token in p.stop_token_ids:
+        if not p.ignore_eos and token == eos:
+            return "stop"
+        if token in p.stop_token_ids:
+            req.stop_reason = token
             return "stop"
         if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"

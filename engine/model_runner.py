@@ -10,13 +10,13 @@ import torch
 from engine.kv_manager import KVCacheManager
 from engine.model import AttentionMetadata, LlamaModel, PrefillSeq
 from engine.request import Request
-from engine.sampler import Sampler
+from engine.sampler import Sampler, SamplerOutput, TokenLogprobs
 from engine.scheduler import SchedulerOutput
 
 
 @dataclass(frozen=True, slots=True)
 class RunnerResult:
-    sampled: list[tuple[Request, int]]
+    sampled: list[tuple[Request, int, TokenLogprobs | None]]
     host_ms: float
     forward_ms: float
     sample_ms: float
@@ -85,7 +85,7 @@ class ModelRunner:
         t1 = time.perf_counter_ns()
         logits = self.model.forward(ids, positions, meta, self.kv_caches, logits_idx)
         t2 = time.perf_counter_ns()
-        tokens = self.sampler.sample(logits, samplers) if samplers else []
+        out = self.sampler.sample(logits, samplers) if samplers else SamplerOutput([], [])
         t3 = time.perf_counter_ns()
-        return RunnerResult(list(zip(samplers, tokens, strict=True)), (t1 - t0) / 1e6,
-                            (t2 - t1) / 1e6, (t3 - t2) / 1e6)
+        return RunnerResult(list(zip(samplers, out.token_ids, out.logprobs, strict=True)),
+                            (t1 - t0) / 1e6, (t2 - t1) / 1e6, (t3 - t2) / 1e6)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.sampling_params import SamplingParams
 
@@ -91,9 +92,12 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     token_times_ns: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout" | "rejected" | ...
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "timeout" | ...
+    stop_reason: str | int | None = None  # the stop string or stop token id that matched
     error: str | None = None
     reclaim_count: int = 0  # how many times reclaim ran (must end at exactly 1)
+    output_logprobs: list[Any] = field(default_factory=list)  # TokenLogprobs | None per token
+    constraint: Any = None  # engine.constrained.TokenConstraint for structured output
 
     @property
     def all_token_ids(self) -> list[int]:

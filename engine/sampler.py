@@ -1,15 +1,152 @@
-"""Token selection. Greedy (``temperature == 0``) is its own branch: argmax, lowest id wins ties
-(torch.argmax returns the first maximum). ``temperature > 0`` draws from softmax(z / T) with a
-per-request generator, seeded when the request has a seed. The full pipeline (penalties, top-k,
-top-p, min-p, typical, logprobs) is the sampler issue's work; admission refuses those params
-until then so no request silently ignores them.
+"""The sampling pipeline (DESIGN.md §3), one vectorised pass over the batch per tick:
+
+hard mask + logit_bias -> repetition / frequency / presence penalties -> [greedy: argmax]
+-> temperature -> top-k -> top-p -> min-p -> typical-p -> renormalise -> draw.
+
+Semantics:
+* greedy (``temperature < GREEDY_EPS``): argmax of the processed logits, lowest id on ties
+  (``torch.argmax`` returns the first maximum); never a division by the temperature;
+* top-k keeps the k best by (-logit, token id) (a stable descending sort);
+* top-p keeps the smallest prefix of the sorted distribution whose mass reaches p: a token is
+  kept when the mass strictly before it is below p, so the boundary token stays;
+* min-p keeps tokens with p >= min_p * p_max (after temperature; the argmax always stays);
+* typical-p (Meister et al.): sort by |-log p - H(p)| ascending, keep the smallest prefix whose
+  mass reaches typical_p;
+* each filter renormalises within its support (filters after top-k see renormalised mass).
+
+Batch invariance: a row's values never depend on other rows. Rows that need a sort take the
+sorted path, the others the unsorted one, by the row's own parameters; each request draws from
+its own generator (seeded when it has a seed), one draw per generated token, so a seeded request
+yields the same tokens whatever else is in the batch and in whatever order requests arrive.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.request import Request
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Log-probability of the chosen token and the ``top_logprobs`` best alternatives, from
+    the final distribution the token was drawn from (greedy: log-softmax of the processed
+    logits)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def _rows(mask: list[bool]) -> torch.Tensor:
+    return torch.tensor([i for i, m in enumerate(mask) if m], dtype=torch.long)
+
+
+def apply_bias_and_masks(logits: torch.Tensor, reqs: list[Request]) -> None:
+    rows, cols, vals = [], [], []
+    for i, r in enumerate(reqs):
+        for tok, bias in r.params.logit_bias.items():
+            rows.append(i)
+            cols.append(tok)
+            vals.append(bias)
+        if r.constraint is not None:
+            logits[i].masked_fill_(~r.constraint.allowed_tokens(logits.shape[1]), NEG_INF)
+    if rows:
+        logits.index_put_((torch.tensor(rows), torch.tensor(cols)),
+                          torch.tensor(vals, dtype=logits.dtype), accumulate=True)
+
+
+def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
+    which = [r.params.has_penalties for r in reqs]
+    if not any(which):
+        return
+    idx = _rows(which)
+    sub = [reqs[i] for i in idx.tolist()]
+    vocab = logits.shape[1]
+    z = logits[idx]
+    out_counts = _counts([r.output_token_ids for r in sub], vocab)
+    prompt_seen = _counts([r.prompt_token_ids for r in sub], vocab) > 0
+    rep = torch.tensor([r.params.repetition_penalty for r in sub])[:, None]
+    seen = prompt_seen | (out_counts > 0)
+    z = torch.where(seen, torch.where(z > 0, z / rep, z * rep), z)
+    freq = torch.tensor([r.params.frequency_penalty for r in sub])[:, None]
+    pres = torch.tensor([r.params.presence_penalty for r in sub])[:, None]
+    z = z - freq * out_counts - pres * (out_counts > 0).float()
+    logits[idx] = z
+
+
+def _counts(seqs: list[list[int]], vocab: int) -> torch.Tensor:
+    width = max((len(s) for s in seqs), default=0)
+    counts = torch.zeros(len(seqs), vocab + 1)
+    if width:
+        ids = torch.tensor([s + [vocab] * (width - len(s)) for s in seqs])  # pad -> column V
+        counts.scatter_add_(1, ids, torch.ones(ids.shape))
+    return counts[:, :vocab]
+
+
+def filter_probs(z: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """Temperature-scaled logits ``z`` -> filtered, renormalised probabilities (vocab order)."""
+    sort_rows = [r.params.needs_sort for r in reqs]
+    probs = torch.empty_like(z)
+    if not all(sort_rows):
+        idx = _rows([not s for s in sort_rows])
+        probs[idx] = _min_p(torch.softmax(z[idx], -1), [reqs[i] for i in idx.tolist()])
+    if any(sort_rows):
+        idx = _rows(sort_rows)
+        probs[idx] = _sorted_filters(z[idx], [reqs[i] for i in idx.tolist()])
+    return probs
+
+
+def _renorm(p: torch.Tensor) -> torch.Tensor:
+    return p / p.sum(-1, keepdim=True)
+
+
+def _min_p(p: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    min_p = torch.tensor([r.params.min_p for r in reqs])[:, None]
+    if not bool((min_p > 0).any()):
+        return p
+    keep = p >= min_p * p.max(-1, keepdim=True).values
+    return _renorm(p * keep)
+
+
+def _sorted_filters(z: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    sz, order = torch.sort(z, dim=-1, descending=True, stable=True)  # ties: lower id first
+    n, vocab = sz.shape
+    pos = torch.arange(vocab)[None, :]
+    top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in reqs])
+    sz = sz.masked_fill(pos >= top_k[:, None], NEG_INF)
+    p = torch.softmax(sz, -1)
+    top_p = torch.tensor([r.params.top_p for r in reqs])[:, None]
+    before = torch.cumsum(p, -1) - p  # mass strictly before each token
+    p = _renorm(p * ((before < top_p) | (pos == 0)))
+    p = _min_p(p, reqs)
+    typical = torch.tensor([r.params.typical_p for r in reqs])[:, None]
+    if bool((typical < 1).any()):
+        p = _typical(p, typical)
+    return torch.zeros_like(p).scatter_(-1, order, p)
+
+
+def _typical(p: torch.Tensor, typical: torch.Tensor) -> torch.Tensor:
+    logp = torch.log(p)
+    entropy = -(torch.where(p > 0, p * logp, 0.0)).sum(-1, keepdim=True)
+    dist = torch.where(p > 0, (-logp - entropy).abs(), float("inf"))
+    sd, order = torch.sort(dist, dim=-1, stable=True)
+    sp = p.gather(-1, order)
+    before = torch.cumsum(sp, -1) - sp
+    keep_sorted = (before < typical) & (sp > 0)
+    keep_sorted[:, 0] = True
+    keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+    return torch.where(typical < 1, _renorm(p * keep), p)
 
 
 class Sampler:
@@ -30,14 +167,42 @@ class Sampler:
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        """``logits`` is ``[len(requests), vocab]`` float32; returns one token id per row."""
-        greedy = logits.argmax(dim=-1).tolist()
-        out = []
-        for i, req in enumerate(requests):
-            if req.params.greedy:
-                out.append(greedy[i])
-            else:
-                probs = torch.softmax(logits[i] / req.params.temperature, dim=-1)
-                out.append(int(torch.multinomial(probs, 1, generator=self._generator(req))))
+    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+        """``logits`` ``[len(reqs), vocab]`` float32 (modified in place)."""
+        apply_bias_and_masks(logits, reqs)
+        apply_penalties(logits, reqs)
+        tokens = logits.argmax(dim=-1)
+        greedy = [r.params.greedy for r in reqs]
+        final: torch.Tensor | None = None  # probabilities of the sampled rows
+        sampled_rows = torch.empty(0, dtype=torch.long)
+        if not all(greedy):
+            sampled_rows = _rows([not g for g in greedy])
+            sub = [reqs[i] for i in sampled_rows.tolist()]
+            temp = torch.tensor([r.params.temperature for r in sub])[:, None]
+            final = filter_probs(logits[sampled_rows] / temp, sub)
+            draws = [torch.multinomial(final[j], 1, generator=self._generator(r))
+                     for j, r in enumerate(sub)]
+            tokens[sampled_rows] = torch.cat(draws)
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, self._logprobs(logits, final, sampled_rows, reqs,
+                                                        token_list))
+
+    def _logprobs(self, logits, final, sampled_rows, reqs, tokens) -> list[TokenLogprobs | None]:
+        wanted = [r.params.logprobs for r in reqs]
+        if not any(wanted):
+            return [None] * len(reqs)
+        logp = torch.log_softmax(logits, -1)
+        if final is not None:
+            logp[sampled_rows] = torch.log(final)
+        out: list[TokenLogprobs | None] = []
+        for i, r in enumerate(reqs):
+            if not wanted[i]:
+                out.append(None)
+                continue
+            k = r.params.top_logprobs
+            top: tuple[tuple[int, float], ...] = ()
+            if k:
+                vals, ids = torch.topk(logp[i], k)
+                top = tuple(zip(ids.tolist(), vals.tolist(), strict=True))
+            out.append(TokenLogprobs(tokens[i], float(logp[i, tokens[i]]), top))
         return out

@@ -1,27 +1,125 @@
-"""Per-request sampling parameters (the sampler issue fills in the full pipeline)."""
+"""Per-request sampling parameters, validated at construction with clear messages.
+
+Penalty conventions follow vLLM: ``repetition_penalty`` counts every token seen so far (prompt
+and output); ``frequency_penalty`` and ``presence_penalty`` count generated tokens only.
+``temperature`` below ``GREEDY_EPS`` selects the greedy branch (argmax, lowest id on ties); the
+sampling branch never divides by a temperature that small.
+"""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
+
+GREEDY_EPS = 1e-5
+MAX_TOP_LOGPROBS = 20
 
 
-@dataclass(frozen=True, slots=True)
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range; ``param`` names it (OpenAI error ``param``)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """``response_format`` reduced to what the grammar needs: a JSON schema as a string
+    (``{"type": "object"}`` for ``json_object``)."""
+
+    kind: str  # "json_object" | "json_schema"
+    schema: str
+
+    @classmethod
+    def from_response_format(cls, rf: dict[str, Any] | None) -> StructuredOutput | None:
+        if rf is None or rf.get("type", "text") == "text":
+            return None
+        kind = rf.get("type")
+        if kind == "json_object":
+            return cls("json_object", json.dumps({"type": "object"}))
+        if kind == "json_schema":
+            spec = rf.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise SamplingParamsError("response_format",
+                                          "response_format.json_schema.schema must be an object")
+            return cls("json_schema", json.dumps(schema))
+        raise SamplingParamsError("response_format",
+                                  f"response_format type {kind!r} is not one of text, "
+                                  "json_object, json_schema")
+
+
+def _check(cond: bool, param: str, message: str) -> None:
+    if not cond:
+        raise SamplingParamsError(param, message)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
-    top_k: int = -1
+    top_k: int = -1  # -1: disabled
     min_p: float = 0.0
+    typical_p: float = 1.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None
     ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
+               f"max_tokens must be an integer >= 1, got {self.max_tokens}")
+        _check(self.temperature >= 0, "temperature",
+               f"temperature must be >= 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        _check(self.top_k == -1 or self.top_k >= 1, "top_k",
+               f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        _check(0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        _check(0 < self.typical_p <= 1, "typical_p",
+               f"typical_p must be in (0, 1], got {self.typical_p}")
+        _check(0 < self.repetition_penalty <= 2, "repetition_penalty",
+               f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty",
+               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        _check(-2 <= self.presence_penalty <= 2, "presence_penalty",
+               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        for tok, bias in self.logit_bias.items():
+            _check(isinstance(tok, int) and tok >= 0, "logit_bias",
+                   f"logit_bias keys must be token ids >= 0, got {tok!r}")
+            _check(-100 <= bias <= 100, "logit_bias",
+                   f"logit_bias values must be in [-100, 100], got {bias} for token {tok}")
+        _check(0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
+               f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        _check(self.seed is None or isinstance(self.seed, int), "seed",
+               f"seed must be an integer, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+    @property
+    def needs_sort(self) -> bool:
+        """top-k, top-p and typical-p work on a sorted distribution; min-p does not."""
+        return self.top_k != -1 or self.top_p < 1.0 or self.typical_p < 1.0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        bad = [t for t in self.logit_bias if t >= vocab_size]
+        _check(not bad, "logit_bias",
+               f"logit_bias has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        _check(not bad, "stop_token_ids",
+               f"stop_token_ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
