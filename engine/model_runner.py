@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import time
 from dataclasses import dataclass
 
@@ -22,8 +24,28 @@ class RunnerResult:
     sample_ms: float
 
 
+def _tune_allocator() -> None:
+    """Keep glibc from returning freed memory to the OS between steps.
+
+    Every layer gathers ~10 MB of K/V per step into temporaries; with glibc's defaults those
+    are mmapped or trimmed on free and page-faulted back in the next layer, which cost 40% of a
+    batch-28 decode step here (474 -> 295 ms). Serving reuses the same peak every step, so
+    raising the mmap and trim thresholds trades no peak memory for far fewer page faults.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, 64 << 20)
+        libc.mallopt(_M_TRIM_THRESHOLD, 256 << 20)
+    except (OSError, AttributeError):  # not glibc: keep the platform's allocator defaults
+        pass
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int) -> None:
+        _tune_allocator()
         c = model.config
         self.model = model
         self.block_size = block_size
