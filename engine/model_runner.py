@@ -101,6 +101,7 @@ class ModelRunner:
         return (torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
                 meta, torch.tensor(logits_idx, dtype=torch.long), samplers)
 
+    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> RunnerResult:
         t0 = time.perf_counter_ns()
         ids, positions, meta, logits_idx, samplers = self._inputs(sched, kv)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from dataclasses import replace
@@ -23,8 +24,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from engine import Engine, SamplingParams, load_model
+    from engine.constrained import GrammarCompiler
     from engine.loader.paths import TINY, resolve_model_path
-    from engine.text import load_tokenizer
+    from engine.sampling_params import StructuredOutput
+    from engine.text import generate_text, load_tokenizer
 
     s = Settings.from_env()
     s = replace(s, model=args.model or s.model, dtype=args.dtype or s.dtype)
@@ -38,31 +41,40 @@ def cmd_generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     model = load_model(path, s.dtype)
     tokenizer = load_tokenizer(path)
-    engine = Engine(model, _engine_config(s))
+    structured = None
+    if args.json_schema is not None:
+        schema = json.loads(args.json_schema) if args.json_schema else None
+        structured = StructuredOutput.from_response_format(
+            {"type": "json_schema", "json_schema": {"schema": schema}} if schema
+            else {"type": "json_object"})
+    grammar = GrammarCompiler.from_tokenizer(tokenizer, model.config.vocab_size) \
+        if structured else None
+    engine = Engine(model, _engine_config(s), grammar=grammar)
     load_s = time.perf_counter() - t0
     text = args.prompt
     if args.chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
     ids = tokenizer.encode(text)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            seed=args.seed)
+                            top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                            seed=args.seed, structured=structured)
     t1 = time.perf_counter()
-    (req,) = engine.generate([ids], params)
+    result = generate_text(engine, tokenizer, "cli-0", ids, params, stop=args.stop or (),
+                           on_text=lambda t: print(t, end="", flush=True))
     total_s = time.perf_counter() - t1
-    if req.error:
-        print(f"error: {req.error}", file=sys.stderr)
+    print()
+    if result.error:
+        print(f"error: {result.error}", file=sys.stderr)
         return 1
-    out = req.output_token_ids
-    if out and out[-1] == tokenizer.eos_token_id:
-        out = out[:-1]
-    print(tokenizer.decode(out, skip_special_tokens=True))
-    n = len(req.output_token_ids)
-    ttft_ms = (req.token_times_ns[0] - req.arrival_ns) / 1e6
-    decode_s = (req.token_times_ns[-1] - req.token_times_ns[0]) / 1e9
+    req = engine.requests["cli-0"]
+    n = result.generated_tokens
+    ttft_ms = (req.token_times_ns[0] - req.arrival_ns) / 1e6 if n else float("nan")
+    decode_s = (req.token_times_ns[-1] - req.token_times_ns[0]) / 1e9 if n else 0.0
     tps = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")
+    stop = f" ({result.stop_reason!r})" if result.stop_reason is not None else ""
     print(f"[load {load_s:.2f} s | prompt {len(ids)} tok | TTFT {ttft_ms:.1f} ms | "
-          f"{n} tok in {total_s:.2f} s | decode {tps:.1f} tok/s | finish {req.finish_reason}]",
-          file=sys.stderr)
+          f"{n} tok in {total_s:.2f} s | decode {tps:.1f} tok/s | "
+          f"finish {result.finish_reason}{stop}]", file=sys.stderr)
     return 0
 
 
@@ -77,7 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", help="'bundled' (default), a .gguf file or an HF directory")
     g.add_argument("--dtype", help="float32 (default) | bfloat16 | float16")
     g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--json-schema", nargs="?", const="", metavar="SCHEMA",
+                   help="constrain output to JSON (optionally to this JSON schema)")
     g.set_defaults(func=cmd_generate)
     return p
 

@@ -1,0 +1,64 @@
+"""Stop strings over a text stream whose chunks may split a stop string anywhere.
+
+Text that could still be the start of a stop string is held back; text that cannot is
+released. When a stop string completes, everything before its start is released (plus the stop
+string itself with ``include_stop_str_in_output``) and nothing after it ever is. The earliest
+match wins; at one position the longest stop string wins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class StopResult:
+    text: str  # safe to emit now
+    matched: str | None  # the stop string that ended the stream, if any
+
+
+class StopChecker:
+    def __init__(self, stop: Sequence[str] = (), include_stop_str_in_output: bool = False
+                 ) -> None:
+        if any(not s for s in stop):
+            raise ValueError("stop strings must be non-empty")
+        self.stop = tuple(stop)
+        self.include = include_stop_str_in_output
+        self.buffer = ""
+        self.matched: str | None = None
+
+    def push(self, delta: str) -> StopResult:
+        if self.matched is not None:
+            return StopResult("", self.matched)
+        self.buffer += delta
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            i = self.buffer.find(s)
+            if i >= 0 and (best is None or i < best[0] or (i == best[0] and len(s) > len(best[1]))):
+                best = (i, s)
+        if best is not None:
+            i, s = best
+            self.matched = s
+            out = self.buffer[: i + len(s)] if self.include else self.buffer[:i]
+            self.buffer = ""
+            return StopResult(out, s)
+        hold = self._held_suffix()
+        out = self.buffer[: len(self.buffer) - hold]
+        self.buffer = self.buffer[len(out):]
+        return StopResult(out, None)
+
+    def _held_suffix(self) -> int:
+        """Length of the longest buffer suffix that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.buffer)), best, -1):
+                if self.buffer.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+    def finish(self) -> str:
+        """The stream ended without a match: release whatever was held back."""
+        out, self.buffer = ("" if self.matched is not None else self.buffer), ""
+        return out
