@@ -189,3 +189,23 @@ def test_seeded_requests_are_reproducible_in_any_batch_and_order(tiny_model):
     assert pair["r2"] == alone["r2"] and pair["r0"] == alone["r0"]
     # unseeded requests draw independently: two runs of r4 differ (12 tokens at T=1.1)
     assert _run(engine(), prompts, ["r4"])["r4"] != _run(engine(), prompts, ["r4"])["r4"]
+
+
+@pytest.mark.parametrize("kw", [dict(top_k=5), dict(top_k=255), dict(top_p=0.5),
+                                dict(top_p=0.9, min_p=0.01), dict(top_k=40, top_p=0.8),
+                                dict(top_p=0.999999)])
+def test_candidate_fast_path_equals_full_sort(kw):
+    from engine.sampler import _candidate_filters, _full_sort_filters, _sorted_filters
+
+    g = torch.Generator().manual_seed(len(str(kw)))
+    z = torch.randn(6, 5000, generator=g) * 4
+    z[3] = torch.round(z[3])  # heavy ties, including at the candidate boundary
+    z[4, :] = 0.0  # all tied: only the full sort can order them
+    reqs = [req(SamplingParams(temperature=1.0, **kw), rid=f"r{i}") for i in range(6)]
+    full = _full_sort_filters(z, reqs)
+    fast, exact = _candidate_filters(z, reqs)
+    torch.testing.assert_close(fast[exact], full[exact], rtol=1e-5, atol=1e-7)
+    assert not exact[4]  # ties across the candidate edge fall back to the full sort
+    torch.testing.assert_close(_sorted_filters(z, reqs), full, rtol=1e-5, atol=1e-7)
+    if "top_p" in kw and kw["top_p"] < 0.9 and "top_k" not in kw:
+        assert exact[:3].all()  # the fast path is actually taken on ordinary rows
