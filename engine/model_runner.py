@@ -56,6 +56,19 @@ class ModelRunner:
         ]
         self.sampler = Sampler()
 
+    def copy_blocks_out(self, block_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Host copies of these blocks' K/V in every layer (swap-out for preemption)."""
+        idx = torch.tensor(block_ids, dtype=torch.long)
+        return [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in self.kv_caches]
+
+    def copy_blocks_in(self, block_ids: list[int],
+                       saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write saved K/V into (possibly different) physical blocks (swap-in)."""
+        idx = torch.tensor(block_ids, dtype=torch.long)
+        for (k, v), (sk, sv) in zip(self.kv_caches, saved, strict=True):
+            k.index_copy_(0, idx, sk)
+            v.index_copy_(0, idx, sv)
+
     @property
     def kv_cache_bytes(self) -> int:
         k, _ = self.kv_caches[0]

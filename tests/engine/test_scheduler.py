@@ -71,3 +71,29 @@ def test_observer_step_stats_describe_the_batch(tiny_model):
     assert first.kv_blocks_total == 64 and first.kv_blocks_used == 2
     assert first.forward_ms > 0 and first.duration_ms >= first.forward_ms
     assert all(s.decode_tokens == 2 for s in list(engine.observer.steps)[1:])
+
+
+def test_kv_blocks_copy_out_and_back_into_other_blocks(tiny_model):
+    """What swap-based preemption needs: a sequence's blocks saved to host memory, the pool
+    blocks reused, then restored into different physical blocks, decoding on unchanged."""
+    engine = _engine(tiny_model, max_batched_tokens=64)
+    req = engine.add_request("s", list(range(3, 20)), SamplingParams(max_tokens=6))
+    engine.step()
+    engine.step()
+    table = engine.kv.block_table("s")
+    saved = engine.runner.copy_blocks_out(table.blocks)
+    for k, v in engine.runner.kv_caches:  # clobber everything
+        k.normal_()
+        v.normal_()
+    pool = engine.kv.pool
+    new_blocks = pool.allocate(len(table.blocks))
+    assert not set(new_blocks) & set(table.blocks)
+    engine.runner.copy_blocks_in(new_blocks, saved)
+    pool.free(table.blocks)
+    table.blocks[:] = new_blocks
+    while engine.has_unfinished():
+        engine.step()
+    reference = _engine(tiny_model, max_batched_tokens=64).generate(
+        [list(range(3, 20))], SamplingParams(max_tokens=6))[0]
+    assert req.output_token_ids == reference.output_token_ids
+    assert pool.num_free == pool.num_blocks
