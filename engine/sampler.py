@@ -30,6 +30,7 @@ from engine.request import Request
 
 NEG_INF = float("-inf")
 CANDIDATES = 256  # top-k width of the sort-free fast path
+SMALL_CANDIDATES = 64  # used when every row's top_k is below it
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,32 +69,37 @@ def apply_bias_and_masks(logits: torch.Tensor, reqs: list[Request]) -> None:
 
 
 def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
-    """Only the tokens a request has seen change, so the work is O(seen tokens) per row, never
-    a pass over the vocabulary; rows are gathered into one index_put."""
-    rows, cols, vals = [], [], []
-    for i, r in enumerate(reqs):
-        p = r.params
-        if not p.has_penalties:
-            continue
-        out_ids, out_counts = torch.tensor(r.output_token_ids, dtype=torch.long).unique(
-            return_counts=True)
-        seen = torch.cat([out_ids, torch.tensor(r.prompt_token_ids, dtype=torch.long)]).unique()
-        z = logits[i, seen]
-        if p.repetition_penalty != 1.0:
-            z = torch.where(z > 0, z / p.repetition_penalty, z * p.repetition_penalty)
-        counts = torch.zeros(len(seen))
-        counts[torch.searchsorted(seen, out_ids)] = out_counts.float()
-        z = z - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
-        rows.append(torch.full((len(seen),), i))
-        cols.append(seen)
-        vals.append(z)
-    if rows:
-        logits.index_put_((torch.cat(rows), torch.cat(cols)), torch.cat(vals))
+    """Only tokens a request has seen change, so the work is O(seen tokens), never a pass
+    over the vocabulary: each row's prompt + output ids are padded into one ``[n, W]`` table
+    (padding repeats a real id, which recomputes the same value), their logits gathered,
+    penalised and scattered back in one batched step."""
+    which = [i for i, r in enumerate(reqs) if r.params.has_penalties]
+    if not which:
+        return
+    sub = [reqs[i] for i in which]
+    seen = [r.prompt_token_ids + r.output_token_ids for r in sub]
+    width = max(map(len, seen))
+    ids = torch.tensor([s + [s[0]] * (width - len(s)) for s in seen])
+    out_width = max(len(r.output_token_ids) for r in sub)
+    counts = torch.zeros(ids.shape)
+    if out_width:
+        outs = torch.tensor([r.output_token_ids + [-1] * (out_width - len(r.output_token_ids))
+                             for r in sub])
+        counts = (ids[:, :, None] == outs[:, None, :]).sum(-1).float()
+    rows = torch.tensor(which)[:, None].expand_as(ids)
+    z = logits[rows, ids]
+    rep = torch.tensor([r.params.repetition_penalty for r in sub])[:, None]
+    z = torch.where(z > 0, z / rep, z * rep)
+    freq = torch.tensor([r.params.frequency_penalty for r in sub])[:, None]
+    pres = torch.tensor([r.params.presence_penalty for r in sub])[:, None]
+    logits[rows, ids] = z - freq * counts - pres * (counts > 0).float()
 
 
 def filter_probs(z: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     """Temperature-scaled logits ``z`` -> filtered, renormalised probabilities (vocab order)."""
     sort_rows = [r.params.needs_sort for r in reqs]
+    if all(sort_rows):  # common case: one parameter set for the batch, no row copies
+        return _sorted_filters(z, reqs)
     probs = torch.empty_like(z)
     if not all(sort_rows):
         idx = _rows([not s for s in sort_rows])
@@ -125,7 +131,13 @@ def _sorted_filters(z: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     fast = [vocab > CANDIDATES and r.params.typical_p == 1.0 and r.params.top_k < CANDIDATES
             for r in reqs]
     done = torch.zeros(n, dtype=torch.bool)
-    if any(fast):
+    if all(fast):
+        probs, ok = _candidate_filters(z, reqs)
+        if bool(ok.all()):
+            return probs
+        out[ok] = probs[ok]
+        done = ok
+    elif any(fast):
         idx = _rows(fast)
         probs, ok = _candidate_filters(z[idx], [reqs[i] for i in idx.tolist()])
         out[idx[ok]] = probs[ok]
@@ -137,20 +149,27 @@ def _sorted_filters(z: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
 
 
 def _candidate_filters(z: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+    # a narrower selection is cheaper when every row's top-k fits in it (top-p alone needs more)
+    small = all(0 < r.params.top_k < SMALL_CANDIDATES for r in reqs)
+    return _candidates(z, reqs, SMALL_CANDIDATES if small else CANDIDATES)
+
+
+def _candidates(z: torch.Tensor, reqs: list[Request], width: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """top-k / top-p / min-p over the ``CANDIDATES`` best logits of each row. Returns the
     probabilities (vocab order) and, per row, whether the result is exact: every token the
     filters keep must be strictly above the smallest candidate value, so no token outside the
     candidates (or tied with one at the edge) could belong to the support."""
     n, vocab = z.shape
-    vals, ids = torch.topk(z, CANDIDATES, dim=-1)
+    vals, ids = torch.topk(z, width, dim=-1)
     by_id = torch.argsort(ids, dim=-1, stable=True)  # canonical order: (-logit, token id)
     ids, vals = ids.gather(-1, by_id), vals.gather(-1, by_id)
     by_val = torch.argsort(vals, dim=-1, descending=True, stable=True)
     ids, vals = ids.gather(-1, by_val), vals.gather(-1, by_val)
     floor = vals[:, -1]
-    pos = torch.arange(CANDIDATES)[None, :]
+    pos = torch.arange(width)[None, :]
     top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in reqs])
-    has_k = top_k < CANDIDATES
+    has_k = top_k < width
     sz = vals.masked_fill(pos >= top_k[:, None], NEG_INF)
     lse = torch.logsumexp(sz, -1, keepdim=True)
     if not bool(has_k.all()):  # without top-k the mass is relative to the full vocabulary
