@@ -149,9 +149,17 @@ def _sorted_filters(z: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
 
 
 def _candidate_filters(z: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
-    # a narrower selection is cheaper when every row's top-k fits in it (top-p alone needs more)
-    small = all(0 < r.params.top_k < SMALL_CANDIDATES for r in reqs)
-    return _candidates(z, reqs, SMALL_CANDIDATES if small else CANDIDATES)
+    # A narrower selection is cheaper for rows whose top-k fits in it (top-p alone needs more).
+    # The width is chosen per row, from the row's own parameters, to keep rows independent.
+    small = [0 < r.params.top_k < SMALL_CANDIDATES for r in reqs]
+    if all(small) or not any(small):
+        return _candidates(z, reqs, SMALL_CANDIDATES if small[0] else CANDIDATES)
+    probs = torch.empty_like(z)
+    exact = torch.empty(len(reqs), dtype=torch.bool)
+    for flag, width in ((True, SMALL_CANDIDATES), (False, CANDIDATES)):
+        idx = _rows([s == flag for s in small])
+        probs[idx], exact[idx] = _candidates(z[idx], [reqs[i] for i in idx.tolist()], width)
+    return probs, exact
 
 
 def _candidates(z: torch.Tensor, reqs: list[Request], width: int

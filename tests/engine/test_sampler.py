@@ -209,3 +209,17 @@ def test_candidate_fast_path_equals_full_sort(kw):
     torch.testing.assert_close(_sorted_filters(z, reqs), full, rtol=1e-5, atol=1e-7)
     if "top_p" in kw and kw["top_p"] < 0.9 and "top_k" not in kw:
         assert exact[:3].all()  # the fast path is actually taken on ordinary rows
+
+
+def test_row_probabilities_do_not_depend_on_the_rest_of_the_batch():
+    g = torch.Generator().manual_seed(11)
+    z = torch.randn(5, 3000, generator=g) * 3
+    params = [SamplingParams(temperature=1.0, top_k=10), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=1.0, top_p=0.6), SamplingParams(temperature=1.0,
+                                                                         typical_p=0.9),
+              SamplingParams(temperature=1.0, top_k=100, min_p=0.02)]
+    reqs = [req(p, rid=f"r{i}") for i, p in enumerate(params)]
+    together = filter_probs(z, reqs)
+    for i in range(5):
+        alone = filter_probs(z[i:i + 1], [reqs[i]])
+        assert torch.equal(alone[0], together[i]), params[i]
