@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -60,7 +61,11 @@ class Engine:
         self.runner = ModelRunner(model, num_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.config, self.kv)
         self.observer = observer or OutputObserver()
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # live requests only
+        # Finished requests stay findable for a while (late aborts, lookups) without growing
+        # without bound in a long-running replica.
+        self.recent: OrderedDict[str, Request] = OrderedDict()
+        self.recent_limit = 4096
         self.step_count = 0
         self._ended: list[RequestOutput] = []
         # Test hook: called once per reclaim (the accounting tests count calls through it).
@@ -72,7 +77,7 @@ class Engine:
                     arrival_ns: int | None = None) -> Request:
         """Admit a request (QUEUED, KV reserved when it fits now) or reject it with a reason
         (REJECTED, ``request.error`` says why). Raises ValueError only for a duplicate id."""
-        if request_id in self.requests and not self.requests[request_id].is_finished:
+        if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already live")
         now = time.monotonic_ns()
         req = Request(request_id, list(prompt_token_ids), params or SamplingParams(),
@@ -114,6 +119,10 @@ class Engine:
         return None
 
     # ---- termination: every terminal path goes through _end -> _reclaim ---------------
+    def get_request(self, request_id: str) -> Request | None:
+        """A live request, or a recently finished one."""
+        return self.requests.get(request_id) or self.recent.get(request_id)
+
     def abort(self, request_id: str, reason: str = "cancelled") -> bool:
         """Cancel a request. Idempotent: False if it is unknown or already ended."""
         req = self.requests.get(request_id)
@@ -154,6 +163,10 @@ class Engine:
         """Release everything the request holds: batch slot, KV blocks (shared ones return to
         the pool only when their last holder frees them), reservation, RNG state."""
         req.reclaim_count += 1
+        self.requests.pop(req.request_id, None)
+        self.recent[req.request_id] = req
+        while len(self.recent) > self.recent_limit:
+            self.recent.popitem(last=False)
         self.scheduler.remove(req)
         self.kv.free(req.request_id)
         self.runner.sampler.release(req.request_id)

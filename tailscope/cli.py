@@ -66,7 +66,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if result.error:
         print(f"error: {result.error}", file=sys.stderr)
         return 1
-    req = engine.requests["cli-0"]
+    req = engine.get_request("cli-0")
     n = result.generated_tokens
     ttft_ms = (req.token_times_ns[0] - req.arrival_ns) / 1e6 if n else float("nan")
     decode_s = (req.token_times_ns[-1] - req.token_times_ns[0]) / 1e9 if n else 0.0

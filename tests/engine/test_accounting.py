@@ -24,7 +24,7 @@ ops = st.lists(
 )
 
 
-def check_invariants(engine: Engine) -> None:
+def check_invariants(engine: Engine, all_requests: list) -> None:
     kv, pool = engine.kv, engine.kv.pool
     held = [b for t in kv._tables.values() for b in t.blocks]
     free = list(pool._free)
@@ -37,7 +37,7 @@ def check_invariants(engine: Engine) -> None:
     assert kv.reserved_total == sum(kv._reserved.values()) <= pool.num_blocks
     for rid, table in kv._tables.items():
         assert len(table.blocks) <= kv._reserved[rid], "allocation beyond reservation"
-    for req in engine.requests.values():
+    for req in all_requests:
         if req.is_finished:
             assert req.reclaim_count == 1, f"{req.request_id} reclaimed {req.reclaim_count}x"
             assert not kv.has_reservation(req.request_id)
@@ -54,6 +54,7 @@ def test_random_operations_never_leak_or_double_free(tiny_model, operations):
     reclaims: list[str] = []
     engine.on_reclaim = lambda r: reclaims.append(r.request_id)
     ids: list[str] = []
+    reqs: list = []
     for op in operations:
         if op[0] == "add":
             rid = f"r{len(ids)}"
@@ -61,11 +62,12 @@ def test_random_operations_never_leak_or_double_free(tiny_model, operations):
             reserved_before = engine.kv.reserved_total
             req = engine.add_request(rid, list(range(3, 3 + op[1])),
                                      SamplingParams(max_tokens=op[2], ignore_eos=True))
+            reqs.append(req)
             if req.state == RequestState.REJECTED:
                 assert engine.kv.reserved_total == reserved_before
                 assert "KV blocks" in req.error
         elif op[0] in ("abort", "timeout", "race") and ids:
-            req = engine.requests[ids[op[1] % len(ids)]]
+            req = engine.get_request(ids[op[1] % len(ids)])
             reserved_before = engine.kv.reserved_total
             held = engine.kv._reserved.get(req.request_id, 0)
             if op[0] in ("timeout", "race"):
@@ -80,10 +82,10 @@ def test_random_operations_never_leak_or_double_free(tiny_model, operations):
         elif op[0] == "step":
             for _ in range(op[1]):
                 engine.step()
-        check_invariants(engine)
+        check_invariants(engine, reqs)
     while engine.has_unfinished():
         engine.step()
-        check_invariants(engine)
+        check_invariants(engine, reqs)
     assert engine.kv.pool.num_free == NUM_BLOCKS
     assert engine.kv.reserved_total == 0
     assert sorted(reclaims) == sorted(ids), "each request is reclaimed exactly once"

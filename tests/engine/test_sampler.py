@@ -164,7 +164,7 @@ def _run(engine: Engine, prompts: dict[str, tuple[list[int], SamplingParams]], o
         engine.add_request(rid, *prompts[rid])
     while engine.has_unfinished():
         engine.step()
-    return {rid: engine.requests[rid].output_token_ids for rid in order}
+    return {rid: engine.get_request(rid).output_token_ids for rid in order}
 
 
 def test_seeded_requests_are_reproducible_in_any_batch_and_order(tiny_model):

@@ -173,3 +173,15 @@ def test_duplicate_live_request_id_is_refused(engine):
     engine.add_request("dup", [5, 6], _params())
     with pytest.raises(ValueError, match="already live"):
         engine.add_request("dup", [5, 6], _params())
+
+
+def test_finished_requests_leave_the_live_table_and_recent_history_is_bounded(engine):
+    engine.recent_limit = 2
+    reqs = [engine.add_request(f"h{i}", [5, 6], _params(1)) for i in range(3)]
+    assert set(engine.requests) == {"h0", "h1", "h2"}
+    while engine.has_unfinished():
+        engine.step()
+    assert not engine.requests
+    assert engine.get_request("h0") is None  # evicted from the bounded history
+    assert engine.get_request("h2") is reqs[2] and engine.abort("h2") is False
+    engine.add_request("h0", [5, 6], _params(1))  # an ended id may be reused

@@ -87,7 +87,7 @@ def test_stop_string_finishes_the_engine_request(engine, bundled_tokenizer):
     prompt = bundled_tokenizer.encode("Count: one, two, three,")
     params = SamplingParams(max_tokens=30)
     result = generate_text(engine, bundled_tokenizer, "stop-1", prompt, params, stop=[" five"])
-    req = engine.requests["stop-1"]
+    req = engine.get_request("stop-1")
     assert req.state.name == "FINISHED" and req.finish_reason == "stop"
     assert result.stop_reason == " five" and " five" not in result.text
     assert result.text == " four,"
