@@ -62,7 +62,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     result = generate_text(engine, tokenizer, "cli-0", ids, params, stop=args.stop or (),
                            on_text=lambda t: print(t, end="", flush=True))
     total_s = time.perf_counter() - t1
-    print()
+    print(flush=True)
     if result.error:
         print(f"error: {result.error}", file=sys.stderr)
         return 1
