@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels
 from engine.kv_manager import KVCacheManager
 from engine.model import AttentionMetadata, LlamaModel, PrefillSeq
 from engine.request import Request
@@ -45,6 +46,7 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int) -> None:
+        kernels.kernel_backend()  # refuse an unknown TAILSCOPE_KERNELS before loading anything
         _tune_allocator()
         c = model.config
         self.model = model

@@ -7,7 +7,6 @@ consumers in another process receive durations, never raw monotonic readings to 
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -90,7 +89,3 @@ class OutputObserver:
         stats = request_stats(req)
         self.finished.append((req.request_id, stats))
         return stats
-
-
-def now_wall_ns() -> int:
-    return time.time_ns()

@@ -9,8 +9,6 @@ path of ``F.linear`` is kept: prepacking made batch-1 decode slower. Results are
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -18,7 +16,6 @@ import torch.nn.functional as F
 def _can_prepack(weight: torch.Tensor) -> bool:
     return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
             and torch.backends.mkldnn.is_available()
-            and os.environ.get("TAILSCOPE_KERNELS", "auto").strip().lower() != "torch"
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 

@@ -96,3 +96,11 @@ def test_prepared_linear_gives_the_values_of_f_linear(dtype, m):
     lin = Linear(w)
     assert lin.shape == (96, 64) and lin.nbytes == w.numel() * w.element_size()
     torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w), rtol=0, atol=0)
+
+
+def test_engine_refuses_unknown_kernel_backend(monkeypatch, tiny_model):
+    from engine import Engine, EngineConfig
+
+    monkeypatch.setenv("TAILSCOPE_KERNELS", "triton")  # not available until the Triton issue
+    with pytest.raises(ValueError, match="TAILSCOPE_KERNELS='triton'"):
+        Engine(tiny_model, EngineConfig(num_kv_blocks=4, dtype="float64"))
