@@ -1,0 +1,78 @@
+"""Typed messages between the gateway and an engine replica process (msgspec over ZeroMQ).
+
+Replicas see token ids only. Times a replica reports are durations (its own monotonic clock);
+the receiver places them on its own timeline and never subtracts readings across processes.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine.sampling_params import SamplingParams
+
+
+class AddRequest(msgspec.Struct, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    deadline_s: float | None = None
+
+
+class AbortRequest(msgspec.Struct, tag="abort"):
+    request_id: str
+
+
+class StopRequest(msgspec.Struct, tag="stop"):
+    """The text side matched a stop string: finish normally, generate nothing more."""
+
+    request_id: str
+    stop_reason: str | int | None = None
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+class TokenDelta(msgspec.Struct):
+    request_id: str
+    token_ids: list[int]
+    state: str  # RequestState name
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+    stats: dict[str, float] | None = None  # RequestStats durations (ms), at the end only
+
+
+class StepReport(msgspec.Struct, tag="step"):
+    replica: str
+    deltas: list[TokenDelta]
+    stats: dict[str, float] | None = None  # StepStats of the tick, None for control-only output
+
+
+class Health(msgspec.Struct, tag="health"):
+    replica: str
+    ready: bool
+    model: str
+    model_revision: str
+    kv_blocks_total: int
+    detail: str = ""
+
+
+ToReplica = AddRequest | AbortRequest | StopRequest | Shutdown
+FromReplica = StepReport | Health
+
+_encoder = msgspec.msgpack.Encoder()
+_to_replica = msgspec.msgpack.Decoder(ToReplica)
+_from_replica = msgspec.msgpack.Decoder(FromReplica)
+
+
+def encode(msg: ToReplica | FromReplica) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_to_replica(data: bytes) -> ToReplica:
+    return _to_replica.decode(data)
+
+
+def decode_from_replica(data: bytes) -> FromReplica:
+    return _from_replica.decode(data)

@@ -1,0 +1,140 @@
+"""An engine replica: one OS process that owns a model and its KV cache.
+
+    python -m engine.replica --id r0 --model bundled --inbox ipc:///tmp/r0.in --outbox ipc:///tmp/r0.out
+
+It PULLs ``ToReplica`` messages and PUSHes ``FromReplica`` messages (ZeroMQ; ``ipc://`` here,
+``tcp://`` works the same across hosts). The loop: apply every waiting message, run one engine
+step when there is work, report the step's token deltas and stats; when idle, block on the
+inbox. A ``Health`` message is sent once the model is loaded and warmed up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+
+import msgspec
+import zmq
+
+from engine.config import EngineConfig
+from engine.llm_engine import Engine, RequestOutput
+from engine.loader import load_model
+from engine.protocol import (
+    AbortRequest,
+    AddRequest,
+    Health,
+    Shutdown,
+    StepReport,
+    StopRequest,
+    TokenDelta,
+    decode_to_replica,
+    encode,
+)
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger("engine.replica")
+IDLE_POLL_MS = 100
+
+
+def _delta(out: RequestOutput, engine: Engine) -> TokenDelta:
+    req = engine.get_request(out.request_id)
+    return TokenDelta(
+        request_id=out.request_id, token_ids=out.new_token_ids, state=out.state.name,
+        finish_reason=out.finish_reason, stop_reason=req.stop_reason if req else None,
+        error=out.error,
+        stats={k: v for k, v in dataclasses.asdict(out.stats).items()
+               if isinstance(v, float | int)} if out.stats else None,
+    )
+
+
+class Replica:
+    def __init__(self, replica_id: str, engine: Engine, inbox: str, outbox: str) -> None:
+        self.id = replica_id
+        self.engine = engine
+        self.ctx = zmq.Context()
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.bind(inbox)
+        self.outbox = self.ctx.socket(zmq.PUSH)
+        self.outbox.connect(outbox)
+        self.running = True
+
+    def warm_up(self) -> None:
+        self.engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
+
+    def health(self, detail: str = "") -> Health:
+        mc = self.engine.model.config
+        return Health(self.id, True, mc.name, mc.revision, self.engine.kv.pool.num_blocks, detail)
+
+    def handle(self, data: bytes) -> None:
+        try:
+            msg = decode_to_replica(data)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+            log.error("replica %s: bad message: %s", self.id, exc)
+            return
+        if isinstance(msg, AddRequest):
+            try:  # a rejection is reported by the next step's outputs
+                self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
+                                        msg.deadline_s)
+            except ValueError as exc:  # duplicate live id: a gateway bug, never fatal here
+                log.error("replica %s: %s", self.id, exc)
+        elif isinstance(msg, AbortRequest):
+            self.engine.abort(msg.request_id)
+        elif isinstance(msg, StopRequest):
+            self.engine.stop(msg.request_id, msg.stop_reason)
+        elif isinstance(msg, Shutdown):
+            self.running = False
+
+    def serve(self) -> None:
+        self.outbox.send(encode(self.health()))
+        while self.running:
+            timeout = 0 if self.engine.has_unfinished() else IDLE_POLL_MS
+            if self.inbox.poll(timeout):
+                while True:
+                    try:
+                        self.handle(self.inbox.recv(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+            if not self.running:
+                break
+            steps_before = self.engine.step_count
+            outputs = self.engine.step()
+            ran = self.engine.step_count > steps_before
+            step = self.engine.observer.steps[-1] if ran else None
+            if outputs:
+                stats = dataclasses.asdict(step) if step is not None else None
+                self.outbox.send(encode(StepReport(
+                    self.id, [_delta(o, self.engine) for o in outputs],
+                    {k: float(v) for k, v in stats.items()} if stats else None)))
+        self.inbox.close(linger=0)
+        self.outbox.close(linger=1000)
+        self.ctx.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Tailscope engine replica process")
+    p.add_argument("--id", required=True)
+    p.add_argument("--model", default="bundled")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--kv-cache-mb", type=int, default=512)
+    p.add_argument("--num-kv-blocks", type=int)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-batched-tokens", type=int, default=512)
+    p.add_argument("--inbox", required=True)
+    p.add_argument("--outbox", required=True)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s replica {args.id} %(message)s")
+    config = EngineConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_mb << 20,
+                          num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                          max_batched_tokens=args.max_batched_tokens, dtype=args.dtype)
+    replica = Replica(args.id, Engine(load_model(args.model, args.dtype), config),
+                      args.inbox, args.outbox)
+    replica.warm_up()
+    replica.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
