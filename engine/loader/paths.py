@@ -34,8 +34,8 @@ def default_model_path() -> Path:
 def resolve_model_path(model: str | Path | None) -> Path | str:
     if model is None or str(model) in ("", "default", "bundled"):
         return default_model_path()
-    if str(model) == TINY:
-        return TINY
+    if str(model) == TINY or str(model).startswith(TINY + ":"):
+        return str(model)
     return Path(model)
 
 
@@ -45,8 +45,11 @@ def load_weights(model: str | Path | None) -> tuple[ModelConfig, dict[str, Weigh
     from engine.loader.tiny import tiny_llama
 
     path = resolve_model_path(model)
-    if path == TINY:
-        return tiny_llama()
+    if isinstance(path, str):  # "tiny" or "tiny:<vocab>" (a tiny model sized for a tokenizer)
+        vocab = path.partition(":")[2]
+        if vocab and not vocab.isdigit():
+            raise UnsupportedModelError(f"model {path!r}: expected tiny or tiny:<vocab size>")
+        return tiny_llama(vocab_size=int(vocab) if vocab else None)
     assert isinstance(path, Path)
     if path.is_dir():
         return load_hf_dir(path)

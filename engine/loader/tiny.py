@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from engine.config import ModelConfig
@@ -14,8 +16,13 @@ TINY_CONFIG = ModelConfig(
 )
 
 
-def tiny_llama(config: ModelConfig = TINY_CONFIG, seed: int = 0
+def tiny_llama(config: ModelConfig = TINY_CONFIG, seed: int = 0, vocab_size: int | None = None
                ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """``vocab_size`` widens the vocabulary (e.g. to a real tokenizer's, for gateway tests
+    that need text) keeping everything else tiny."""
+    if vocab_size is not None:
+        config = dataclasses.replace(config, vocab_size=vocab_size,
+                                     name=f"tiny-llama-v{vocab_size}")
     g = torch.Generator().manual_seed(seed)
     c = config
 

@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen
+    model: str = "SmolLM2-135M-Instruct"
+
+
+def start_server(*args: str, timeout_s: float = 240.0) -> Server:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tailscope.cli", "serve", "--port", str(port), *args],
+        env={**os.environ, "TAILSCOPE_KV_CACHE_MB": "64"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "gateway exited during start-up"
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return Server(url, proc)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("gateway never became ready")
+
+
+def stop_server(server: Server) -> None:
+    server.proc.terminate()
+    try:
+        server.proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+        server.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def tiny_server(bundled_path):
+    """The gateway with one replica of the tiny model (sized to the bundled tokenizer)."""
+    server = start_server("--model", "tiny:49152", "--tokenizer", str(bundled_path))
+    yield server
+    stop_server(server)

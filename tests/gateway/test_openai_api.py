@@ -1,0 +1,136 @@
+"""The official openai SDK against `tailscope serve` over real loopback HTTP."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server):
+    return openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_models_health_ready(tiny_server, client):
+    assert [m.id for m in client.models.list().data] == [tiny_server.model]
+    assert httpx.get(f"{tiny_server.url}/health").json() == {"status": "ok"}
+    ready = httpx.get(f"{tiny_server.url}/ready")
+    assert ready.status_code == 200 and ready.json()["replicas"] == {"r0": True}
+
+
+def test_chat_completion_non_streaming(tiny_server, client):
+    resp = client.chat.completions.create(
+        model=tiny_server.model, messages=[{"role": "user", "content": "Hello"}],
+        max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    choice = resp.choices[0]
+    assert choice.finish_reason == "length" and choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str)
+    assert resp.usage.completion_tokens <= 8 and resp.usage.prompt_tokens > 5
+
+
+def test_completion_streaming_matches_non_streaming(tiny_server, client):
+    kw = dict(model=tiny_server.model, prompt="Once upon a time", max_tokens=12,
+              temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw).choices[0].text
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == whole
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_streaming_with_usage_and_n(tiny_server, client):
+    stream = client.chat.completions.create(
+        model=tiny_server.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+        temperature=1.0, seed=3, n=2, stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True})
+    texts, finishes, usage = {0: "", 1: ""}, {}, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert finishes == {0: "length", 1: "length"}
+    assert usage is not None and usage.completion_tokens <= 12
+
+
+def test_prompt_as_token_ids_and_seeded_sampling(tiny_server, client):
+    kw = dict(model=tiny_server.model, prompt=[5, 6, 7, 8], max_tokens=10, temperature=0.9,
+              seed=42, extra_body={"ignore_eos": True, "top_k": 20})
+    a = client.completions.create(**kw).choices[0].text
+    b = client.completions.create(**kw).choices[0].text
+    assert a == b
+
+
+def test_headers_on_success_and_error(tiny_server):
+    trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+    parent = f"00-{trace}-00f067aa0ba902b7-01"
+    ok = httpx.post(f"{tiny_server.url}/v1/completions", headers={"traceparent": parent},
+                    json={"model": tiny_server.model, "prompt": "a", "max_tokens": 1})
+    assert ok.status_code == 200
+    assert ok.headers["x-tailscope-trace-id"] == trace
+    assert ok.headers["traceparent"].startswith(f"00-{trace}-")
+    assert ok.headers["traceparent"].split("-")[2] != "00f067aa0ba902b7"  # our own span
+    bad = httpx.post(f"{tiny_server.url}/v1/completions", content=b"{not json")
+    assert bad.status_code == 400 and bad.headers["x-request-id"]
+    assert len(bad.headers["x-tailscope-trace-id"]) == 32
+
+
+BAD = [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    ({"prompt": "hi"}, 400, "model"),
+    ({"model": "gpt-4", "prompt": "hi"}, 404, "model"),
+    ({"model": "M", "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"model": "M", "prompt": "hi", "top_p": 2}, 400, "top_p"),
+    ({"model": "M", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "M", "prompt": "hi", "max_tokens": 10_000_000}, 400, "max_tokens"),
+    ({"model": "M", "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ({"model": "M", "prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+    ({"model": "M", "prompt": "hi", "stop": [""]}, 400, "stop"),
+    ({"model": "M", "prompt": ""}, 400, "prompt"),
+    ({"model": "M", "prompt": "hi", "response_format": {"type": "xml"}}, 400, "response_format"),
+]
+
+
+@pytest.mark.parametrize("body,status,param", BAD)
+def test_bad_requests_get_openai_errors(tiny_server, body, status, param):
+    if isinstance(body, dict) and body.get("model") == "M":
+        body = {**body, "model": tiny_server.model}
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{tiny_server.url}/v1/completions", content=content,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param:
+        assert err["param"] is not None and param in err["param"]
+
+
+def test_chat_needs_messages_and_body_limit(tiny_server):
+    r = httpx.post(f"{tiny_server.url}/v1/chat/completions",
+                   json={"model": tiny_server.model, "messages": []})
+    assert r.status_code == 400 and "messages" in r.json()["error"]["param"]
+    big = "x" * (2 << 20)
+    r = httpx.post(f"{tiny_server.url}/v1/completions",
+                   json={"model": tiny_server.model, "prompt": big})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+
+@pytest.mark.bundled
+def test_bundled_model_chat_completion_says_paris():
+    from tests.gateway.conftest import start_server, stop_server
+
+    server = start_server()
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        resp = client.chat.completions.create(
+            model=server.model, max_tokens=24, temperature=0,
+            messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in resp.choices[0].message.content
+        assert resp.choices[0].finish_reason == "stop"
+    finally:
+        stop_server(server)
