@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 
 import msgspec
@@ -89,7 +90,11 @@ class Replica:
 
     def serve(self) -> None:
         self.outbox.send(encode(self.health()))
+        parent = os.getppid()
         while self.running:
+            if os.getppid() != parent:  # the gateway died without telling us: do not linger
+                log.error("replica %s: parent process is gone; exiting", self.id)
+                break
             timeout = 0 if self.engine.has_unfinished() else IDLE_POLL_MS
             if self.inbox.poll(timeout):
                 while True:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -92,3 +94,28 @@ def test_replica_abort_rejection_and_shutdown(replica):
     inbox.send(b"not msgpack at all")  # a bad message is logged, never fatal
     inbox.send(encode(Shutdown()))
     assert proc.wait(timeout=30) == 0
+
+
+def test_replica_exits_when_its_parent_dies(tmp_path):
+    """A gateway killed with SIGKILL must not leave replica processes behind."""
+    script = (
+        "import subprocess, sys\n"
+        "p = subprocess.Popen([sys.executable, '-m', 'engine.replica', '--id', 'r9', '--model',"
+        f" 'tiny', '--num-kv-blocks', '8', '--inbox', 'ipc://{tmp_path}/i', '--outbox',"
+        f" 'ipc://{tmp_path}/o'])\n"
+        "print(p.pid, flush=True)\n"
+        "import time; time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    time.sleep(3)  # let the replica load and enter its loop
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(child, signal.SIGKILL)
+    raise AssertionError("replica outlived its parent")
