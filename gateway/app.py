@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import re
 import secrets
 import time
@@ -29,6 +30,9 @@ from engine.text import TextStream, load_tokenizer
 from gateway.errors import APIError, api_error_handler, bad_request
 from gateway.replicas import ReplicaConfig, ReplicaFailed, ReplicaPool
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.tenants import Tenant, TenantRegistry
+
+log = logging.getLogger("tailscope.gateway")
 
 DEFAULT_MAX_TOKENS = 512
 TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
@@ -42,6 +46,7 @@ class GatewayConfig:
     replicas: int = 1
     replica: ReplicaConfig | None = None
     max_body_bytes: int = 1 << 20
+    tenants_file: str | None = None  # TOML with [[tenants]]; none = open local mode
 
 
 def _trace_headers(request: Request) -> tuple[str, str]:
@@ -61,6 +66,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
     if replica_config.tokenizer is None:
         replica_config.tokenizer = str(tok_path)
     pool = ReplicaPool(replica_config, config.replicas)
+    registry = TenantRegistry.from_file(config.tenants_file)
+    if registry.open:
+        log.warning("no API keys configured: open local mode, every request is tenant 'local'")
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -237,12 +245,24 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 "total_tokens": prompt_len + completion}
 
     async def run(request: Request, req: SamplingFields, prompt: list[int],
-                  params: SamplingParams, chat: bool) -> Response:
+                  params: SamplingParams, chat: bool, tenant: Tenant) -> Response:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
-        choices = await start_choices(rid, prompt, params, req.n, stops(req),
-                                      req.include_stop_str_in_output)
+        registry.admit_tokens(tenant, len(prompt), params.max_tokens * req.n)
+        try:
+            choices = await start_choices(rid, prompt, params, req.n, stops(req),
+                                          req.include_stop_str_in_output)
+        except APIError:
+            registry.give_back_tokens(tenant, params.max_tokens * req.n)
+            raise
+
+        def settle() -> None:  # the tenant's concurrency slot and unused token budget
+            unused = sum(params.max_tokens - c.stream.generated_tokens for c in choices)
+            registry.finish(tenant, unused)
+
+        request.state.settled_by_run = True  # from here on, settle() releases the slot
+
         if not req.stream:
             texts = ["" for _ in choices]
             try:
@@ -253,6 +273,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                         texts[c.index] += text
             finally:
                 await abort_all(choices)
+                settle()
             failed = [c for c in choices if c.finish_reason == "error"]
             if failed:
                 raise APIError(500, failed[0].error or "generation failed", "server_error")
@@ -315,12 +336,33 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 yield "data: [DONE]\n\n"
             finally:  # normal end, error, or the client went away: nothing left running
                 await abort_all(choices)
+                settle()
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
+    async def gated(request: Request, handler) -> Response:
+        """Ingress gate (auth, request rate, concurrency) before any parsing or tokenizing;
+        the tenant's slot is released here on early errors, otherwise by ``run``."""
+        tenant, key_id = registry.authenticate(request.headers.get("authorization"))
+        request.state.tenant, request.state.api_key_id = tenant.name, key_id
+        registry.admit_request(tenant)
+        try:
+            return await handler(request, tenant)
+        except BaseException:
+            if not getattr(request.state, "settled_by_run", False):
+                registry.finish(tenant)
+            raise
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        return await gated(request, _chat)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await gated(request, _completions)
+
+    async def _chat(request: Request, tenant: Tenant) -> Response:
         req = await parse(request, ChatCompletionRequest)
         assert isinstance(req, ChatCompletionRequest)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
@@ -333,10 +375,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
             else req.max_tokens
         params = sampling(req, len(prompt), max_tokens, req.logprobs, req.top_logprobs or 0,
                           req.response_format)
-        return await run(request, req, prompt, params, chat=True)
+        return await run(request, req, prompt, params, chat=True, tenant=tenant)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
+    async def _completions(request: Request, tenant: Tenant) -> Response:
         req = await parse(request, CompletionRequest)
         assert isinstance(req, CompletionRequest)
         if isinstance(req.prompt, str):
@@ -349,6 +390,6 @@ def create_app(config: GatewayConfig) -> FastAPI:
             raise bad_request("prompt is empty", "prompt")
         params = sampling(req, len(prompt), req.max_tokens, req.logprobs is not None,
                           req.logprobs or 0, req.response_format)
-        return await run(request, req, prompt, params, chat=False)
+        return await run(request, req, prompt, params, chat=False, tenant=tenant)
 
     return app

@@ -94,7 +94,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             max_batched_tokens=s.max_batched_tokens, tokenizer=args.tokenizer)
     app = create_app(GatewayConfig(model=s.model, tokenizer=args.tokenizer,
                                    served_model_name=args.served_model_name,
-                                   replicas=args.replicas, replica=replica))
+                                   replicas=args.replicas, replica=replica,
+                                   tenants_file=args.config or s.config))
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 
@@ -126,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--served-model-name", default="SmolLM2-135M-Instruct")
     sv.add_argument("--replicas", type=int, default=1)
     sv.add_argument("--dtype", help="float32 (default) | bfloat16")
+    sv.add_argument("--config", help="TOML file with [[tenants]] (API keys and limits)")
     sv.set_defaults(func=cmd_serve)
     return p
 

@@ -19,6 +19,7 @@ class Settings:
     max_num_seqs: int = 64  # TAILSCOPE_MAX_NUM_SEQS: running sequences per tick
     max_batched_tokens: int = 512  # TAILSCOPE_MAX_BATCHED_TOKENS: token budget per tick
     threads: int = 0  # TAILSCOPE_THREADS: torch intra-op threads (0 = torch's default)
+    config: str = ""  # TAILSCOPE_CONFIG: gateway TOML (tenants, API keys, limits)
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -30,4 +31,5 @@ class Settings:
             max_num_seqs=int(_env("MAX_NUM_SEQS", str(cls.max_num_seqs))),
             max_batched_tokens=int(_env("MAX_BATCHED_TOKENS", str(cls.max_batched_tokens))),
             threads=int(_env("THREADS", str(cls.threads))),
+            config=_env("CONFIG", cls.config),
         )

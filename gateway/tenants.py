@@ -1,0 +1,166 @@
+"""Tenants, API keys and the ingress gate's limits (token buckets, concurrency, sizes).
+
+Configured in a TOML file (``tailscope serve --config FILE`` or ``TAILSCOPE_CONFIG``)::
+
+    [[tenants]]
+    name = "acme"
+    keys = ["sk-acme-1", "sk-acme-2"]
+    requests_per_minute = 60        # token bucket, burst = one minute's worth
+    tokens_per_minute = 100000      # prompt + max_tokens charged at admission, unused refunded
+    max_concurrent = 8
+    max_prompt_tokens = 4096
+    max_output_tokens = 1024
+
+No tenants configured = open local mode (every request is tenant "local", no limits); the
+gateway logs a warning at start. Keys are never logged or stored; records carry a key id (a
+short hash).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gateway.errors import APIError
+
+
+@dataclass
+class TokenBucket:
+    """``capacity`` units, refilled continuously at ``capacity`` per minute."""
+
+    capacity: float
+    level: float = field(init=False)
+    stamp: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.level = self.capacity
+
+    def _refill(self) -> None:
+        now = time.monotonic()
+        self.level = min(self.capacity, self.level + (now - self.stamp) * self.capacity / 60.0)
+        self.stamp = now
+
+    def take(self, amount: float) -> float:
+        """Take ``amount`` and return 0, or take nothing and return seconds until it fits."""
+        self._refill()
+        if amount <= self.level:
+            self.level -= amount
+            return 0.0
+        if amount > self.capacity:
+            return math.inf
+        return (amount - self.level) * 60.0 / self.capacity
+
+    def give_back(self, amount: float) -> None:
+        self._refill()
+        self.level = min(self.capacity, self.level + amount)
+
+
+@dataclass
+class Tenant:
+    name: str
+    requests_per_minute: float | None = None
+    tokens_per_minute: float | None = None
+    max_concurrent: int | None = None
+    max_prompt_tokens: int | None = None
+    max_output_tokens: int | None = None
+    active: int = 0
+    request_bucket: TokenBucket | None = None
+    token_bucket: TokenBucket | None = None
+
+    def __post_init__(self) -> None:
+        if self.requests_per_minute:
+            self.request_bucket = TokenBucket(self.requests_per_minute)
+        if self.tokens_per_minute:
+            self.token_bucket = TokenBucket(self.tokens_per_minute)
+
+
+def _too_many(message: str, wait_s: float) -> APIError:
+    retry = "60" if math.isinf(wait_s) else str(max(1, math.ceil(wait_s)))
+    return APIError(429, message, "rate_limit_error", code="rate_limit_exceeded",
+                    headers={"Retry-After": retry})
+
+
+class TenantRegistry:
+    def __init__(self, tenants: list[Tenant], keys: dict[str, Tenant]) -> None:
+        self.tenants = tenants
+        self._keys = keys
+        self.open = not keys
+        self.local = Tenant("local")
+
+    @classmethod
+    def from_file(cls, path: str | Path | None) -> TenantRegistry:
+        if not path:
+            return cls([], {})
+        data = tomllib.loads(Path(path).read_text())
+        tenants, keys = [], {}
+        for entry in data.get("tenants", []):
+            entry = dict(entry)
+            entry_keys = entry.pop("keys", [])
+            unknown = set(entry) - set(Tenant.__dataclass_fields__) - {"name"}
+            if unknown or "name" not in entry:
+                raise ValueError(f"{path}: tenant entry {entry.get('name')!r} has unknown or "
+                                 f"missing fields: {sorted(unknown) or ['name']}")
+            tenant = Tenant(**entry)
+            tenants.append(tenant)
+            for key in entry_keys:
+                if key in keys:
+                    raise ValueError(f"{path}: an API key is listed for two tenants")
+                keys[key] = tenant
+        return cls(tenants, keys)
+
+    @staticmethod
+    def key_id(key: str) -> str:
+        return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+    def authenticate(self, authorization: str | None) -> tuple[Tenant, str]:
+        """(tenant, key id) for the request's ``Authorization: Bearer`` key; 401 otherwise."""
+        if self.open:
+            return self.local, ""
+        if not authorization or not authorization.lower().startswith("bearer "):
+            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'",
+                           "authentication_error", code="invalid_api_key")
+        key = authorization[7:].strip()
+        tenant = self._keys.get(key)
+        if tenant is None:
+            raise APIError(401, "invalid API key", "authentication_error",
+                           code="invalid_api_key")
+        return tenant, self.key_id(key)
+
+    def admit_request(self, tenant: Tenant) -> None:
+        """Ingress: the request-rate bucket and the concurrency cap (before tokenizing)."""
+        if tenant.max_concurrent is not None and tenant.active >= tenant.max_concurrent:
+            raise _too_many(f"tenant {tenant.name!r} has {tenant.active} requests in flight "
+                            f"(limit {tenant.max_concurrent})", 1.0)
+        if tenant.request_bucket is not None:
+            wait = tenant.request_bucket.take(1)
+            if wait:
+                raise _too_many(f"tenant {tenant.name!r} is over its "
+                                f"{tenant.requests_per_minute:g} requests/min", wait)
+        tenant.active += 1
+
+    def admit_tokens(self, tenant: Tenant, prompt_tokens: int, max_tokens: int) -> None:
+        """After tokenizing: size limits and the tokens/min bucket (prompt + max_tokens)."""
+        if tenant.max_prompt_tokens is not None and prompt_tokens > tenant.max_prompt_tokens:
+            raise APIError(400, f"prompt has {prompt_tokens} tokens; tenant {tenant.name!r} "
+                           f"allows {tenant.max_prompt_tokens}", param="messages")
+        if tenant.max_output_tokens is not None and max_tokens > tenant.max_output_tokens:
+            raise APIError(400, f"max_tokens {max_tokens} exceeds tenant {tenant.name!r}'s "
+                           f"limit of {tenant.max_output_tokens}", param="max_tokens")
+        if tenant.token_bucket is not None:
+            wait = tenant.token_bucket.take(prompt_tokens + max_tokens)
+            if wait:
+                raise _too_many(f"tenant {tenant.name!r} is over its "
+                                f"{tenant.tokens_per_minute:g} tokens/min", wait)
+
+    def give_back_tokens(self, tenant: Tenant, tokens: int) -> None:
+        if tenant.token_bucket is not None and tokens > 0:
+            tenant.token_bucket.give_back(tokens)
+
+    def finish(self, tenant: Tenant, unused_tokens: int = 0) -> None:
+        tenant.active = max(0, tenant.active - 1)
+        if tenant.token_bucket is not None and unused_tokens > 0:
+            tenant.token_bucket.give_back(unused_tokens)

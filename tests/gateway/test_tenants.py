@@ -1,0 +1,106 @@
+"""API keys, rate limits and concurrency per tenant, over real HTTP."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from gateway.tenants import TenantRegistry, TokenBucket
+from tests.gateway.conftest import start_server, stop_server
+
+CONFIG = """
+[[tenants]]
+name = "slow"
+keys = ["sk-slow"]
+requests_per_minute = 2
+
+[[tenants]]
+name = "small"
+keys = ["sk-small"]
+max_output_tokens = 16
+
+[[tenants]]
+name = "fast"
+keys = ["sk-fast"]
+requests_per_minute = 1000
+tokens_per_minute = 200
+"""
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tmp_path_factory, bundled_path):
+    cfg = tmp_path_factory.mktemp("cfg") / "tenants.toml"
+    cfg.write_text(CONFIG)
+    server = start_server("--model", "tiny:49152", "--tokenizer", str(bundled_path),
+                          "--config", str(cfg))
+    yield server
+    stop_server(server)
+
+
+def post(server, key: str | None, **body):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{server.url}/v1/completions", headers=headers, timeout=60,
+                      json={"model": server.model, "prompt": "Hi", "max_tokens": 2, **body})
+
+
+def test_missing_and_wrong_keys_get_401(keyed_server):
+    for key in (None, "sk-wrong"):
+        r = post(keyed_server, key)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{keyed_server.url}/health").status_code == 200  # probes need no key
+
+
+def test_rate_limit_429_with_retry_after_and_other_tenant_unaffected(keyed_server):
+    assert post(keyed_server, "sk-slow").status_code == 200
+    assert post(keyed_server, "sk-slow").status_code == 200
+    over = post(keyed_server, "sk-slow")
+    assert over.status_code == 429
+    assert int(over.headers["Retry-After"]) >= 1
+    assert over.json()["error"]["code"] == "rate_limit_exceeded"
+    assert post(keyed_server, "sk-fast").status_code == 200
+
+
+def test_tenant_token_limits(keyed_server):
+    r = post(keyed_server, "sk-fast", max_tokens=150)  # prompt + 150 fits in 200 tokens/min
+    assert r.status_code == 200
+    r = post(keyed_server, "sk-fast", max_tokens=500)  # 500 never fits in 200/min
+    assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+    assert post(keyed_server, "sk-small", max_tokens=16).status_code == 200
+    r = post(keyed_server, "sk-small", max_tokens=17)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_unused_tokens_and_slots_are_given_back():
+    from gateway.tenants import Tenant
+
+    reg = TenantRegistry([], {})
+    t = Tenant("t", tokens_per_minute=200, max_concurrent=1)
+    reg.admit_request(t)
+    with pytest.raises(Exception, match="in flight"):
+        reg.admit_request(t)
+    reg.admit_tokens(t, 10, 150)
+    assert t.token_bucket.level == pytest.approx(40, abs=1)
+    reg.finish(t, unused_tokens=140)
+    assert t.active == 0 and t.token_bucket.level == pytest.approx(180, abs=1)
+
+
+def test_token_bucket_refills_and_refunds():
+    bucket = TokenBucket(60)  # one per second
+    assert bucket.take(60) == 0
+    wait = bucket.take(3)
+    assert 1.5 < wait <= 3.0
+    bucket.give_back(10)
+    assert bucket.take(10) == 0
+    assert bucket.take(61) == float("inf")
+
+
+def test_config_errors_are_clear(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[tenants]]\nname = "x"\nkeys = ["k"]\nrequests_per_hour = 5\n')
+    with pytest.raises(ValueError, match="requests_per_hour"):
+        TenantRegistry.from_file(bad)
+    dup = tmp_path / "dup.toml"
+    dup.write_text('[[tenants]]\nname = "a"\nkeys = ["k"]\n[[tenants]]\nname = "b"\n'
+                   'keys = ["k"]\n')
+    with pytest.raises(ValueError, match="two tenants"):
+        TenantRegistry.from_file(dup)
