@@ -41,6 +41,8 @@ class TokenDelta(msgspec.Struct):
     stop_reason: str | int | None = None
     error: str | None = None
     stats: dict[str, float] | None = None  # RequestStats durations (ms), at the end only
+    # per token, when requested: (logprob, [(token id, logprob), ...top])
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 class StepReport(msgspec.Struct, tag="step"):

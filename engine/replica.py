@@ -47,6 +47,8 @@ def _delta(out: RequestOutput, engine: Engine) -> TokenDelta:
         error=out.error,
         stats={k: v for k, v in dataclasses.asdict(out.stats).items()
                if isinstance(v, float | int)} if out.stats else None,
+        logprobs=[(lp.logprob, list(lp.top)) for lp in out.new_logprobs if lp is not None]
+        if any(lp is not None for lp in out.new_logprobs) else None,
     )
 
 
@@ -137,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--outbox", required=True)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s replica {args.id} %(message)s")
+    if os.environ.get("TAILSCOPE_THREADS", "0") not in ("", "0"):
+        import torch
+
+        torch.set_num_threads(int(os.environ["TAILSCOPE_THREADS"]))
     config = EngineConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_mb << 20,
                           num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                           max_batched_tokens=args.max_batched_tokens, dtype=args.dtype)

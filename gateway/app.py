@@ -216,6 +216,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
             return "", True
         delta: TokenDelta = item
         text = ""
+        if choice.logprobs is not None and delta.logprobs:
+            for tok, (lp, top) in zip(delta.token_ids, delta.logprobs, strict=False):
+                choice.logprobs.append((tok, lp, top))
         if delta.token_ids and not choice.stream.stopped:
             d = choice.stream.push(delta.token_ids)
             text = d.text
@@ -238,6 +241,25 @@ def create_app(config: GatewayConfig) -> FastAPI:
             if c.finish_reason is None:
                 await pool.abort(c.engine_id)
                 pool.release(c.engine_id)
+
+    def token_text(tok: int) -> str:
+        return tokenizer.decode([tok], skip_special_tokens=False)
+
+    def logprobs_body(c: Choice, chat: bool) -> dict | None:
+        """OpenAI logprobs for the emitted tokens (a stop string's own tokens are left out)."""
+        if c.logprobs is None:
+            return None
+        entries = c.logprobs[:c.stream.emitted_tokens]
+        if chat:
+            return {"content": [
+                {"token": token_text(t), "logprob": lp,
+                 "bytes": list(token_text(t).encode()),
+                 "top_logprobs": [{"token": token_text(i), "logprob": v,
+                                   "bytes": list(token_text(i).encode())} for i, v in top]}
+                for t, lp, top in entries]}
+        return {"tokens": [token_text(t) for t, _, _ in entries],
+                "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [{token_text(i): v for i, v in top} for _, _, top in entries]}
 
     def usage(prompt_len: int, choices: list[Choice]) -> dict:
         completion = sum(c.stream.emitted_tokens for c in choices)
@@ -279,9 +301,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 raise APIError(500, failed[0].error or "generation failed", "server_error")
             body_choices = [
                 ({"index": c.index, "message": {"role": "assistant", "content": texts[c.index]},
-                  "logprobs": None, "finish_reason": c.finish_reason} if chat else
-                 {"index": c.index, "text": texts[c.index], "logprobs": None,
-                  "finish_reason": c.finish_reason})
+                  "logprobs": logprobs_body(c, chat), "finish_reason": c.finish_reason} if chat
+                 else {"index": c.index, "text": texts[c.index],
+                       "logprobs": logprobs_body(c, chat), "finish_reason": c.finish_reason})
                 for c in choices]
             return JSONResponse({"id": rid, "object": obj, "created": created,
                                  "model": config.served_model_name, "choices": body_choices,

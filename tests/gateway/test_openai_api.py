@@ -134,3 +134,20 @@ def test_bundled_model_chat_completion_says_paris():
         assert resp.choices[0].finish_reason == "stop"
     finally:
         stop_server(server)
+
+
+def test_logprobs_in_chat_and_completions(tiny_server, client):
+    resp = client.chat.completions.create(
+        model=tiny_server.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+        temperature=0, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = resp.choices[0].logprobs.content
+    assert len(content) == resp.usage.completion_tokens == 4
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy = top-1
+    assert "".join(e.token for e in content) == resp.choices[0].message.content
+    comp = client.completions.create(model=tiny_server.model, prompt="Hi", max_tokens=3,
+                                     temperature=0, logprobs=2, extra_body={"ignore_eos": True})
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 3 and len(lp.top_logprobs[0]) <= 2
