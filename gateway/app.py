@@ -24,6 +24,7 @@ import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from engine.constrained import GrammarCompiler
 from engine.protocol import TokenDelta
 from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutput
 from engine.text import TextStream, load_tokenizer
@@ -67,6 +68,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         replica_config.tokenizer = str(tok_path)
     pool = ReplicaPool(replica_config, config.replicas)
     registry = TenantRegistry.from_file(config.tenants_file)
+    grammar: list[GrammarCompiler] = []  # built on first use (~1 s): validates schemas here
     if registry.open:
         log.warning("no API keys configured: open local mode, every request is tenant 'local'")
 
@@ -171,6 +173,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
             params.check_vocab(tokenizer.vocab_size)
         except SamplingParamsError as exc:
             raise bad_request(str(exc), exc.param) from None
+        if params.structured is not None:  # an invalid schema is the caller's 400
+            if not grammar:
+                grammar.append(GrammarCompiler.from_tokenizer(tokenizer, tokenizer.vocab_size))
+            try:
+                grammar[0].compile(params.structured)
+            except ValueError as exc:
+                raise bad_request(f"invalid response_format: {exc}", "response_format") from None
         return params
 
     def stops(req: SamplingFields) -> list[str]:
@@ -229,7 +238,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 choice.finish_reason = delta.finish_reason
                 text += choice.stream.finish()
             elif delta.state == "REJECTED":
-                choice.finish_reason, choice.error = "error", delta.error or "rejected"
+                choice.finish_reason, choice.error = "rejected", delta.error or "rejected"
             else:
                 choice.finish_reason, choice.error = "error", delta.error or delta.finish_reason
             pool.release(choice.engine_id)
@@ -296,6 +305,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
             finally:
                 await abort_all(choices)
                 settle()
+            rejected = [c for c in choices if c.finish_reason == "rejected"]
+            if rejected:  # the replica's admission refused it (e.g. beyond its KV pool)
+                raise bad_request(rejected[0].error or "rejected")
             failed = [c for c in choices if c.finish_reason == "error"]
             if failed:
                 raise APIError(500, failed[0].error or "generation failed", "server_error")
@@ -342,7 +354,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                         if text:
                             yield chunk(c.index, text, None)
                         if finished:
-                            if c.finish_reason == "error":
+                            if c.finish_reason in ("error", "rejected"):
                                 err = {"error": {"message": c.error, "type": "server_error",
                                                  "param": None, "code": None}}
                                 yield f"data: {json.dumps(err)}\n\n"

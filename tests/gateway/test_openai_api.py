@@ -93,6 +93,9 @@ BAD = [
     ({"model": "M", "prompt": "hi", "stop": [""]}, 400, "stop"),
     ({"model": "M", "prompt": ""}, 400, "prompt"),
     ({"model": "M", "prompt": "hi", "response_format": {"type": "xml"}}, 400, "response_format"),
+    ({"model": "M", "prompt": "hi", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     400, "response_format"),
 ]
 
 
@@ -151,3 +154,14 @@ def test_logprobs_in_chat_and_completions(tiny_server, client):
                                      temperature=0, logprobs=2, extra_body={"ignore_eos": True})
     lp = comp.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == 3 and len(lp.top_logprobs[0]) <= 2
+
+
+def test_json_object_response_format_through_the_gateway(tiny_server, client):
+    """Even the random tiny model emits only JSON under the grammar mask."""
+    resp = client.chat.completions.create(
+        model=tiny_server.model, messages=[{"role": "user", "content": "JSON please"}],
+        max_tokens=40, temperature=0, response_format={"type": "json_object"})
+    text = resp.choices[0].message.content
+    assert text.lstrip().startswith("{")
+    if resp.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
