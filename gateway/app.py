@@ -211,6 +211,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             try:
                 _, queue = await pool.submit(engine_id, prompt, p)
             except ReplicaFailed as exc:
+                await abort_all(choices)  # n > 1: do not leave the earlier samples running
                 raise APIError(503, str(exc), "server_error", headers={"Retry-After": "1"}) \
                     from None
             choices.append(Choice(i, engine_id, TextStream(tokenizer, stop, include_stop), queue,
