@@ -29,7 +29,7 @@ from engine.protocol import TokenDelta
 from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutput
 from engine.text import TextStream, load_tokenizer
 from gateway.errors import APIError, api_error_handler, bad_request
-from gateway.replicas import ReplicaConfig, ReplicaFailed, ReplicaPool
+from gateway.replicas import Overloaded, ReplicaConfig, ReplicaFailed, ReplicaPool
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.tenants import Tenant, TenantRegistry
 
@@ -48,6 +48,7 @@ class GatewayConfig:
     replica: ReplicaConfig | None = None
     max_body_bytes: int = 1 << 20
     tenants_file: str | None = None  # TOML with [[tenants]]; none = open local mode
+    max_inflight_per_replica: int | None = None  # load shedding threshold (4 x max_num_seqs)
 
 
 def _trace_headers(request: Request) -> tuple[str, str]:
@@ -66,7 +67,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     replica_config = config.replica or ReplicaConfig(model=config.model)
     if replica_config.tokenizer is None:
         replica_config.tokenizer = str(tok_path)
-    pool = ReplicaPool(replica_config, config.replicas)
+    pool = ReplicaPool(replica_config, config.replicas, config.max_inflight_per_replica)
     registry = TenantRegistry.from_file(config.tenants_file)
     grammar: list[GrammarCompiler] = []  # built on first use (~1 s): validates schemas here
     if registry.open:
@@ -210,10 +211,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
             engine_id = f"{request_id}-{i}"
             try:
                 _, queue = await pool.submit(engine_id, prompt, p)
-            except ReplicaFailed as exc:
+            except (ReplicaFailed, Overloaded) as exc:
                 await abort_all(choices)  # n > 1: do not leave the earlier samples running
-                raise APIError(503, str(exc), "server_error", headers={"Retry-After": "1"}) \
-                    from None
+                code = "overloaded" if isinstance(exc, Overloaded) else "replica_unavailable"
+                raise APIError(503, str(exc), "server_error", code=code,
+                               headers={"Retry-After": "1"}) from None
             choices.append(Choice(i, engine_id, TextStream(tokenizer, stop, include_stop), queue,
                                   logprobs=[] if params.logprobs else None))
         return choices

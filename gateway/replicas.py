@@ -70,9 +70,16 @@ class ReplicaFailed(RuntimeError):
     pass
 
 
+class Overloaded(RuntimeError):
+    """Every ready replica already holds its limit of in-flight requests: shed, don't queue."""
+
+
 class ReplicaPool:
-    def __init__(self, config: ReplicaConfig, num_replicas: int = 1) -> None:
+    def __init__(self, config: ReplicaConfig, num_replicas: int = 1,
+                 max_inflight: int | None = None) -> None:
         self.config = config
+        # past this many in-flight requests on every replica, new ones are shed (503)
+        self.max_inflight = max_inflight or 4 * config.max_num_seqs
         self.ctx = zmq.asyncio.Context()
         self.dir = tempfile.mkdtemp(prefix="tailscope-")
         self.outbox_addr = f"ipc://{self.dir}/gateway.out"
@@ -159,7 +166,10 @@ class ReplicaPool:
         ready = [r for r in self.replicas if r.ready]
         if not ready:
             raise ReplicaFailed("no replica is ready")
-        return min(ready, key=lambda r: len(r.inflight))
+        best = min(ready, key=lambda r: len(r.inflight))
+        if len(best.inflight) >= self.max_inflight:
+            raise Overloaded(f"all {len(ready)} replicas hold {self.max_inflight} requests")
+        return best
 
     async def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
                      deadline_s: float | None = None

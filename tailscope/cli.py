@@ -95,7 +95,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(GatewayConfig(model=s.model, tokenizer=args.tokenizer,
                                    served_model_name=args.served_model_name,
                                    replicas=args.replicas, replica=replica,
-                                   tenants_file=args.config or s.config))
+                                   tenants_file=args.config or s.config,
+                                   max_inflight_per_replica=args.max_inflight))
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 
@@ -128,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--replicas", type=int, default=1)
     sv.add_argument("--dtype", help="float32 (default) | bfloat16")
     sv.add_argument("--config", help="TOML file with [[tenants]] (API keys and limits)")
+    sv.add_argument("--max-inflight", type=int,
+                    help="in-flight requests per replica before new ones get 503 "
+                         "(default 4 x max_num_seqs)")
     sv.set_defaults(func=cmd_serve)
     return p
 

@@ -73,3 +73,28 @@ def test_replica_killed_mid_stream(own_server):
     ok = httpx.post(f"{url}/v1/completions", timeout=60,
                     json={"model": own_server.model, "prompt": "Hi", "max_tokens": 3})
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_load_shedding_answers_503_at_once(bundled_path):
+    server = start_server("--model", "tiny:49152", "--tokenizer", str(bundled_path),
+                          "--max-inflight", "1")
+    try:
+        body = {"model": server.model, "prompt": "Once upon a time", "max_tokens": 900,
+                "stream": True, "ignore_eos": True}
+        with httpx.Client(timeout=60) as http:
+            with http.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+                lines = r.iter_lines()  # keep the iterator: dropping it closes the stream
+                next(lines)  # the only slot is taken
+                assert replicas(server.url)["r0"]["inflight"] == 1
+                t0 = time.monotonic()
+                shed = http.post(f"{server.url}/v1/completions",
+                                 json={**body, "stream": False, "max_tokens": 2})
+                assert time.monotonic() - t0 < 1.0  # answered at once, not queued
+        assert shed.status_code == 503 and shed.headers["Retry-After"] == "1"
+        assert shed.json()["error"]["code"] == "overloaded"
+        assert wait_for(lambda: replicas(server.url)["r0"]["inflight"] == 0, 2.0)
+        ok = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                        json={"model": server.model, "prompt": "Hi", "max_tokens": 2})
+        assert ok.status_code == 200
+    finally:
+        stop_server(server)
