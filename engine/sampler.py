@@ -98,15 +98,16 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
 def filter_probs(z: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     """Temperature-scaled logits ``z`` -> filtered, renormalised probabilities (vocab order)."""
     sort_rows = [r.params.needs_sort for r in reqs]
-    if all(sort_rows):  # common case: one parameter set for the batch, no row copies
+    # common cases: the whole batch takes one path, so no row copies
+    if all(sort_rows):
         return _sorted_filters(z, reqs)
+    if not any(sort_rows):
+        return _min_p(torch.softmax(z, -1), reqs)
     probs = torch.empty_like(z)
-    if not all(sort_rows):
-        idx = _rows([not s for s in sort_rows])
-        probs[idx] = _min_p(torch.softmax(z[idx], -1), [reqs[i] for i in idx.tolist()])
-    if any(sort_rows):
-        idx = _rows(sort_rows)
-        probs[idx] = _sorted_filters(z[idx], [reqs[i] for i in idx.tolist()])
+    idx = _rows([not s for s in sort_rows])
+    probs[idx] = _min_p(torch.softmax(z[idx], -1), [reqs[i] for i in idx.tolist()])
+    idx = _rows(sort_rows)
+    probs[idx] = _sorted_filters(z[idx], [reqs[i] for i in idx.tolist()])
     return probs
 
 
