@@ -65,8 +65,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     tok_path = config.tokenizer or resolve_model_path(config.model)
     tokenizer = load_tokenizer(tok_path)
     replica_config = config.replica or ReplicaConfig(model=config.model)
-    if replica_config.tokenizer is None:
-        replica_config.tokenizer = str(tok_path)
+    if replica_config.tokenizer is None:  # a copy: the caller's config stays as it was
+        replica_config = dataclasses.replace(replica_config, tokenizer=str(tok_path))
     pool = ReplicaPool(replica_config, config.replicas, config.max_inflight_per_replica)
     registry = TenantRegistry.from_file(config.tenants_file)
     grammar: list[GrammarCompiler] = []  # built on first use (~1 s): validates schemas here
