@@ -74,15 +74,20 @@ class Engine:
     # ---- admission ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams | None = None, deadline_s: float | None = None,
-                    arrival_ns: int | None = None) -> Request:
+                    arrival_ns: int | None = None, queue_timeout_s: float | None = None
+                    ) -> Request:
         """Admit a request (QUEUED, KV reserved when it fits now) or reject it with a reason
-        (REJECTED, ``request.error`` says why). Raises ValueError only for a duplicate id."""
+        (REJECTED, ``request.error`` says why). Raises ValueError only for a duplicate id.
+        ``deadline_s`` bounds the whole request; ``queue_timeout_s`` only its wait before a
+        tick picks it (both end it TIMED_OUT)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already live")
         now = time.monotonic_ns()
         req = Request(request_id, list(prompt_token_ids), params or SamplingParams(),
                       arrival_ns=arrival_ns or now,
-                      deadline_ns=None if deadline_s is None else now + int(deadline_s * 1e9))
+                      deadline_ns=None if deadline_s is None else now + int(deadline_s * 1e9),
+                      queue_deadline_ns=None if queue_timeout_s is None
+                      else now + int(queue_timeout_s * 1e9))
         self.requests[request_id] = req
         reason = self._rejection(req)
         if reason is not None:
@@ -123,12 +128,12 @@ class Engine:
         """A live request, or a recently finished one."""
         return self.requests.get(request_id) or self.recent.get(request_id)
 
-    def abort(self, request_id: str, reason: str = "cancelled") -> bool:
+    def abort(self, request_id: str, reason: str = "cancelled", error: str | None = None) -> bool:
         """Cancel a request. Idempotent: False if it is unknown or already ended."""
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return False
-        self._end(req, S.CANCELLED, reason)
+        self._end(req, S.CANCELLED, reason, error=error)
         return True
 
     def stop(self, request_id: str, stop_reason: str | int | None = None) -> bool:
@@ -140,6 +145,23 @@ class Engine:
             return False
         req.stop_reason = stop_reason
         self._end(req, S.FINISHED, "stop")
+        return True
+
+    def pause(self, request_id: str) -> bool:
+        """The consumer cannot keep up (its output buffer is full): DECODING -> BACKPRESSURED.
+        The request keeps its KV but is not scheduled until ``resume``. False if it is not
+        decoding (a prefilling request is paused once it starts decoding: the caller retries)."""
+        req = self.requests.get(request_id)
+        if req is None or req.state != S.DECODING:
+            return False
+        req.transition(S.BACKPRESSURED, "output buffer full")
+        return True
+
+    def resume(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        if req is None or req.state != S.BACKPRESSURED:
+            return False
+        req.transition(S.DECODING, "output buffer drained")
         return True
 
     def _end(self, req: Request, state: RequestState, reason: str, error: str | None = None,
@@ -182,7 +204,11 @@ class Engine:
         wall = time.time_ns()
         for req in [*self.scheduler.running, *self.scheduler.waiting]:
             if req.deadline_ns is not None and start >= req.deadline_ns:
-                self._end(req, S.TIMED_OUT, "timeout")
+                self._end(req, S.TIMED_OUT, "timeout", error="request deadline exceeded")
+            elif (req.queue_deadline_ns is not None and start >= req.queue_deadline_ns
+                  and req.state in (S.QUEUED, S.DEGRADED)):
+                self._end(req, S.TIMED_OUT, "timeout",
+                          error="waited in the engine queue past its queue timeout")
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return self._drain_ended([])

@@ -15,11 +15,13 @@ class AddRequest(msgspec.Struct, tag="add"):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    deadline_s: float | None = None
+    deadline_s: float | None = None  # the whole request
+    queue_timeout_s: float | None = None  # waiting before a tick picks it
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):
     request_id: str
+    error: str | None = None  # why, when it is not the client's own cancellation
 
 
 class StopRequest(msgspec.Struct, tag="stop"):
@@ -27,6 +29,16 @@ class StopRequest(msgspec.Struct, tag="stop"):
 
     request_id: str
     stop_reason: str | int | None = None
+
+
+class PauseRequest(msgspec.Struct, tag="pause"):
+    """The gateway's output buffer for this request is full: stop decoding it for now."""
+
+    request_id: str
+
+
+class ResumeRequest(msgspec.Struct, tag="resume"):
+    request_id: str
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
@@ -43,6 +55,8 @@ class TokenDelta(msgspec.Struct):
     stats: dict[str, float] | None = None  # RequestStats durations (ms), at the end only
     # per token, when requested: (logprob, [(token id, logprob), ...top])
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # at the end only: the state events as (state, ms since engine arrival, detail)
+    events: list[tuple[str, float, str]] | None = None
 
 
 class StepReport(msgspec.Struct, tag="step"):
@@ -65,7 +79,7 @@ class Health(msgspec.Struct, tag="health"):
     detail: str = ""
 
 
-ToReplica = AddRequest | AbortRequest | StopRequest | Shutdown
+ToReplica = AddRequest | AbortRequest | StopRequest | PauseRequest | ResumeRequest | Shutdown
 FromReplica = StepReport | Health
 
 _encoder = msgspec.msgpack.Encoder()

@@ -26,6 +26,8 @@ from engine.protocol import (
     AbortRequest,
     AddRequest,
     Health,
+    PauseRequest,
+    ResumeRequest,
     Shutdown,
     StepReport,
     StopRequest,
@@ -49,6 +51,8 @@ def _delta(out: RequestOutput, engine: Engine) -> TokenDelta:
                if isinstance(v, float | int)} if out.stats else None,
         logprobs=[(lp.logprob, list(lp.top)) for lp in out.new_logprobs if lp is not None]
         if any(lp is not None for lp in out.new_logprobs) else None,
+        events=[(e.state.name, (e.ts_ns - req.arrival_ns) / 1e6, e.detail) for e in req.events]
+        if out.finished and req is not None else None,
     )
 
 
@@ -80,13 +84,17 @@ class Replica:
         if isinstance(msg, AddRequest):
             try:  # a rejection is reported by the next step's outputs
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
-                                        msg.deadline_s)
+                                        msg.deadline_s, queue_timeout_s=msg.queue_timeout_s)
             except ValueError as exc:  # duplicate live id: a gateway bug, never fatal here
                 log.error("replica %s: %s", self.id, exc)
         elif isinstance(msg, AbortRequest):
-            self.engine.abort(msg.request_id)
+            self.engine.abort(msg.request_id, error=msg.error)
         elif isinstance(msg, StopRequest):
             self.engine.stop(msg.request_id, msg.stop_reason)
+        elif isinstance(msg, PauseRequest):
+            self.engine.pause(msg.request_id)
+        elif isinstance(msg, ResumeRequest):
+            self.engine.resume(msg.request_id)
         elif isinstance(msg, Shutdown):
             self.running = False
 

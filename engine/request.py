@@ -87,6 +87,8 @@ class Request:
     params: SamplingParams
     arrival_ns: int = field(default_factory=time.monotonic_ns)
     deadline_ns: int | None = None  # monotonic deadline; past it the request ends TIMED_OUT
+    # still QUEUED (never picked by a tick) past this monotonic time: ends TIMED_OUT
+    queue_deadline_ns: int | None = None
     state: RequestState | None = None
     events: list[StateEvent] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)

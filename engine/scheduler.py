@@ -63,7 +63,9 @@ class Scheduler:
             self.waiting.remove(request)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Anything a tick could schedule (BACKPRESSURED requests wait for their consumer)."""
+        return bool(self.waiting) or any(
+            r.state != RequestState.BACKPRESSURED for r in self.running)
 
     def _reserve_waiting(self) -> None:
         for req in self.waiting:
@@ -84,8 +86,8 @@ class Scheduler:
                     raise BlockAccountingError(f"no block for reserved request {req.request_id}")
                 out.decodes.append(ScheduledSeq(req, 1))
                 budget -= 1
-        for req in self.running:
-            if req.state != RequestState.DECODING and budget > 0:
+        for req in self.running:  # BACKPRESSURED requests hold their KV but get no tokens
+            if req.state in (RequestState.RUNNABLE, RequestState.PREFILLING) and budget > 0:
                 n = min(req.num_tokens - req.num_computed_tokens, budget)
                 if not self._allocate(req, n):
                     raise BlockAccountingError(f"no block for reserved request {req.request_id}")

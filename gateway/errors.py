@@ -23,7 +23,16 @@ class APIError(Exception):
                           "code": self.code}}
 
 
-async def api_error_handler(_: Request, exc: APIError) -> JSONResponse:
+async def api_error_handler(request: Request, exc: APIError) -> JSONResponse:
+    trace = getattr(request.state, "trace", None)
+    if trace is not None and not trace.record.final_state:  # the record says how it ended
+        if exc.status == 504:
+            final, reason = "TIMED_OUT", "timeout"
+        elif exc.status >= 500 and exc.status != 503:
+            final, reason = "FAILED", "error"
+        else:  # 4xx and load shedding: refused before any token was generated
+            final, reason = "REJECTED", "rejected"
+        trace.fail(final, reason, exc.code or exc.type, exc.message)
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 

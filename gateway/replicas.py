@@ -4,6 +4,18 @@ Each replica is ``python -m engine.replica`` with its own ZeroMQ inbox; all repl
 gateway outbox, read by one asyncio task that hands each token delta to the queue of the request
 it belongs to. A watchdog notices a dead replica, fails its in-flight requests with a clear
 error, and starts it again.
+
+Routing (``choose``): the replica with the least expected completion time for the new request,
+estimated in tokens: the work already sent to it and not yet done (unprefilled prompt tokens +
+output tokens still allowed, over its in-flight requests) plus this prompt's tokens, minus a
+prefix-locality bonus of the leading prompt tokens it served recently (its prefix cache can
+skip them). The estimate is deliberately simple and stated: a token of prefill and a token of
+decode are counted alike. Ties go to fewer in-flight requests, then the lowest id.
+
+Output buffers: each request's deltas wait in a queue until its HTTP response takes them. When
+a queue holds ``max_buffered_deltas`` the replica is told to pause the request (BACKPRESSURED:
+it keeps its KV, gets no tokens); when it drains to half, to resume. A request paused longer
+than ``slow_client_timeout_s``, or whose buffer reaches four times the limit, is cancelled.
 """
 
 from __future__ import annotations
@@ -15,7 +27,8 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections import Counter
+import time
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 import zmq
@@ -25,6 +38,8 @@ from engine.protocol import (
     AbortRequest,
     AddRequest,
     Health,
+    PauseRequest,
+    ResumeRequest,
     Shutdown,
     StepReport,
     StopRequest,
@@ -60,6 +75,9 @@ class Replica:
     restarts: int = 0
     last_report: StepReport | None = None  # the latest engine view: running, waiting, KV
     ended: Counter[str] = field(default_factory=Counter)  # terminal states seen, by name
+    # chained hashes of leading prompt blocks recently sent here (LRU), for prefix locality
+    prefixes: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    pending_tokens: int = 0  # expected work in tokens: unprefilled prompt + remaining output
 
     @property
     def ready(self) -> bool:
@@ -74,10 +92,45 @@ class Overloaded(RuntimeError):
     """Every ready replica already holds its limit of in-flight requests: shed, don't queue."""
 
 
+@dataclass(frozen=True, slots=True)
+class Route:
+    replica: Replica
+    prefix_hit_tokens: int
+    reason: str
+
+
+@dataclass(slots=True)
+class _Work:
+    """What the gateway knows about one in-flight request on its replica."""
+
+    replica: Replica
+    prompt_pending: int  # prompt tokens not yet prefilled (0 after the first token)
+    output_pending: int  # output tokens still allowed
+    paused_since: float | None = None  # monotonic seconds, while BACKPRESSURED
+
+
+PREFIX_LRU_BLOCKS = 8192
+
+
+def prefix_hashes(prompt: list[int], block_size: int) -> list[int]:
+    """Chained hashes of the prompt's full blocks (hash i covers tokens [0, (i+1)*block)).
+    Python's hash of int tuples is not randomised, so equal prefixes hash equally."""
+    out, h = [], 0
+    for i in range(len(prompt) // block_size):
+        h = hash((h, *prompt[i * block_size:(i + 1) * block_size]))
+        out.append(h)
+    return out
+
+
 class ReplicaPool:
     def __init__(self, config: ReplicaConfig, num_replicas: int = 1,
-                 max_inflight: int | None = None) -> None:
+                 max_inflight: int | None = None, max_buffered_deltas: int = 256,
+                 slow_client_timeout_s: float = 30.0) -> None:
         self.config = config
+        self.max_buffered_deltas = max_buffered_deltas
+        self.slow_client_timeout_s = slow_client_timeout_s
+        self.work: dict[str, _Work] = {}
+        self.slow_client_cancels = 0
         # past this many in-flight requests on every replica, new ones are shed (503)
         self.max_inflight = max_inflight or 4 * config.max_num_seqs
         self.ctx = zmq.asyncio.Context()
@@ -133,7 +186,9 @@ class ReplicaPool:
             rep = r.last_report
             out[r.id] = {
                 "ready": r.ready, "pid": r.proc.pid if r.proc else None, "restarts": r.restarts,
-                "inflight": len(r.inflight),
+                "inflight": len(r.inflight), "pending_tokens": r.pending_tokens,
+                "paused": sum(1 for rid in r.inflight
+                              if (w := self.work.get(rid)) and w.paused_since is not None),
                 "running": rep.running if rep else 0, "waiting": rep.waiting if rep else 0,
                 "kv_blocks_used": rep.kv_blocks_used if rep else 0,
                 "kv_blocks_total": r.health.kv_blocks_total if r.health else 0,
@@ -161,31 +216,109 @@ class ReplicaPool:
         self.ctx.term()
 
     # ---- requests ------------------------------------------------------------------------------
-    def choose(self) -> Replica:
-        """Least in-flight requests among ready replicas (ties: lowest id)."""
-        ready = [r for r in self.replicas if r.ready]
+    def choose(self, prompt: list[int], exclude: frozenset[str] = frozenset()) -> Route:
+        """The ready replica with the least expected completion time (see the module doc)."""
+        ready = [r for r in self.replicas if r.ready and r.id not in exclude]
         if not ready:
-            raise ReplicaFailed("no replica is ready")
-        best = min(ready, key=lambda r: len(r.inflight))
-        if len(best.inflight) >= self.max_inflight:
+            raise ReplicaFailed("no replica is ready" + (" (the one that failed is excluded)"
+                                                         if exclude else ""))
+        open_ = [r for r in ready if len(r.inflight) < self.max_inflight]
+        if not open_:
             raise Overloaded(f"all {len(ready)} replicas hold {self.max_inflight} requests")
-        return best
+        hashes = prefix_hashes(prompt, self.config.block_size)
+
+        def hit(r: Replica) -> int:
+            n = 0
+            for h in hashes:
+                if h not in r.prefixes:
+                    break
+                n += 1
+            return n * self.config.block_size
+
+        scored = sorted((r.pending_tokens + len(prompt) - hit(r), len(r.inflight), r.id, r)
+                        for r in open_)
+        cost, _, _, best = scored[0]
+        hit_tokens = hit(best)
+        for h in hashes:
+            best.prefixes[h] = None
+            best.prefixes.move_to_end(h)
+        while len(best.prefixes) > PREFIX_LRU_BLOCKS:
+            best.prefixes.popitem(last=False)
+        reason = f"least expected work ({cost} tokens, prefix hit {hit_tokens}) of {len(open_)}"
+        return Route(best, hit_tokens, reason)
 
     async def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
-                     deadline_s: float | None = None
-                     ) -> tuple[Replica, asyncio.Queue[TokenDelta | ReplicaFailed]]:
-        replica = self.choose()
+                     queue_timeout_s: float | None = None,
+                     exclude: frozenset[str] = frozenset(),
+                     ) -> tuple[Route, asyncio.Queue[TokenDelta | ReplicaFailed]]:
+        route = self.choose(prompt, exclude)
+        replica = route.replica
         queue: asyncio.Queue[TokenDelta | ReplicaFailed] = asyncio.Queue()
         self.queues[request_id] = queue
         self.owner[request_id] = replica
         replica.inflight.add(request_id)
-        await replica.socket.send(encode(AddRequest(request_id, prompt, params, deadline_s)))
-        return replica, queue
+        work = _Work(replica, len(prompt), params.max_tokens)
+        self.work[request_id] = work
+        replica.pending_tokens += work.prompt_pending + work.output_pending
+        await replica.socket.send(encode(AddRequest(request_id, prompt, params,
+                                                    queue_timeout_s=queue_timeout_s)))
+        return route, queue
+
+    async def next_delta(self, request_id: str, queue: asyncio.Queue
+                         ) -> TokenDelta | ReplicaFailed:
+        """The request's next delta; resumes a paused request once its buffer has drained."""
+        item = await queue.get()
+        work = self.work.get(request_id)
+        if (work is not None and work.paused_since is not None
+                and queue.qsize() <= self.max_buffered_deltas // 2):
+            work.paused_since = None
+            await self._send(work.replica, ResumeRequest(request_id))
+        return item
+
+    def _account(self, delta: TokenDelta) -> None:
+        work = self.work.get(delta.request_id)
+        if work is None:
+            return
+        before = work.prompt_pending + work.output_pending
+        if delta.token_ids:
+            work.prompt_pending = 0
+            work.output_pending = max(0, work.output_pending - len(delta.token_ids))
+        if delta.finish_reason is not None:
+            work.prompt_pending = work.output_pending = 0
+        work.replica.pending_tokens -= before - work.prompt_pending - work.output_pending
+
+    def _buffer_check(self, request_id: str, queue: asyncio.Queue) -> None:
+        work = self.work.get(request_id)
+        if work is None:
+            return
+        size = queue.qsize()
+        if size >= 4 * self.max_buffered_deltas:
+            self._cancel_slow(request_id, work, f"its output buffer reached {size} deltas")
+        elif size >= self.max_buffered_deltas and work.paused_since is None:
+            work.paused_since = time.monotonic()
+            self._send_nowait(work.replica, PauseRequest(request_id))
+
+    def _cancel_slow(self, request_id: str, work: _Work, why: str) -> None:
+        if work.paused_since == -1.0:  # already cancelled
+            return
+        work.paused_since = -1.0
+        self.slow_client_cancels += 1
+        log.warning("cancelling %s: the client is not reading its stream (%s)", request_id, why)
+        self._send_nowait(work.replica, AbortRequest(
+            request_id, error=f"cancelled: the client did not read its stream ({why})"))
+
+    async def _send(self, replica: Replica, msg) -> None:
+        if replica.socket is not None and replica.ready:
+            await replica.socket.send(encode(msg))
+
+    def _send_nowait(self, replica: Replica, msg) -> None:
+        if replica.socket is not None and replica.ready:
+            replica.socket.send(encode(msg))  # PUSH to a live peer: queued, returns at once
 
     async def abort(self, request_id: str) -> None:
         replica = self.owner.get(request_id)
-        if replica is not None and replica.ready:
-            await replica.socket.send(encode(AbortRequest(request_id)))
+        if replica is not None:
+            await self._send(replica, AbortRequest(request_id))
 
     async def stop(self, request_id: str, stop_reason: str | int | None) -> None:
         replica = self.owner.get(request_id)
@@ -197,6 +330,9 @@ class ReplicaPool:
         if replica is not None:
             replica.inflight.discard(request_id)
         self.queues.pop(request_id, None)
+        work = self.work.pop(request_id, None)
+        if work is not None:
+            work.replica.pending_tokens -= work.prompt_pending + work.output_pending
 
     # ---- background tasks ----------------------------------------------------------------------
     async def _read_outputs(self) -> None:
@@ -213,13 +349,22 @@ class ReplicaPool:
                 for delta in msg.deltas:
                     if replica is not None and delta.finish_reason is not None:
                         replica.ended[delta.state] += 1
+                    self._account(delta)
                     queue = self.queues.get(delta.request_id)
                     if queue is not None:
                         queue.put_nowait(delta)
+                        if delta.finish_reason is None:
+                            self._buffer_check(delta.request_id, queue)
 
     async def _watchdog(self) -> None:
         while True:
             await asyncio.sleep(0.2)
+            now = time.monotonic()
+            for rid, work in list(self.work.items()):
+                if (work.paused_since is not None and work.paused_since >= 0
+                        and now - work.paused_since > self.slow_client_timeout_s):
+                    self._cancel_slow(rid, work,
+                                      f"paused for over {self.slow_client_timeout_s:g} s")
             for r in self.replicas:
                 if r.proc is not None and r.proc.poll() is not None:
                     code = r.proc.returncode
@@ -230,5 +375,10 @@ class ReplicaPool:
                             queue.put_nowait(ReplicaFailed(
                                 f"replica {r.id} exited (code {code}) while serving the request"))
                     r.inflight.clear()
+                    r.pending_tokens = 0
+                    r.prefixes.clear()
+                    for work in self.work.values():
+                        if work.replica is r:
+                            work.prompt_pending = work.output_pending = 0
                     r.restarts += 1
                     self._spawn(r)

@@ -10,6 +10,7 @@ Configured in a TOML file (``tailscope serve --config FILE`` or ``TAILSCOPE_CONF
     max_concurrent = 8
     max_prompt_tokens = 4096
     max_output_tokens = 1024
+    admin = false                   # true: its keys may read /debug/* endpoints
 
 No tenants configured = open local mode (every request is tenant "local", no limits); the
 gateway logs a warning at start. Keys are never logged or stored; records carry a key id (a
@@ -67,6 +68,7 @@ class Tenant:
     max_concurrent: int | None = None
     max_prompt_tokens: int | None = None
     max_output_tokens: int | None = None
+    admin: bool = False  # its keys may read /debug endpoints
     active: int = 0
     request_bucket: TokenBucket | None = None
     token_bucket: TokenBucket | None = None

@@ -96,8 +96,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                    served_model_name=args.served_model_name,
                                    replicas=args.replicas, replica=replica,
                                    tenants_file=args.config or s.config,
-                                   max_inflight_per_replica=args.max_inflight))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+                                   max_inflight_per_replica=args.max_inflight,
+                                   queue_timeout_s=(args.queue_timeout if args.queue_timeout
+                                                    is not None else s.queue_timeout_s) or None,
+                                   max_buffered_deltas=s.max_buffered_deltas,
+                                   slow_client_timeout_s=s.slow_client_timeout_s,
+                                   records_jsonl=args.records_jsonl or s.records_jsonl or None,
+                                   record_token_ids=s.record_token_ids))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info",
+                access_log=args.access_log)
     return 0
 
 
@@ -132,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-inflight", type=int,
                     help="in-flight requests per replica before new ones get 503 "
                          "(default 4 x max_num_seqs)")
+    sv.add_argument("--queue-timeout", type=float, metavar="S",
+                    help="seconds a request may wait in an engine queue before it ends "
+                         "TIMED_OUT with 504 (default 60; 0 = no limit)")
+    sv.add_argument("--records-jsonl", metavar="FILE",
+                    help="append every request's trace record to FILE as JSON lines")
+    sv.add_argument("--access-log", action="store_true", help="uvicorn's per-request log")
     sv.set_defaults(func=cmd_serve)
     return p
 

@@ -20,6 +20,11 @@ class Settings:
     max_batched_tokens: int = 512  # TAILSCOPE_MAX_BATCHED_TOKENS: token budget per tick
     threads: int = 0  # TAILSCOPE_THREADS: torch intra-op threads (0 = torch's default)
     config: str = ""  # TAILSCOPE_CONFIG: gateway TOML (tenants, API keys, limits)
+    queue_timeout_s: float = 60.0  # TAILSCOPE_QUEUE_TIMEOUT_S: engine queue wait -> 504 (0 = none)
+    max_buffered_deltas: int = 256  # TAILSCOPE_MAX_BUFFERED_DELTAS: per request, then pause
+    slow_client_timeout_s: float = 30.0  # TAILSCOPE_SLOW_CLIENT_TIMEOUT_S: paused -> cancelled
+    records_jsonl: str = ""  # TAILSCOPE_RECORDS_JSONL: append each request record here
+    record_token_ids: bool = True  # TAILSCOPE_RECORD_TOKEN_IDS: 0 keeps ids out of records
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -32,4 +37,10 @@ class Settings:
             max_batched_tokens=int(_env("MAX_BATCHED_TOKENS", str(cls.max_batched_tokens))),
             threads=int(_env("THREADS", str(cls.threads))),
             config=_env("CONFIG", cls.config),
+            queue_timeout_s=float(_env("QUEUE_TIMEOUT_S", str(cls.queue_timeout_s))),
+            max_buffered_deltas=int(_env("MAX_BUFFERED_DELTAS", str(cls.max_buffered_deltas))),
+            slow_client_timeout_s=float(_env("SLOW_CLIENT_TIMEOUT_S",
+                                             str(cls.slow_client_timeout_s))),
+            records_jsonl=_env("RECORDS_JSONL", cls.records_jsonl),
+            record_token_ids=_env("RECORD_TOKEN_IDS", "1").lower() not in ("0", "false", "no"),
         )

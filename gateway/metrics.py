@@ -1,0 +1,96 @@
+"""Prometheus metrics (``GET /metrics``), fed from the request records and the replica pool.
+
+Names follow vLLM's where the meaning is the same, with a ``tailscope:`` prefix instead of
+``vllm:``; latencies are histograms in seconds. Request-level series are observed once per
+finished record (one place, so they agree with the trace store); per-replica gauges are read
+from the pool at scrape time, so nothing is updated on the token path.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from tracing.record import RequestRecord
+
+# seconds; dense below 1 s where TTFT/ITL live, sparse up to long generations
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+                0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class _PoolCollector:
+    def __init__(self, pool) -> None:
+        self.pool = pool
+
+    def collect(self):
+        running = GaugeMetricFamily("tailscope:num_requests_running",
+                                    "Requests in the engine's running batch", labels=["replica"])
+        waiting = GaugeMetricFamily("tailscope:num_requests_waiting",
+                                    "Requests waiting in the engine queue", labels=["replica"])
+        inflight = GaugeMetricFamily("tailscope:num_requests_inflight",
+                                     "Requests the gateway has sent to the replica and not "
+                                     "seen end", labels=["replica"])
+        kv = GaugeMetricFamily("tailscope:kv_cache_usage_perc",
+                               "Fraction of KV blocks in use (0-1)", labels=["replica"])
+        ready = GaugeMetricFamily("tailscope:replica_ready", "1 when the replica is loaded",
+                                  labels=["replica"])
+        restarts = CounterMetricFamily("tailscope:replica_restarts",
+                                       "Replica process restarts", labels=["replica"])
+        for rid, d in self.pool.describe().items():
+            running.add_metric([rid], d["running"])
+            waiting.add_metric([rid], d["waiting"])
+            inflight.add_metric([rid], d["inflight"])
+            total = d["kv_blocks_total"]
+            kv.add_metric([rid], d["kv_blocks_used"] / total if total else 0.0)
+            ready.add_metric([rid], 1.0 if d["ready"] else 0.0)
+            restarts.add_metric([rid], d["restarts"])
+        yield from (running, waiting, inflight, kv, ready, restarts)
+
+
+class GatewayMetrics:
+    def __init__(self, pool) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("tailscope:request_success", "Finished requests by finish "
+                                "reason", ["finish_reason"], registry=r)
+        self.http = Counter("tailscope:http_requests", "API responses by endpoint and status",
+                            ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("tailscope:prompt_tokens", "Prompt tokens processed",
+                                     registry=r)
+        self.generation_tokens = Counter("tailscope:generation_tokens",
+                                         "Tokens emitted to clients", registry=r)
+
+        def hist(name: str, doc: str, buckets=_LATENCY_BUCKETS) -> Histogram:
+            return Histogram(name, doc, buckets=buckets, registry=r)
+
+        self.ttft = hist("tailscope:time_to_first_token_seconds", "Arrival to first content")
+        self.itl = hist("tailscope:inter_token_latency_seconds", "Between content flushes",
+                        _ITL_BUCKETS)
+        self.e2e = hist("tailscope:e2e_request_latency_seconds", "Arrival to end of response")
+        self.queue = hist("tailscope:request_queue_time_seconds", "Time in the engine queue")
+        self.prefill = hist("tailscope:request_prefill_time_seconds", "Engine prefill time")
+        self.decode = hist("tailscope:request_decode_time_seconds", "Engine decode time")
+        r.register(_PoolCollector(pool))
+
+    def observe(self, rec: RequestRecord) -> None:
+        self.http.labels(rec.endpoint, str(rec.http_status)).inc()
+        if rec.final_state == "FINISHED":
+            self.requests.labels(rec.finish_reason).inc()
+        else:
+            self.requests.labels(rec.finish_reason or rec.final_state.lower()).inc()
+        if rec.replica:  # it reached the engine
+            self.prompt_tokens.inc(rec.prompt_tokens)
+            self.generation_tokens.inc(rec.emitted_tokens)
+            self.queue.observe(rec.engine_queue_ms / 1e3)
+            self.prefill.observe(rec.prefill_ms / 1e3)
+            self.decode.observe(rec.decode_ms / 1e3)
+        if rec.ttft_ms is not None:
+            self.ttft.observe(rec.ttft_ms / 1e3)
+        for gap in rec.itl_ms:
+            self.itl.observe(gap / 1e3)
+        self.e2e.observe(rec.e2e_ms / 1e3)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

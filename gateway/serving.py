@@ -1,0 +1,467 @@
+"""Serving one OpenAI request: validate, tokenize, route, relay, and fill its trace record.
+
+Path: parse the body (a bad request never reaches a replica) -> tokenize (chat template for
+chat) and build the sampling parameters -> submit each of the ``n`` samples to a replica ->
+relay token deltas through the incremental detokenizer and stop strings -> SSE chunks or one
+JSON body. A client that disconnects mid-stream has its engine requests aborted; a sample whose
+replica dies before its first token is retried once on another replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import pydantic
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from engine.constrained import GrammarCompiler
+from engine.protocol import TokenDelta
+from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutput
+from engine.text import TextStream
+from gateway.errors import APIError, bad_request
+from gateway.replicas import Overloaded, ReplicaFailed, ReplicaPool
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.tenants import Tenant, TenantRegistry
+from gateway.trace import RequestTrace
+
+DEFAULT_MAX_TOKENS = 512
+
+
+@dataclass
+class Choice:
+    index: int
+    engine_id: str
+    stream: TextStream
+    queue: asyncio.Queue
+    replica: str
+    params: SamplingParams
+    prompt: list[int]
+    finish_reason: str | None = None  # the OpenAI one, once it ended
+    final_state: str | None = None  # the engine's terminal state name
+    error: str | None = None
+    logprobs: list | None = None  # (token, logprob, top) per generated token
+    logprobs_sent: int = 0  # entries already streamed
+    token_ids: list[int] = field(default_factory=list)
+    stats: dict[str, float] | None = None
+    events: list | None = None
+    retries: int = 0
+
+
+class Service:
+    """Everything an API request needs, built once per gateway."""
+
+    def __init__(self, config, tokenizer, pool: ReplicaPool, registry: TenantRegistry,
+                 versions: dict[str, str]) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self.registry = registry
+        self.versions = versions
+        self._grammar: GrammarCompiler | None = None  # built on first use (~1 s)
+
+    # ---- parsing and validation (nothing here reaches a replica) ---------------------------
+    async def parse(self, request: Request, model: type[SamplingFields]) -> SamplingFields:
+        limit = self.config.max_body_bytes
+        body = await request.body()
+        if len(body) > limit:  # chunked bodies carry no content-length to check up front
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes",
+                           code="body_too_large")
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise bad_request(f"request body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise bad_request("request body must be a JSON object")
+        try:
+            parsed = model.model_validate(data)
+        except pydantic.ValidationError as exc:
+            err = exc.errors()[0]
+            param = ".".join(str(p) for p in err["loc"]) or None
+            raise bad_request(f"{param}: {err['msg']}", param) from None
+        if parsed.model != self.config.served_model_name:
+            raise APIError(404, f"model {parsed.model!r} does not exist; this gateway serves "
+                           f"{self.config.served_model_name!r}", param="model",
+                           code="model_not_found")
+        return parsed
+
+    def sampling(self, req: SamplingFields, prompt_len: int, max_tokens: int | None,
+                 logprobs: bool, top_logprobs: int, response_format) -> SamplingParams:
+        limit = next((r.health.max_model_len for r in self.pool.replicas if r.health), 0)
+        if max_tokens is None:
+            max_tokens = max(1, min(DEFAULT_MAX_TOKENS, limit - prompt_len))
+        if limit and prompt_len + max_tokens > limit:
+            raise bad_request(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = "
+                              f"{prompt_len + max_tokens} exceeds the context length {limit}",
+                              "max_tokens")
+        bias = {}
+        for k, v in (req.logit_bias or {}).items():
+            if not k.lstrip("-").isdigit():
+                raise bad_request(f"logit_bias key {k!r} is not a token id", "logit_bias")
+            bias[int(k)] = v
+        try:
+            params = SamplingParams(
+                max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                top_k=req.top_k, min_p=req.min_p, typical_p=req.typical_p,
+                repetition_penalty=req.repetition_penalty,
+                frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
+                logit_bias=bias, seed=req.seed, ignore_eos=req.ignore_eos,
+                stop_token_ids=tuple(req.stop_token_ids or ()), logprobs=logprobs,
+                top_logprobs=top_logprobs,
+                structured=StructuredOutput.from_response_format(response_format))
+            params.check_vocab(self.tokenizer.vocab_size)
+        except SamplingParamsError as exc:
+            raise bad_request(str(exc), exc.param) from None
+        if params.structured is not None:  # an invalid schema is the caller's 400
+            if self._grammar is None:
+                self._grammar = GrammarCompiler.from_tokenizer(self.tokenizer,
+                                                               self.tokenizer.vocab_size)
+            try:
+                self._grammar.compile(params.structured)
+            except ValueError as exc:
+                raise bad_request(f"invalid response_format: {exc}", "response_format") from None
+        return params
+
+    @staticmethod
+    def stops(req: SamplingFields) -> list[str]:
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if any(not s for s in stop):
+            raise bad_request("stop strings must be non-empty", "stop")
+        return stop
+
+    # ---- endpoints ------------------------------------------------------------------------
+    async def chat(self, request: Request, tenant: Tenant) -> Response:
+        req = await self.parse(request, ChatCompletionRequest)
+        assert isinstance(req, ChatCompletionRequest)
+        trace: RequestTrace = request.state.trace
+        trace.mark("ADMITTED")
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages)
+        except ValueError as exc:
+            raise bad_request(str(exc), "messages") from None
+        prompt = self.tokenizer.encode(text, add_special_tokens=False)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+            else req.max_tokens
+        params = self.sampling(req, len(prompt), max_tokens, req.logprobs,
+                               req.top_logprobs or 0, req.response_format)
+        return await self.run(request, req, prompt, params, chat=True, tenant=tenant)
+
+    async def completions(self, request: Request, tenant: Tenant) -> Response:
+        req = await self.parse(request, CompletionRequest)
+        assert isinstance(req, CompletionRequest)
+        trace: RequestTrace = request.state.trace
+        trace.mark("ADMITTED")
+        if isinstance(req.prompt, str):
+            prompt = self.tokenizer.encode(req.prompt)
+        else:
+            prompt = list(req.prompt)
+            if any(not 0 <= t < self.tokenizer.vocab_size for t in prompt):
+                raise bad_request("prompt has token ids outside the vocabulary", "prompt")
+        if not prompt:
+            raise bad_request("prompt is empty", "prompt")
+        params = self.sampling(req, len(prompt), req.max_tokens, req.logprobs is not None,
+                               req.logprobs or 0, req.response_format)
+        return await self.run(request, req, prompt, params, chat=False, tenant=tenant)
+
+    # ---- the engine side -----------------------------------------------------------------------
+    async def start_choices(self, request_id: str, prompt: list[int], params: SamplingParams,
+                            n: int, stop: list[str], include_stop: bool,
+                            trace: RequestTrace) -> list[Choice]:
+        if not self.pool.ready:
+            raise APIError(503, "no replica is ready yet", "server_error",
+                           code="not_ready", headers={"Retry-After": "1"})
+        choices: list[Choice] = []
+        for i in range(n):
+            p = params if n == 1 or params.seed is None else \
+                dataclasses.replace(params, seed=params.seed + i)
+            engine_id = f"{request_id}-{i}"
+            try:
+                route, queue = await self.pool.submit(engine_id, prompt, p,
+                                                      self.config.queue_timeout_s)
+            except (ReplicaFailed, Overloaded) as exc:
+                await self.abort_all(choices)  # n > 1: do not leave earlier samples running
+                code = "overloaded" if isinstance(exc, Overloaded) else "replica_unavailable"
+                raise APIError(503, str(exc), "server_error", code=code,
+                               headers={"Retry-After": "1"}) from None
+            if i == 0:
+                r = trace.record
+                r.replica, r.route_reason = route.replica.id, route.reason
+                r.prefix_hit_tokens = route.prefix_hit_tokens
+                if route.replica.health is not None:
+                    r.model_revision = route.replica.health.model_revision
+            choices.append(Choice(i, engine_id, TextStream(self.tokenizer, stop, include_stop),
+                                  queue, route.replica.id, p, prompt,
+                                  logprobs=[] if params.logprobs else None))
+        trace.mark("ROUTED")
+        return choices
+
+    async def _retry(self, c: Choice, failure: ReplicaFailed) -> bool:
+        """Re-submit a sample whose replica died before it produced a token (once, elsewhere)."""
+        if c.retries or c.token_ids:
+            return False
+        self.pool.release(c.engine_id)
+        try:
+            route, queue = await self.pool.submit(c.engine_id, c.prompt, c.params,
+                                                  self.config.queue_timeout_s,
+                                                  exclude=frozenset({c.replica}))
+        except (ReplicaFailed, Overloaded):
+            return False
+        c.retries, c.queue, c.replica = 1, queue, route.replica.id
+        return True
+
+    async def next_text(self, c: Choice) -> tuple[str, bool]:
+        """Wait for the choice's next delta; returns (text, finished)."""
+        while True:
+            item = await self.pool.next_delta(c.engine_id, c.queue)
+            if not isinstance(item, ReplicaFailed):
+                break
+            if not await self._retry(c, item):
+                c.finish_reason, c.final_state, c.error = "error", "FAILED", str(item)
+                return "", True
+        delta: TokenDelta = item
+        text = ""
+        c.token_ids.extend(delta.token_ids)
+        if c.logprobs is not None and delta.logprobs:
+            for tok, (lp, top) in zip(delta.token_ids, delta.logprobs, strict=False):
+                c.logprobs.append((tok, lp, top))
+        if delta.token_ids and not c.stream.stopped:
+            d = c.stream.push(delta.token_ids)
+            text = d.text
+            if d.stop_matched is not None:
+                await self.pool.stop(c.engine_id, d.stop_matched)
+        if delta.finish_reason is None:
+            return text, False
+        c.final_state, c.stats, c.events = delta.state, delta.stats, delta.events
+        if delta.state == "FINISHED":
+            c.finish_reason = delta.finish_reason
+            text += c.stream.finish()
+        elif delta.state == "REJECTED":
+            c.finish_reason, c.error = "rejected", delta.error or "rejected"
+        elif delta.state == "TIMED_OUT":
+            c.finish_reason, c.error = "timeout", delta.error or "timed out"
+        elif delta.state == "CANCELLED":
+            c.finish_reason, c.error = "cancelled", delta.error or "cancelled"
+        else:
+            c.finish_reason, c.error = "error", delta.error or delta.finish_reason
+        self.pool.release(c.engine_id)
+        return text, True
+
+    async def abort_all(self, choices: list[Choice]) -> None:
+        for c in choices:
+            if c.final_state is None:
+                await self.pool.abort(c.engine_id)
+                self.pool.release(c.engine_id)
+
+    # ---- response bodies -----------------------------------------------------------------------
+    def _token_text(self, tok: int) -> str:
+        return self.tokenizer.decode([tok], skip_special_tokens=False)
+
+    def logprobs_body(self, entries: list, chat: bool) -> dict:
+        t = self._token_text
+        if chat:
+            return {"content": [
+                {"token": t(tok), "logprob": lp, "bytes": list(t(tok).encode()),
+                 "top_logprobs": [{"token": t(i), "logprob": v, "bytes": list(t(i).encode())}
+                                  for i, v in top]}
+                for tok, lp, top in entries]}
+        return {"tokens": [t(tok) for tok, _, _ in entries],
+                "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [{t(i): v for i, v in top} for _, _, top in entries]}
+
+    def new_logprobs(self, c: Choice) -> list:
+        """Entries for tokens emitted since the last call (a stop string's tokens never are)."""
+        if c.logprobs is None:
+            return []
+        upto = c.stream.emitted_tokens
+        entries = c.logprobs[c.logprobs_sent:upto]
+        c.logprobs_sent = max(c.logprobs_sent, upto)
+        return entries
+
+    @staticmethod
+    def usage(prompt_len: int, choices: list[Choice]) -> dict:
+        completion = sum(c.stream.emitted_tokens for c in choices)
+        return {"prompt_tokens": prompt_len, "completion_tokens": completion,
+                "total_tokens": prompt_len + completion}
+
+    # ---- the record ----------------------------------------------------------------------------
+    def fill_record(self, trace: RequestTrace, req: SamplingFields, prompt: list[int],
+                    params: SamplingParams, choices: list[Choice], client_gone: bool) -> None:
+        r = trace.record
+        r.prompt_tokens, r.n, r.stream = len(prompt), req.n, req.stream
+        r.generated_tokens = sum(c.stream.generated_tokens for c in choices)
+        r.emitted_tokens = sum(c.stream.emitted_tokens for c in choices)
+        r.retries = sum(c.retries for c in choices)
+        if self.config.record_token_ids:
+            r.input_token_ids = list(prompt)
+            r.output_token_ids = list(choices[0].token_ids) if choices else []
+        if choices:
+            c0 = choices[0]
+            r.replica = c0.replica
+            trace.engine_stats, trace.engine_events = c0.stats, c0.events or []
+        if r.final_state:
+            return
+        states = [c.final_state for c in choices]
+        if client_gone and any(s is None for s in states):
+            trace.fail("CANCELLED", "cancelled", "client_disconnected",
+                       "the client went away before the response was complete")
+            return
+        bad = next((c for c in choices if c.final_state not in ("FINISHED", None)), None)
+        if bad is not None:
+            kind = {"TIMED_OUT": ("TIMED_OUT", "timeout"), "CANCELLED": ("CANCELLED", "cancelled"),
+                    "REJECTED": ("REJECTED", "rejected")}.get(bad.final_state or "",
+                                                             ("FAILED", "error"))
+            trace.fail(kind[0], kind[1], (bad.final_state or "error").lower(), bad.error or "")
+            return
+        c0 = choices[0]
+        r.final_state = "FINISHED"
+        r.finish_reason = "stop_string" if c0.stream.stopped else (c0.finish_reason or "stop")
+
+    def _fill_static(self, trace: RequestTrace, params: SamplingParams) -> None:
+        r = trace.record
+        r.model = self.config.served_model_name
+        r.engine_version = self.versions["engine"]
+        r.gateway_version = self.versions["gateway"]
+        r.tokenizer_revision = self.versions["tokenizer"]
+        r.config_id = self.versions["config_id"]
+        r.temperature, r.top_p, r.top_k = params.temperature, params.top_p, params.top_k
+        r.min_p, r.seed, r.max_tokens = params.min_p, params.seed, params.max_tokens
+
+    # ---- one request ---------------------------------------------------------------------------
+    async def run(self, request: Request, req: SamplingFields, prompt: list[int],
+                  params: SamplingParams, chat: bool, tenant: Tenant) -> Response:
+        trace: RequestTrace = request.state.trace
+        self._fill_static(trace, params)
+        trace.record.prompt_tokens, trace.record.stream, trace.record.n = \
+            len(prompt), req.stream, req.n
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        obj = "chat.completion" if chat else "text_completion"
+        registry = self.registry
+        registry.admit_tokens(tenant, len(prompt), params.max_tokens * req.n)
+        trace.mark("TOKENIZED")
+        try:
+            choices = await self.start_choices(rid, prompt, params, req.n, self.stops(req),
+                                               req.include_stop_str_in_output, trace)
+        except APIError:
+            registry.give_back_tokens(tenant, params.max_tokens * req.n)
+            raise
+
+        def settle(client_gone: bool) -> None:  # tenant slot, unused token budget, record
+            unused = sum(params.max_tokens - c.stream.generated_tokens for c in choices)
+            registry.finish(tenant, unused)
+            self.fill_record(trace, req, prompt, params, choices, client_gone)
+
+        request.state.settled_by_run = True  # from here on, settle() releases the slot
+        if not req.stream:
+            return await self._complete(req, prompt, choices, chat, rid, obj, created, settle)
+        return StreamingResponse(
+            self._events(req, prompt, choices, chat, rid, obj, created, settle, trace),
+            media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def _complete(self, req, prompt, choices, chat, rid, obj, created, settle) -> Response:
+        texts = ["" for _ in choices]
+        done_all = False
+        try:
+            for c in choices:
+                done = False
+                while not done:
+                    text, done = await self.next_text(c)
+                    texts[c.index] += text
+            done_all = True
+        finally:
+            await self.abort_all(choices)
+            settle(client_gone=not done_all)
+        for c in choices:
+            if c.finish_reason == "rejected":  # the replica's admission refused it
+                raise bad_request(c.error or "rejected")
+            if c.finish_reason == "timeout":
+                raise APIError(504, c.error or "timed out", "server_error", code="timeout")
+            if c.finish_reason in ("error", "cancelled"):
+                raise APIError(500, c.error or "generation failed", "server_error",
+                               code="generation_failed")
+        body_choices = []
+        for c in choices:
+            lp = self.logprobs_body(self.new_logprobs(c), chat) if c.logprobs is not None \
+                else None
+            if chat:
+                body_choices.append({"index": c.index, "message": {
+                    "role": "assistant", "content": texts[c.index]}, "logprobs": lp,
+                    "finish_reason": c.finish_reason})
+            else:
+                body_choices.append({"index": c.index, "text": texts[c.index], "logprobs": lp,
+                                     "finish_reason": c.finish_reason})
+        return JSONResponse({"id": rid, "object": obj, "created": created,
+                             "model": self.config.served_model_name, "choices": body_choices,
+                             "usage": self.usage(len(prompt), choices)})
+
+    async def _events(self, req, prompt, choices, chat, rid, obj, created, settle,
+                      trace: RequestTrace) -> AsyncIterator[str]:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        model = self.config.served_model_name
+        chunk_obj = obj + (".chunk" if chat else "")
+
+        def chunk(c: Choice, text: str | None, finish: str | None, first: bool = False) -> str:
+            entries = self.new_logprobs(c)
+            lp = self.logprobs_body(entries, chat) if entries else None
+            if chat:
+                delta: dict = {}
+                if first:
+                    delta["role"] = "assistant"
+                if text is not None:
+                    delta["content"] = text
+                body = {"index": c.index, "delta": delta, "logprobs": lp,
+                        "finish_reason": finish}
+            else:
+                body = {"index": c.index, "text": text or "", "logprobs": lp,
+                        "finish_reason": finish}
+            payload = {"id": rid, "object": chunk_obj, "created": created, "model": model,
+                       "choices": [body]}
+            if include_usage:
+                payload["usage"] = None
+            return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+        complete = False
+        try:
+            if chat:
+                for c in choices:
+                    yield chunk(c, "", None, first=True)
+            pending = {asyncio.ensure_future(self.next_text(c)): c for c in choices}
+            try:
+                while pending:
+                    done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    for fut in done:
+                        c = pending.pop(fut)
+                        text, finished = fut.result()
+                        if text:
+                            yield chunk(c, text, None)
+                            trace.flush()
+                        if finished:
+                            if c.finish_reason in ("error", "rejected", "timeout", "cancelled"):
+                                code = {"timeout": "timeout", "rejected": "rejected"}.get(
+                                    c.finish_reason, "generation_failed")
+                                err = {"error": {"message": c.error, "type": "server_error",
+                                                 "param": None, "code": code}}
+                                yield f"data: {json.dumps(err)}\n\n"
+                            else:
+                                yield chunk(c, None if chat else "", c.finish_reason)
+                        else:
+                            pending[asyncio.ensure_future(self.next_text(c))] = c
+            finally:
+                for fut in pending:
+                    fut.cancel()
+            if include_usage:
+                payload = {"id": rid, "object": chunk_obj, "created": created, "model": model,
+                           "choices": [], "usage": self.usage(len(prompt), choices)}
+                yield f"data: {json.dumps(payload)}\n\n"
+            yield "data: [DONE]\n\n"
+            complete = True
+        finally:  # normal end, error, or the client went away: nothing left running
+            await self.abort_all(choices)
+            settle(client_gone=not complete)

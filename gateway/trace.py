@@ -1,0 +1,202 @@
+"""Per-request tracing: ids, W3C ``traceparent``, timing boundaries and the one record.
+
+``TraceMiddleware`` is a plain ASGI middleware (cheaper than Starlette's ``BaseHTTPMiddleware``
+and able to see the end of a streamed body). For every request it
+
+- takes the arrival time at the first ASGI call, before any body is read;
+- assigns ``x-request-id`` (or keeps the caller's), a trace id (continuing the caller's
+  ``traceparent`` when valid) and a new span id, and puts them on every response, errors too;
+- refuses a body whose ``content-length`` is over the limit with 413 before anything is read;
+- for API calls (``POST /v1/...``) hands a ``RequestTrace`` to the endpoint through
+  ``scope["state"]``, stamps the end of the response, and emits exactly one ``RequestRecord``
+  when the exchange is over, whatever happened (success, error, disconnect, crash).
+
+Boundaries (DESIGN §4): RECEIVED (arrival) -> ADMITTED (ingress gate passed and body parsed)
+-> TOKENIZED (prompt ids known, parameters validated) -> ROUTED (sent to a replica) -> engine
+states (the replica's offsets, placed after ROUTED) -> each content flush -> END.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import secrets
+import time
+import uuid
+from collections.abc import Callable
+
+from tracing.record import RecordEvent, RequestRecord
+
+log = logging.getLogger("tailscope.gateway")
+
+TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
+
+
+def parse_traceparent(value: str) -> tuple[str, str, str] | None:
+    """(trace_id, parent_span_id, flags) of a valid W3C traceparent, else None."""
+    m = TRACEPARENT.match(value.strip().lower())
+    if m is None or m.group(1) == "0" * 32 or m.group(2) == "0" * 16:
+        return None
+    return m.group(1), m.group(2), m.group(3)
+
+
+class RequestTrace:
+    """Timing marks of one request on the gateway's monotonic clock, turned into a record."""
+
+    def __init__(self, request_id: str, trace_id: str, span_id: str, parent_span_id: str,
+                 endpoint: str) -> None:
+        self.arrival_ns = time.monotonic_ns()
+        self.arrival_wall_us = time.time_ns() // 1000
+        self.record = RequestRecord(trace_id=trace_id, span_id=span_id, request_id=request_id,
+                                    parent_span_id=parent_span_id, endpoint=endpoint,
+                                    arrival_ts_us=self.arrival_wall_us)
+        self.marks: dict[str, int] = {}
+        self.flushes: list[int] = []
+        self.end_ns: int | None = None
+        self.engine_events: list[tuple[str, float, str]] = []
+        self.engine_stats: dict[str, float] | None = None
+
+    def mark(self, stage: str) -> None:
+        self.marks[stage] = time.monotonic_ns()
+
+    def flush(self) -> None:
+        """A chunk carrying content was handed to the server (the client can read it)."""
+        self.flushes.append(time.monotonic_ns())
+
+    def fail(self, final_state: str, finish_reason: str, error_type: str, message: str) -> None:
+        r = self.record
+        r.final_state, r.finish_reason = final_state, finish_reason
+        r.error_type, r.error_message = error_type, message
+
+    def _wall(self, ns: int) -> int:
+        return self.arrival_wall_us + (ns - self.arrival_ns) // 1000
+
+    def finish(self, status: int) -> RequestRecord:
+        r = self.record
+        end = self.end_ns or time.monotonic_ns()
+        r.http_status = status
+        if not r.final_state:  # never reached the serving code's bookkeeping
+            if status < 400:
+                r.final_state, r.finish_reason = "FINISHED", r.finish_reason or "stop"
+            elif status >= 500 and status not in (503, 504):
+                r.final_state, r.finish_reason = "FAILED", "error"
+            elif status == 504:
+                r.final_state, r.finish_reason = "TIMED_OUT", "timeout"
+            else:
+                r.final_state, r.finish_reason = "REJECTED", "rejected"
+
+        def ms(a: int, b: int) -> float:
+            return (b - a) / 1e6
+
+        m = self.marks
+        admitted = m.get("ADMITTED")
+        tokenized = m.get("TOKENIZED")
+        routed = m.get("ROUTED")
+        r.ingress_ms = ms(self.arrival_ns, admitted) if admitted else ms(self.arrival_ns, end)
+        r.tokenize_ms = ms(admitted, tokenized) if admitted and tokenized else 0.0
+        r.route_ms = ms(tokenized, routed) if tokenized and routed else 0.0
+        r.e2e_ms = ms(self.arrival_ns, end)
+        f = self.flushes
+        if f:
+            r.ttft_ms = ms(self.arrival_ns, f[0])
+            r.itl_ms = [ms(a, b) for a, b in zip(f, f[1:], strict=False)]
+            r.tpot_ms = ms(f[0], f[-1]) / (len(f) - 1) if len(f) > 1 else None
+            r.tail_ms = ms(f[-1], end)
+        else:
+            r.tail_ms = r.e2e_ms
+        s = self.engine_stats or {}
+        r.engine_queue_ms = s.get("queue_ms", 0.0) + s.get("admit_ms", 0.0)
+        r.prefill_ms = s.get("prefill_ms", 0.0)
+        r.decode_ms = s.get("decode_ms", 0.0)
+        r.preempted_ms = s.get("preempted_ms", 0.0)
+        r.preemptions = int(s.get("preemptions", 0))
+        events = [RecordEvent(self.arrival_wall_us, "RECEIVED")]
+        events += [RecordEvent(self._wall(ns), stage) for stage, ns in
+                   sorted(m.items(), key=lambda kv: kv[1])]
+        if routed is not None:  # the replica's offsets, anchored at the moment we sent it
+            events += [RecordEvent(self._wall(routed + int(off * 1e6)), state, detail)
+                       for state, off, detail in self.engine_events]
+            prev = None
+            for state, off, _ in self.engine_events:  # time spent paused by a slow client
+                if prev is not None and prev[0] == "BACKPRESSURED":
+                    r.backpressured_ms += off - prev[1]
+                prev = (state, off)
+        if f:
+            events.append(RecordEvent(self._wall(f[0]), "FIRST_FLUSH"))
+        events.append(RecordEvent(self._wall(end), "END", r.final_state))
+        events.sort(key=lambda e: e.ts_us)
+        r.events = events
+        return r
+
+
+class TraceMiddleware:
+    def __init__(self, app, *, max_body_bytes: int,
+                 on_record: Callable[[RequestRecord], None]) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.on_record = on_record
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.lower(): v for k, v in scope.get("headers", [])}
+        request_id = headers.get(b"x-request-id", b"").decode("latin-1")[:128] \
+            or f"req-{uuid.uuid4().hex}"
+        parent = parse_traceparent(headers.get(b"traceparent", b"").decode("latin-1"))
+        trace_id, parent_span, flags = parent or (secrets.token_hex(16), "", "01")
+        span_id = secrets.token_hex(8)
+        traced = scope["method"] == "POST" and scope["path"].startswith("/v1/")
+        trace = RequestTrace(request_id, trace_id, span_id, parent_span, scope["path"]) \
+            if traced else None
+        state = scope.setdefault("state", {})
+        state.update(request_id=request_id, trace_id=trace_id, trace=trace)
+        extra = [(b"x-request-id", request_id.encode("latin-1")),
+                 (b"x-tailscope-trace-id", trace_id.encode()),
+                 (b"traceparent", f"00-{trace_id}-{span_id}-{flags}".encode())]
+        status = 0
+
+        async def send_with_ids(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                if trace is not None:
+                    if not trace.flushes and status == 200 and not trace.record.stream:
+                        trace.flush()  # a JSON body is the response's one content flush
+                    trace.end_ns = time.monotonic_ns()
+            await send(message)
+
+        try:
+            length = headers.get(b"content-length", b"")
+            if length.isdigit() and int(length) > self.max_body_bytes:
+                await _send_json(send_with_ids, 413, {"error": {
+                    "message": f"request body of {int(length)} bytes exceeds the limit of "
+                               f"{self.max_body_bytes}", "type": "invalid_request_error",
+                    "param": None, "code": "body_too_large"}})
+                if trace is not None:
+                    trace.fail("REJECTED", "rejected", "body_too_large", "request body too large")
+            else:
+                await self.app(scope, receive, send_with_ids)
+        except Exception as exc:  # an unexpected bug: an OpenAI-style 500, never a bare crash
+            log.exception("unhandled error for %s %s", scope["method"], scope["path"])
+            if trace is not None and not trace.record.final_state:
+                trace.fail("FAILED", "error", "internal_error", f"{type(exc).__name__}: {exc}")
+            if status == 0:
+                await _send_json(send_with_ids, 500, {"error": {
+                    "message": "internal error in the gateway; see its log for trace "
+                               f"{trace_id}", "type": "server_error", "param": None,
+                    "code": "internal_error"}})
+        finally:
+            if trace is not None:
+                self.on_record(trace.finish(status or 500))
+
+
+async def _send_json(send, status: int, body: dict) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})

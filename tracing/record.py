@@ -1,0 +1,102 @@
+"""The trace record: one row per request (DESIGN.md §4), in one place.
+
+``RequestRecord`` holds the contract's columns (plus a few extras); ``RecordEvent`` is one row of
+the request's timeline. The gateway assembles them; sinks (``tracing.sinks``) and, later, the
+ClickHouse writer consume them. Durations are float milliseconds; timestamps are wall-clock
+microseconds since the epoch (UTC), the resolution of ``DateTime64(6, 'UTC')``.
+
+Timing identities, by construction (``RequestTrace.finish`` in the gateway computes them from
+integer nanoseconds of one monotonic clock):
+
+    ttft = first content flush - arrival        itl[j] = flush[j] - flush[j-1]
+    tail = end of response - last flush          e2e = ttft + sum(itl) + tail
+
+A request that flushed no content (rejected, failed before its first token) has
+``ttft_ms = None``, ``itl_ms = []`` and ``tail_ms = e2e_ms``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class RecordEvent:
+    """One point of a request's timeline: a gateway stage boundary or an engine state."""
+
+    ts_us: int  # wall clock, microseconds since the epoch
+    state: str  # RECEIVED, ADMITTED, TOKENIZED, ROUTED, QUEUED, ..., FIRST_FLUSH, END
+    detail: str = ""
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    # identity
+    trace_id: str
+    span_id: str
+    request_id: str
+    parent_span_id: str = ""  # the caller's span when a traceparent was sent
+    tenant: str = ""
+    api_key_id: str = ""
+    endpoint: str = ""  # /v1/chat/completions, ...
+    arrival_ts_us: int = 0
+    # how it ended
+    final_state: str = ""  # FINISHED, CANCELLED, TIMED_OUT, FAILED, REJECTED
+    finish_reason: str = ""  # stop, length, stop_string, cancelled, timeout, rejected, error
+    http_status: int = 0
+    error_type: str = ""  # the OpenAI error code/type when it failed
+    error_message: str = ""
+    # versions
+    model: str = ""
+    model_revision: str = ""
+    engine_version: str = ""
+    tokenizer_revision: str = ""
+    gateway_version: str = ""
+    config_id: str = ""
+    # where it ran
+    replica: str = ""
+    route_reason: str = ""  # why the router chose the replica (cost, prefix locality)
+    prefix_hit_tokens: int = 0  # leading prompt tokens the chosen replica served recently
+    retries: int = 0  # re-submissions after a replica failure before the first token
+    # counts
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0  # sampled by the engine (all choices)
+    emitted_tokens: int = 0  # sent to the client (billing); excludes a stop string's tokens
+    n: int = 1
+    input_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)  # choice 0
+    # sampling params
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    stream: bool = False
+    # gateway stages
+    ingress_ms: float = 0.0  # arrival -> past the ingress gate and parsed
+    tokenize_ms: float = 0.0
+    route_ms: float = 0.0
+    # engine stages (the replica's durations, choice 0)
+    engine_queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    preempted_ms: float = 0.0
+    preemptions: int = 0
+    backpressured_ms: float = 0.0
+    # client-side timings
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2e_ms: float = 0.0
+    tail_ms: float = 0.0
+    itl_ms: list[float] = field(default_factory=list)
+    events: list[RecordEvent] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+RECORD_COLUMNS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RequestRecord))
