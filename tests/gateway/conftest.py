@@ -24,11 +24,12 @@ class Server:
     model: str = "SmolLM2-135M-Instruct"
 
 
-def start_server(*args: str, timeout_s: float = 240.0) -> Server:
+def start_server(*args: str, timeout_s: float = 240.0, env: dict[str, str] | None = None
+                 ) -> Server:
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "tailscope.cli", "serve", "--port", str(port), *args],
-        env={**os.environ, "TAILSCOPE_KV_CACHE_MB": "64"})
+        env={**os.environ, "TAILSCOPE_KV_CACHE_MB": "64", **(env or {})})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -53,8 +54,15 @@ def stop_server(server: Server) -> None:
 
 
 @pytest.fixture(scope="session")
-def tiny_server(bundled_path):
-    """The gateway with one replica of the tiny model (sized to the bundled tokenizer)."""
-    server = start_server("--model", "tiny:49152", "--tokenizer", str(bundled_path))
+def records_file(tmp_path_factory):
+    return tmp_path_factory.mktemp("records") / "records.jsonl"
+
+
+@pytest.fixture(scope="session")
+def tiny_server(bundled_path, records_file):
+    """The gateway with one replica of the tiny model (sized to the bundled tokenizer),
+    writing its records to ``records_file``."""
+    server = start_server("--model", "tiny:49152", "--tokenizer", str(bundled_path),
+                          "--records-jsonl", str(records_file))
     yield server
     stop_server(server)

@@ -165,3 +165,28 @@ def test_json_object_response_format_through_the_gateway(tiny_server, client):
     assert text.lstrip().startswith("{")
     if resp.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(text), dict)
+
+
+def test_streamed_logprobs_match_non_streamed(tiny_server, client):
+    kwargs = dict(model=tiny_server.model, messages=[{"role": "user", "content": "Hi"}],
+                  max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
+                  extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    streamed, text = [], ""
+    for ev in client.chat.completions.create(stream=True, **kwargs):
+        choice = ev.choices[0]
+        if choice.logprobs is not None:
+            streamed += choice.logprobs.content
+        text += choice.delta.content or ""
+    assert [e.token for e in streamed] == [e.token for e in whole]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in whole], abs=1e-5)
+    assert all(len(e.top_logprobs) == 2 for e in streamed)
+    assert "".join(e.token for e in streamed) == text
+    # completions: token lists per chunk add up to the generated tokens
+    tokens = []
+    for ev in client.completions.create(model=tiny_server.model, prompt="Hi", max_tokens=5,
+                                        temperature=0, logprobs=1, stream=True,
+                                        extra_body={"ignore_eos": True}):
+        if ev.choices and ev.choices[0].logprobs is not None:
+            tokens += ev.choices[0].logprobs.tokens
+    assert len(tokens) == 5

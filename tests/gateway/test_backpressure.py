@@ -1,0 +1,83 @@
+"""A client that stops reading: its requests go BACKPRESSURED (KV kept, no tokens), resume when
+it reads again, and are cancelled when it stays away. Real sockets, real replica.
+
+The client is a raw socket with a tiny receive buffer, so the server's send buffers fill after a
+few hundred kilobytes; 16 parallel samples with logprobs produce that in a few seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+from tests.gateway.conftest import start_server, stop_server
+from tests.gateway.test_faults import replicas, wait_for
+
+
+@pytest.fixture(scope="module")
+def bp_server(bundled_path):
+    server = start_server("--model", "tiny:49152", "--tokenizer", str(bundled_path),
+                          env={"TAILSCOPE_MAX_BUFFERED_DELTAS": "8",
+                               "TAILSCOPE_SLOW_CLIENT_TIMEOUT_S": "3"})
+    yield server
+    stop_server(server)
+
+
+def open_stream(server, max_tokens: int) -> socket.socket:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    s.connect(("127.0.0.1", int(server.url.rsplit(":", 1)[1])))
+    body = json.dumps({"model": server.model, "prompt": "Once upon a time", "n": 16,
+                       "max_tokens": max_tokens, "logprobs": 5, "stream": True,
+                       "ignore_eos": True}).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    return s
+
+
+def wait_paused(url: str) -> int:
+    assert wait_for(lambda: replicas(url)["r0"]["paused"] == 16, 60), replicas(url)
+    used = replicas(url)["r0"]["kv_blocks_used"]
+    time.sleep(0.5)
+    assert replicas(url)["r0"]["kv_blocks_used"] == used  # paused: no tokens, KV kept
+    assert used > 0
+    return used
+
+
+def test_paused_then_resumed_when_the_client_reads_again(bp_server):
+    s = open_stream(bp_server, max_tokens=450)
+    try:
+        wait_paused(bp_server.url)
+        data = b""
+        s.settimeout(60)
+        while b"data: [DONE]" not in data:
+            chunk = s.recv(1 << 16)
+            assert chunk, "connection closed before [DONE]"
+            data += chunk
+    finally:
+        s.close()
+    finishes = [json.loads(line[6:])["choices"][0]["finish_reason"]
+                for line in data.decode(errors="replace").split("\n")
+                if line.startswith("data: {") and '"finish_reason":"' in line.replace(" ", "")]
+    assert finishes.count("length") == 16 and b'data: {"error"' not in data
+    info = replicas(bp_server.url)["r0"]
+    assert info["paused"] == 0 and info["inflight"] == 0
+
+
+def test_client_that_never_reads_is_cancelled_and_its_kv_freed(bp_server):
+    cancelled = replicas(bp_server.url)["r0"]["ended"].get("CANCELLED", 0)
+    s = open_stream(bp_server, max_tokens=1000)
+    try:
+        wait_paused(bp_server.url)
+        # past the 3 s limit every sample is cancelled and its blocks return to the pool
+        assert wait_for(lambda: replicas(bp_server.url)["r0"]["ended"].get("CANCELLED", 0)
+                        == cancelled + 16, 10), replicas(bp_server.url)
+        assert wait_for(lambda: replicas(bp_server.url)["r0"]["kv_blocks_used"] == 0, 2)
+        assert httpx.get(f"{bp_server.url}/health").status_code == 200
+    finally:
+        s.close()
+    assert wait_for(lambda: replicas(bp_server.url)["r0"]["inflight"] == 0, 5)
