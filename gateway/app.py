@@ -157,12 +157,15 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
                 registry.finish(tenant)
             raise
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await gated(request, service.chat)
 
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await gated(request, service.completions)
+
+    # Plain Starlette routes: the endpoints parse their own bodies (pydantic, OpenAI errors), so
+    # FastAPI's per-request dependency solving would be pure overhead on the hot path.
+    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_route("/v1/completions", completions, methods=["POST"])
 
     return app

@@ -32,7 +32,6 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 import zmq
-import zmq.asyncio
 
 from engine.protocol import (
     AbortRequest,
@@ -69,7 +68,7 @@ class Replica:
     id: str
     inbox_addr: str
     proc: subprocess.Popen | None = None
-    socket: zmq.asyncio.Socket | None = None
+    socket: zmq.Socket | None = None
     health: Health | None = None
     inflight: set[str] = field(default_factory=set)
     restarts: int = 0
@@ -133,7 +132,9 @@ class ReplicaPool:
         self.slow_client_cancels = 0
         # past this many in-flight requests on every replica, new ones are shed (503)
         self.max_inflight = max_inflight or 4 * config.max_num_seqs
-        self.ctx = zmq.asyncio.Context()
+        # Plain (sync) sockets: sends are non-blocking PUSHes and the outbox is drained from an
+        # event-loop reader callback, which costs far less per message than zmq.asyncio futures.
+        self.ctx = zmq.Context()
         self.dir = tempfile.mkdtemp(prefix="tailscope-")
         self.outbox_addr = f"ipc://{self.dir}/gateway.out"
         self.outbox = self.ctx.socket(zmq.PULL)
@@ -161,13 +162,16 @@ class ReplicaPool:
         if r.socket is None:
             r.socket = self.ctx.socket(zmq.PUSH)
             r.socket.setsockopt(zmq.LINGER, 0)
+            r.socket.setsockopt(zmq.SNDHWM, 100_000)
             r.socket.connect(r.inbox_addr)
 
     async def start(self) -> None:
         for r in self.replicas:
             self._spawn(r)
-        self._tasks = [asyncio.create_task(self._read_outputs()),
-                       asyncio.create_task(self._watchdog())]
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self.outbox.getsockopt(zmq.FD), self._drain_outbox)
+        loop.call_soon(self._drain_outbox)  # the FD is edge-triggered: drain what came early
+        self._tasks = [asyncio.create_task(self._watchdog())]
 
     async def wait_ready(self, timeout_s: float = 300.0) -> None:
         deadline = asyncio.get_running_loop().time() + timeout_s
@@ -200,9 +204,11 @@ class ReplicaPool:
         for r in self.replicas:
             if r.socket is not None and r.ready:
                 with contextlib.suppress(zmq.ZMQError):
-                    await r.socket.send(encode(Shutdown()))
+                    r.socket.send(encode(Shutdown()), zmq.NOBLOCK)
         for t in self._tasks:
             t.cancel()
+        with contextlib.suppress(Exception):
+            asyncio.get_running_loop().remove_reader(self.outbox.getsockopt(zmq.FD))
         for r in self.replicas:
             if r.proc is not None:
                 try:
@@ -260,8 +266,12 @@ class ReplicaPool:
         work = _Work(replica, len(prompt), params.max_tokens)
         self.work[request_id] = work
         replica.pending_tokens += work.prompt_pending + work.output_pending
-        await replica.socket.send(encode(AddRequest(request_id, prompt, params,
-                                                    queue_timeout_s=queue_timeout_s)))
+        try:
+            replica.socket.send(encode(AddRequest(request_id, prompt, params,
+                                                  queue_timeout_s=queue_timeout_s)), zmq.NOBLOCK)
+        except zmq.Again:  # 100k messages queued for it: the replica is not taking any
+            self.release(request_id)
+            raise ReplicaFailed(f"replica {replica.id} is not accepting requests") from None
         return route, queue
 
     async def next_delta(self, request_id: str, queue: asyncio.Queue
@@ -272,7 +282,7 @@ class ReplicaPool:
         if (work is not None and work.paused_since is not None
                 and queue.qsize() <= self.max_buffered_deltas // 2):
             work.paused_since = None
-            await self._send(work.replica, ResumeRequest(request_id))
+            self._send_nowait(work.replica, ResumeRequest(request_id))
         return item
 
     def _account(self, delta: TokenDelta) -> None:
@@ -307,23 +317,20 @@ class ReplicaPool:
         self._send_nowait(work.replica, AbortRequest(
             request_id, error=f"cancelled: the client did not read its stream ({why})"))
 
-    async def _send(self, replica: Replica, msg) -> None:
-        if replica.socket is not None and replica.ready:
-            await replica.socket.send(encode(msg))
-
     def _send_nowait(self, replica: Replica, msg) -> None:
         if replica.socket is not None and replica.ready:
-            replica.socket.send(encode(msg))  # PUSH to a live peer: queued, returns at once
+            with contextlib.suppress(zmq.Again):  # control messages to a stuck replica
+                replica.socket.send(encode(msg), zmq.NOBLOCK)
 
     async def abort(self, request_id: str) -> None:
         replica = self.owner.get(request_id)
         if replica is not None:
-            await self._send(replica, AbortRequest(request_id))
+            self._send_nowait(replica, AbortRequest(request_id))
 
     async def stop(self, request_id: str, stop_reason: str | int | None) -> None:
         replica = self.owner.get(request_id)
         if replica is not None and replica.ready:
-            await replica.socket.send(encode(StopRequest(request_id, stop_reason)))
+            self._send_nowait(replica, StopRequest(request_id, stop_reason))
 
     def release(self, request_id: str) -> None:
         replica = self.owner.pop(request_id, None)
@@ -335,26 +342,38 @@ class ReplicaPool:
             work.replica.pending_tokens -= work.prompt_pending + work.output_pending
 
     # ---- background tasks ----------------------------------------------------------------------
-    async def _read_outputs(self) -> None:
-        while True:
-            msg = decode_from_replica(await self.outbox.recv())
-            if isinstance(msg, Health):
-                replica = next(r for r in self.replicas if r.id == msg.replica)
-                replica.health = msg
-                log.info("replica %s ready (%s)", msg.replica, msg.model)
-            elif isinstance(msg, StepReport):
-                replica = next((r for r in self.replicas if r.id == msg.replica), None)
-                if replica is not None:
-                    replica.last_report = msg
-                for delta in msg.deltas:
-                    if replica is not None and delta.finish_reason is not None:
-                        replica.ended[delta.state] += 1
-                    self._account(delta)
-                    queue = self.queues.get(delta.request_id)
-                    if queue is not None:
-                        queue.put_nowait(delta)
-                        if delta.finish_reason is None:
-                            self._buffer_check(delta.request_id, queue)
+    def _drain_outbox(self) -> None:
+        """Event-loop reader callback: handle every message waiting in the outbox. ZeroMQ's FD
+        only signals edges, so read until ``EVENTS`` says nothing is left."""
+        sock = self.outbox
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                data = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                self._handle(decode_from_replica(data))
+            except Exception:  # one bad message must not stop the reader
+                log.exception("bad message from a replica")
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, Health):
+            replica = next(r for r in self.replicas if r.id == msg.replica)
+            replica.health = msg
+            log.info("replica %s ready (%s)", msg.replica, msg.model)
+        elif isinstance(msg, StepReport):
+            replica = next((r for r in self.replicas if r.id == msg.replica), None)
+            if replica is not None:
+                replica.last_report = msg
+            for delta in msg.deltas:
+                if replica is not None and delta.finish_reason is not None:
+                    replica.ended[delta.state] += 1
+                self._account(delta)
+                queue = self.queues.get(delta.request_id)
+                if queue is not None:
+                    queue.put_nowait(delta)
+                    if delta.finish_reason is None:
+                        self._buffer_check(delta.request_id, queue)
 
     async def _watchdog(self) -> None:
         while True:
