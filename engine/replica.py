@@ -118,7 +118,7 @@ class Replica:
             outputs = self.engine.step()
             ran = self.engine.step_count > steps_before
             step = self.engine.observer.steps[-1] if ran else None
-            if outputs:
+            if outputs or ran:  # every tick is reported: the store keeps engine_steps
                 stats = dataclasses.asdict(step) if step is not None else None
                 usage = self.engine.kv.usage()
                 self.outbox.send(encode(StepReport(

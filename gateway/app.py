@@ -21,10 +21,12 @@ from fastapi.responses import JSONResponse, Response
 from engine import __version__ as engine_version
 from engine.text import load_tokenizer
 from gateway import __version__ as gateway_version
+from gateway import store_api
 from gateway.errors import APIError, api_error_handler
 from gateway.metrics import GatewayMetrics
 from gateway.replicas import ReplicaConfig, ReplicaPool
 from gateway.serving import Service
+from gateway.store_api import open_store, step_row
 from gateway.tenants import TenantRegistry
 from gateway.trace import TraceMiddleware
 from tracing.record import RequestRecord
@@ -49,6 +51,11 @@ class GatewayConfig:
     records_jsonl: str | None = None  # append every request record to this file
     record_token_ids: bool = True  # privacy: False leaves token ids out of records
     memory_records: int = 10_000  # the latest records kept for /debug/requests
+    store_dsn: str | None = None  # chdb:///path or http(s)://host:8123; None = no store
+    spool_dir: str | None = None  # where batches wait while the store is down
+    store_ttl_days: int = 30  # default row TTL (a tenant's ttl_days overrides)
+    admin_key: str | None = None  # Bearer key for /debug/* (besides admin tenants' keys)
+    fault_store_down_file: str | None = None  # fault injection: inserts fail while it exists
 
 
 def config_id(config: GatewayConfig, replica: ReplicaConfig) -> str:
@@ -80,6 +87,14 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
     sinks: list[RecordSink] = [memory]
     if config.records_jsonl:
         sinks.append(JsonlSink(config.records_jsonl))
+    handle = None
+    if config.store_dsn:
+        handle, writer = open_store(config.store_dsn, config.spool_dir,
+                                    config.fault_store_down_file)
+        sinks.append(writer)
+        pool.on_step = lambda replica, msg: writer.emit_step(
+            step_row(replica, msg, config.store_ttl_days))
+        metrics.watch_writer(writer)
     sinks += extra_sinks or []
     sink = FanoutSink(sinks)
 
@@ -94,7 +109,9 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
             yield
         finally:
             await pool.close()
-            sink.close()
+            sink.close()  # the writer drains: every record is inserted or spooled
+            if handle is not None:
+                handle.close()
 
     app = FastAPI(title="Tailscope gateway", lifespan=lifespan)
     app.state.pool, app.state.tokenizer, app.state.records = pool, tokenizer, memory
@@ -103,11 +120,20 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
                        on_record=on_record)
 
     def require_admin(request: Request) -> None:
-        if not registry.open:
-            tenant, _ = registry.authenticate(request.headers.get("authorization"))
-            if not tenant.admin:
-                raise APIError(403, f"tenant {tenant.name!r} is not an admin",
-                               "permission_error", code="forbidden")
+        """/debug/*: the admin key or an admin tenant's key; open local mode without an admin
+        key lets everyone in (it is a local, single-user setup)."""
+        auth = request.headers.get("authorization") or ""
+        if config.admin_key and auth == f"Bearer {config.admin_key}":
+            return
+        if registry.open and not config.admin_key:
+            return
+        if registry.open:
+            raise APIError(401, "this endpoint needs the admin key", "authentication_error",
+                           code="invalid_api_key")
+        tenant, _ = registry.authenticate(auth)
+        if not tenant.admin:
+            raise APIError(403, f"tenant {tenant.name!r} is not an admin",
+                           "permission_error", code="forbidden")
 
     @app.get("/health")
     async def health() -> dict:
@@ -129,14 +155,7 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
         require_admin(request)
         return pool.describe()
 
-    @app.get("/debug/requests/{trace_id}")
-    async def debug_request(trace_id: str, request: Request) -> dict:
-        """A recent request's record (from the in-memory sink)."""
-        require_admin(request)
-        record = memory.find(trace_id.lower())
-        if record is None:
-            raise APIError(404, f"no recent record for trace {trace_id}", code="not_found")
-        return record.to_dict()
+    store_api.register(app, handle, memory, require_admin)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -149,6 +168,7 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
         tenant, key_id = registry.authenticate(request.headers.get("authorization"))
         trace = request.state.trace
         trace.record.tenant, trace.record.api_key_id = tenant.name, key_id
+        trace.record.ttl_days = tenant.ttl_days or config.store_ttl_days
         registry.admit_request(tenant)
         try:
             return await handler(request, tenant)

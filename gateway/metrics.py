@@ -49,6 +49,31 @@ class _PoolCollector:
         yield from (running, waiting, inflight, kv, ready, restarts)
 
 
+class _WriterCollector:
+    """The record writer's counters: nothing dropped silently."""
+
+    def __init__(self, writer) -> None:
+        self.writer = writer
+
+    def collect(self):
+        st = self.writer.stats
+        for key, doc in (("queued", "Records handed to the store writer"),
+                         ("written", "Records inserted into the store (replays included)"),
+                         ("spooled", "Records spooled to disk after a failed insert"),
+                         ("replayed", "Spooled records inserted later"),
+                         ("dropped", "Records dropped (queue full); each one is logged")):
+            c = CounterMetricFamily(f"tailscope:records_{key}", doc)
+            c.add_metric([], st[key])
+            yield c
+        depth = GaugeMetricFamily("tailscope:records_queue_depth", "Items waiting in the "
+                                  "writer's queue")
+        depth.add_metric([], self.writer.queue_depth)
+        yield depth
+        files = GaugeMetricFamily("tailscope:records_spool_files", "Batches waiting on disk")
+        files.add_metric([], len(self.writer.spool_files()))
+        yield files
+
+
 class GatewayMetrics:
     def __init__(self, pool) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -73,6 +98,9 @@ class GatewayMetrics:
         self.prefill = hist("tailscope:request_prefill_time_seconds", "Engine prefill time")
         self.decode = hist("tailscope:request_decode_time_seconds", "Engine decode time")
         r.register(_PoolCollector(pool))
+
+    def watch_writer(self, writer) -> None:
+        self.registry.register(_WriterCollector(writer))
 
     def observe(self, rec: RequestRecord) -> None:
         self.http.labels(rec.endpoint, str(rec.http_status)).inc()

@@ -129,6 +129,8 @@ class ReplicaPool:
         self.max_buffered_deltas = max_buffered_deltas
         self.slow_client_timeout_s = slow_client_timeout_s
         self.work: dict[str, _Work] = {}
+        # called with (replica, StepReport) for every engine tick (the store's engine_steps)
+        self.on_step = None
         self.slow_client_cancels = 0
         # past this many in-flight requests on every replica, new ones are shed (503)
         self.max_inflight = max_inflight or 4 * config.max_num_seqs
@@ -365,6 +367,8 @@ class ReplicaPool:
             replica = next((r for r in self.replicas if r.id == msg.replica), None)
             if replica is not None:
                 replica.last_report = msg
+                if msg.stats is not None and self.on_step is not None:
+                    self.on_step(replica, msg)
             for delta in msg.deltas:
                 if replica is not None and delta.finish_reason is not None:
                     replica.ended[delta.state] += 1

@@ -292,13 +292,14 @@ class Service:
 
     # ---- the record ----------------------------------------------------------------------------
     def fill_record(self, trace: RequestTrace, req: SamplingFields, prompt: list[int],
-                    params: SamplingParams, choices: list[Choice], client_gone: bool) -> None:
+                    params: SamplingParams, choices: list[Choice], client_gone: bool,
+                    tenant: Tenant) -> None:
         r = trace.record
         r.prompt_tokens, r.n, r.stream = len(prompt), req.n, req.stream
         r.generated_tokens = sum(c.stream.generated_tokens for c in choices)
         r.emitted_tokens = sum(c.stream.emitted_tokens for c in choices)
         r.retries = sum(c.retries for c in choices)
-        if self.config.record_token_ids:
+        if self.config.record_token_ids and tenant.capture == "full":
             r.input_token_ids = list(prompt)
             r.output_token_ids = list(choices[0].token_ids) if choices else []
         if choices:
@@ -356,7 +357,7 @@ class Service:
         def settle(client_gone: bool) -> None:  # tenant slot, unused token budget, record
             unused = sum(params.max_tokens - c.stream.generated_tokens for c in choices)
             registry.finish(tenant, unused)
-            self.fill_record(trace, req, prompt, params, choices, client_gone)
+            self.fill_record(trace, req, prompt, params, choices, client_gone, tenant)
 
         request.state.settled_by_run = True  # from here on, settle() releases the slot
         if not req.stream:

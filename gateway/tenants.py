@@ -11,6 +11,8 @@ Configured in a TOML file (``tailscope serve --config FILE`` or ``TAILSCOPE_CONF
     max_prompt_tokens = 4096
     max_output_tokens = 1024
     admin = false                   # true: its keys may read /debug/* endpoints
+    capture = "full"                # "counts": records keep token counts, not token ids
+    ttl_days = 30                   # the store drops its rows after this many days
 
 No tenants configured = open local mode (every request is tenant "local", no limits); the
 gateway logs a warning at start. Keys are never logged or stored; records carry a key id (a
@@ -69,6 +71,8 @@ class Tenant:
     max_prompt_tokens: int | None = None
     max_output_tokens: int | None = None
     admin: bool = False  # its keys may read /debug endpoints
+    capture: str = "full"  # "full": token ids in records; "counts": counts only
+    ttl_days: int | None = None  # how long the store keeps its rows (default: the store's)
     active: int = 0
     request_bucket: TokenBucket | None = None
     token_bucket: TokenBucket | None = None
@@ -107,6 +111,9 @@ class TenantRegistry:
                 raise ValueError(f"{path}: tenant entry {entry.get('name')!r} has unknown or "
                                  f"missing fields: {sorted(unknown) or ['name']}")
             tenant = Tenant(**entry)
+            if tenant.capture not in ("full", "counts"):
+                raise ValueError(f"{path}: tenant {tenant.name!r}: capture must be 'full' or "
+                                 f"'counts', not {tenant.capture!r}")
             tenants.append(tenant)
             for key in entry_keys:
                 if key in keys:

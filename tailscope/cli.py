@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import replace
@@ -102,10 +103,91 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                    max_buffered_deltas=s.max_buffered_deltas,
                                    slow_client_timeout_s=s.slow_client_timeout_s,
                                    records_jsonl=args.records_jsonl or s.records_jsonl or None,
-                                   record_token_ids=s.record_token_ids))
+                                   record_token_ids=s.record_token_ids,
+                                   store_dsn=None if s.store_dsn.lower() in ("", "none")
+                                   else s.store_dsn,
+                                   spool_dir=s.spool_dir or None,
+                                   store_ttl_days=s.store_ttl_days,
+                                   admin_key=s.admin_key or None,
+                                   fault_store_down_file=os.environ.get(
+                                       "TAILSCOPE_FAULT_STORE_DOWN_FILE") or None))
     uvicorn.run(app, host=args.host, port=args.port, log_level="info",
                 access_log=args.access_log)
     return 0
+
+
+def _param(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise ValueError(f"--param {text!r}: expected NAME=VALUE")
+    try:
+        return key, json.loads(value)  # numbers and lists as such, anything else a string
+    except json.JSONDecodeError:
+        return key, value
+
+
+def _store_target(args: argparse.Namespace, s: Settings):
+    """('gateway', url) or ('direct', Store): the gateway owns an embedded store while it runs."""
+    import httpx
+
+    from tracing.store import Store, is_embedded, normalise_dsn
+
+    if args.url:
+        return "gateway", args.url.rstrip("/")
+    dsn = normalise_dsn(args.dsn or s.store_dsn)
+    if is_embedded(dsn):
+        try:
+            httpx.get(f"{s.gateway_url}/health", timeout=1.0).raise_for_status()
+            return "gateway", s.gateway_url.rstrip("/")
+        except httpx.HTTPError:
+            pass
+    store = Store(dsn)
+    store.migrate()
+    return "direct", store
+
+
+def _admin_headers(s: Settings) -> dict[str, str]:
+    return {"Authorization": f"Bearer {s.admin_key}"} if s.admin_key else {}
+
+
+def cmd_store(args: argparse.Namespace) -> int:
+    import httpx
+
+    s = Settings.from_env()
+    kind, target = _store_target(args, s)
+    if args.store_command == "query":
+        params = dict(_param(p) for p in args.param or [])
+        if kind == "gateway":
+            r = httpx.post(f"{target}/debug/query", json={"sql": args.sql, "params": params},
+                           headers=_admin_headers(s), timeout=120)
+            if r.status_code != 200:
+                print(f"error: {r.json().get('error', {}).get('message', r.text)}",
+                      file=sys.stderr)
+                return 1
+            cols, rows = r.json()["columns"], r.json()["rows"]
+        else:
+            cols, rows = target.select(args.sql, params)
+        if args.format == "json":
+            for row in rows:
+                print(json.dumps(dict(zip(cols, row, strict=True)), default=str))
+        else:
+            print("\t".join(cols))
+            for row in rows:
+                print("\t".join(str(v) for v in row))
+        return 0
+    if args.store_command == "delete":
+        if kind == "gateway":
+            r = httpx.delete(f"{target}/debug/tenants/{args.tenant}/records",
+                             headers=_admin_headers(s), timeout=120)
+            if r.status_code != 200:
+                print(f"error: {r.text}", file=sys.stderr)
+                return 1
+            n = r.json()["deleted_requests"]
+        else:
+            n = target.delete_tenant(args.tenant)
+        print(f"deleted {n} request rows of tenant {args.tenant!r} (and their events)")
+        return 0
+    return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,6 +228,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="append every request's trace record to FILE as JSON lines")
     sv.add_argument("--access-log", action="store_true", help="uvicorn's per-request log")
     sv.set_defaults(func=cmd_serve)
+    st = sub.add_parser("store", help="query the trace store or delete a tenant's rows")
+    st.add_argument("--url", help="a gateway to go through (default: the running one, if any)")
+    st.add_argument("--dsn", help="store DSN (default TAILSCOPE_STORE_DSN)")
+    sst = st.add_subparsers(dest="store_command", required=True)
+    q = sst.add_parser("query", help="run one read-only SELECT")
+    q.add_argument("sql")
+    q.add_argument("--param", action="append", metavar="NAME=VALUE",
+                   help="bind {NAME:Type} in the SQL (repeatable)")
+    q.add_argument("--format", choices=["table", "json"], default="table")
+    d = sst.add_parser("delete", help="delete every stored row of a tenant")
+    d.add_argument("--tenant", required=True)
+    st.set_defaults(func=cmd_store)
     return p
 
 

@@ -25,6 +25,11 @@ class Settings:
     slow_client_timeout_s: float = 30.0  # TAILSCOPE_SLOW_CLIENT_TIMEOUT_S: paused -> cancelled
     records_jsonl: str = ""  # TAILSCOPE_RECORDS_JSONL: append each request record here
     record_token_ids: bool = True  # TAILSCOPE_RECORD_TOKEN_IDS: 0 keeps ids out of records
+    store_dsn: str = "chdb://./.tailscope/store"  # TAILSCOPE_STORE_DSN ("none": no store)
+    spool_dir: str = ""  # TAILSCOPE_SPOOL_DIR: failed batches wait here (default beside store)
+    store_ttl_days: int = 30  # TAILSCOPE_STORE_TTL_DAYS: default row TTL
+    admin_key: str = ""  # TAILSCOPE_ADMIN_KEY: Bearer key for /debug/* endpoints
+    gateway_url: str = "http://127.0.0.1:8000"  # TAILSCOPE_GATEWAY_URL: for `tailscope store`
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -43,4 +48,9 @@ class Settings:
                                              str(cls.slow_client_timeout_s))),
             records_jsonl=_env("RECORDS_JSONL", cls.records_jsonl),
             record_token_ids=_env("RECORD_TOKEN_IDS", "1").lower() not in ("0", "false", "no"),
+            store_dsn=_env("STORE_DSN", cls.store_dsn),
+            spool_dir=_env("SPOOL_DIR", cls.spool_dir),
+            store_ttl_days=int(_env("STORE_TTL_DAYS", str(cls.store_ttl_days))),
+            admin_key=_env("ADMIN_KEY", cls.admin_key),
+            gateway_url=_env("GATEWAY_URL", cls.gateway_url),
         )

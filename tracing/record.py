@@ -94,6 +94,7 @@ class RequestRecord:
     tail_ms: float = 0.0
     itl_ms: list[float] = field(default_factory=list)
     events: list[RecordEvent] = field(default_factory=list)
+    ttl_days: int = 30  # how long the store keeps the row (the tenant's privacy setting)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

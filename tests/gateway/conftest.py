@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -27,9 +28,11 @@ class Server:
 def start_server(*args: str, timeout_s: float = 240.0, env: dict[str, str] | None = None
                  ) -> Server:
     port = free_port()
+    store = tempfile.mkdtemp(prefix="tailscope-test-store-")  # chDB: one directory per process
     proc = subprocess.Popen(
         [sys.executable, "-m", "tailscope.cli", "serve", "--port", str(port), *args],
-        env={**os.environ, "TAILSCOPE_KV_CACHE_MB": "64", **(env or {})})
+        env={**os.environ, "TAILSCOPE_KV_CACHE_MB": "64",
+             "TAILSCOPE_STORE_DSN": f"chdb://{store}/store", **(env or {})})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

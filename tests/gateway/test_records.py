@@ -25,7 +25,8 @@ def record(url: str, trace_id: str, timeout_s: float = 5.0) -> dict:
     def get() -> bool:
         r = httpx.get(f"{url}/debug/requests/{trace_id}")
         if r.status_code == 200:
-            found.append(r.json())
+            body = r.json()
+            found.append({**body["record"], "events": body["events"]})
         return bool(found)
 
     assert wait_for(get, timeout_s), f"no record for {trace_id}"

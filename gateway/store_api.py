@@ -1,0 +1,191 @@
+"""The gateway's side of the trace store: opening it, feeding the writer, and the admin read
+endpoints (``POST /debug/query``, ``GET /debug/requests/{trace_id}``, tenant deletion).
+
+In embedded mode (chDB) the gateway process owns the store's directory, so every other tool
+reads through these endpoints; store calls run in a worker thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import io
+import logging
+import threading
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from gateway.errors import APIError, bad_request
+from tracing.schema import EngineStepRow
+from tracing.store import QueryRefused, Store, StoreError, is_embedded, normalise_dsn
+from tracing.writer import RecordWriter
+
+log = logging.getLogger("tailscope.store")
+
+
+class StoreHandle:
+    """Opens (and migrates) the store on first use; a server that is down is retried later."""
+
+    def __init__(self, dsn: str) -> None:
+        self.dsn = normalise_dsn(dsn)
+        self._store: Store | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> Store:
+        with self._lock:
+            if self._store is None:
+                store = Store(self.dsn)
+                store.migrate()
+                self._store = store
+            return self._store
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+
+
+def default_spool_dir(dsn: str) -> Path:
+    dsn = normalise_dsn(dsn)
+    if is_embedded(dsn):
+        return Path(dsn[len("chdb://"):] + "-spool")
+    return Path(".tailscope/spool").resolve()
+
+
+def open_store(dsn: str, spool_dir: str | None, fault_file: str | None
+               ) -> tuple[StoreHandle, RecordWriter]:
+    handle = StoreHandle(dsn)
+    if is_embedded(handle.dsn):  # fail fast: e.g. another gateway already owns the directory
+        try:
+            handle.get()
+        except StoreError as exc:
+            raise SystemExit(f"tailscope: {exc}") from None
+    spool = Path(spool_dir) if spool_dir else default_spool_dir(dsn)
+    writer = RecordWriter(handle.get, spool, fault_file=fault_file)
+    log.info("trace store: %s (spool %s)", handle.dsn, spool)
+    return handle, writer
+
+
+def step_row(replica, msg, ttl_days: int) -> EngineStepRow:
+    s = msg.stats
+    return EngineStepRow(
+        replica=replica.id, incarnation=replica.restarts, step=int(s["step"]),
+        ts_us=int(s["wall_ns"]) // 1000, duration_ms=s["duration_ms"],
+        num_seqs=int(s["num_seqs"]), prefill_tokens=int(s["prefill_tokens"]),
+        decode_tokens=int(s["decode_tokens"]), kv_blocks_used=int(s["kv_blocks_used"]),
+        kv_blocks_total=int(s["kv_blocks_total"]), forward_ms=s["forward_ms"],
+        sample_ms=s["sample_ms"], host_ms=s["host_ms"], running=msg.running,
+        waiting=msg.waiting, ttl_days=ttl_days)
+
+
+def _jsonable(v):
+    if isinstance(v, dt.datetime):
+        if v.tzinfo is None:
+            v = v.replace(tzinfo=dt.UTC)
+        return v.isoformat()
+    if isinstance(v, list | tuple):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _jsonable(x) for k, x in v.items()}
+    return v
+
+
+def register(app: FastAPI, handle: StoreHandle | None, memory, require_admin) -> None:
+    async def in_thread(fn, *args):
+        if handle is None:
+            raise APIError(503, "no trace store is configured (TAILSCOPE_STORE_DSN)",
+                           "server_error", code="no_store")
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except QueryRefused as exc:
+            raise bad_request(str(exc), "sql") from None
+        except StoreError as exc:
+            raise APIError(503, str(exc), "server_error", code="store_unavailable") from None
+        except Exception as exc:  # ClickHouse's own errors: bad SQL, unknown column, ...
+            raise bad_request(f"query failed: {str(exc).splitlines()[0][:500]}", "sql") from None
+
+    @app.post("/debug/query")
+    async def debug_query(request: Request) -> Response:
+        """A read-only SELECT: {"sql": ..., "params": {...}, "format": "json" | "arrow"}."""
+        require_admin(request)
+        try:
+            body = await request.json()
+        except ValueError:
+            raise bad_request("request body is not valid JSON") from None
+        if not isinstance(body, dict) or not isinstance(body.get("sql"), str):
+            raise bad_request("body must be a JSON object with a string 'sql'", "sql")
+        params = body.get("params") or {}
+        if not isinstance(params, dict):
+            raise bad_request("'params' must be an object", "params")
+        fmt = body.get("format", "json")
+        if fmt == "arrow":
+            import pyarrow.ipc as ipc
+
+            table = await in_thread(lambda: handle.get().select_arrow(body["sql"], params))
+            sink = io.BytesIO()
+            with ipc.new_stream(sink, table.schema) as w:
+                w.write_table(table)
+            return Response(sink.getvalue(), media_type="application/vnd.apache.arrow.stream")
+        if fmt != "json":
+            raise bad_request("format must be 'json' or 'arrow'", "format")
+        cols, rows = await in_thread(lambda: handle.get().select(body["sql"], params))
+        return JSONResponse({"columns": cols, "rows": _jsonable([list(r) for r in rows])})
+
+    def _lookup(trace_id: str) -> dict:
+        store = handle.get()
+        cols, rows = store.select("SELECT * FROM tailscope.requests WHERE trace_id = "
+                                  "{t:String} LIMIT 1", {"t": trace_id})
+        record = dict(zip(cols, rows[0], strict=True)) if rows else None
+        cols, rows = store.select("SELECT ts, state, detail FROM tailscope.request_events "
+                                  "WHERE trace_id = {t:String} ORDER BY ts, seq",
+                                  {"t": trace_id})
+        events = [dict(zip(cols, r, strict=True)) for r in rows]
+        return {"record": record, "events": events}
+
+    def _steps(replica: str, start_us: int, end_us: int) -> list[dict]:
+        cols, rows = handle.get().select(
+            "SELECT * FROM tailscope.engine_steps WHERE replica = {r:String} AND ts >= "
+            "fromUnixTimestamp64Micro({a:Int64}, 'UTC') AND ts <= "
+            "fromUnixTimestamp64Micro({b:Int64}, 'UTC') ORDER BY ts, step",
+            {"r": replica, "a": start_us, "b": end_us})
+        return [dict(zip(cols, r, strict=True)) for r in rows]
+
+    @app.get("/debug/requests/{trace_id}")
+    async def debug_request(trace_id: str, request: Request) -> dict:
+        """The request's record, its state events, and its replica's overlapping steps."""
+        require_admin(request)
+        trace_id = trace_id.lower()
+        mem = memory.find(trace_id)
+        out: dict = {"record": None, "events": [], "engine_steps": [], "source": "memory"}
+        if mem is not None:
+            d = mem.to_dict()
+            out["events"] = d.pop("events")
+            out["record"] = d
+        if handle is not None:
+            stored = await in_thread(_lookup, trace_id)
+            if out["record"] is None and stored["record"] is not None:
+                out.update(record=stored["record"], events=stored["events"], source="store")
+            elif stored["record"] is not None:
+                out["source"] = "memory+store"
+        rec = out["record"]
+        if rec is None:
+            raise APIError(404, f"no record for trace {trace_id}", code="not_found")
+        if handle is not None and rec.get("replica"):
+            start = rec.get("arrival_ts_us")
+            if start is None:
+                start = int(rec["arrival_ts"].timestamp() * 1e6)
+            end = start + int((rec.get("e2e_ms") or 0) * 1000) + 1
+            out["engine_steps"] = await in_thread(_steps, rec["replica"], start, end)
+        return _jsonable(out)
+
+    @app.delete("/debug/tenants/{tenant}/records")
+    async def delete_tenant(tenant: str, request: Request) -> dict:
+        """Remove every stored row of a tenant (requests and their events)."""
+        require_admin(request)
+
+        def run() -> int:
+            return handle.get().delete_tenant(tenant)
+
+        return {"tenant": tenant, "deleted_requests": await in_thread(run)}
+

@@ -1,0 +1,175 @@
+"""The store's tables, generated from one dataclass per table (``tracing.record`` for requests).
+
+``TABLES`` maps each table of database ``tailscope`` to its columns (name, ClickHouse type),
+derived from the dataclass fields by ``_columns`` with a few stated overrides (time columns,
+low-cardinality strings); ``ddl()`` renders ``CREATE TABLE`` statements and ``MIGRATIONS``
+lists the versioned steps applied at start (``tracing.store.migrate``). A new column is a new
+migration (``ALTER TABLE ... ADD COLUMN IF NOT EXISTS``) appended to the list, never an edit of
+an applied one.
+
+All tables are MergeTree, partitioned by day and ordered for the drill-down queries (time,
+then model/replica); rows expire after ``ttl_days`` (a column, so a tenant's privacy setting
+can shorten it per row). ``non_replicated_deduplication_window`` makes a re-sent batch with the
+same ``insert_deduplication_token`` a no-op, which is what lets the writer replay spooled
+batches without ever duplicating a row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+
+from tracing.record import RecordEvent, RequestRecord
+
+DATABASE = "tailscope"
+DEDUP_WINDOW = 10_000  # recent insert tokens remembered per table
+
+
+@dataclass(slots=True)
+class EngineStepRow:
+    replica: str
+    incarnation: int  # restarts of the replica before this process: step counters restart
+    step: int
+    ts_us: int  # wall clock at the step start
+    duration_ms: float
+    num_seqs: int
+    prefill_tokens: int
+    decode_tokens: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    forward_ms: float
+    sample_ms: float
+    host_ms: float
+    running: int = 0
+    waiting: int = 0
+    ttl_days: int = 30
+
+
+@dataclass(slots=True)
+class EventRow:
+    trace_id: str
+    ts_us: int
+    state: str
+    detail: str = ""
+    seq: int = 0  # order within the request (timestamps can tie)
+    ttl_days: int = 30
+
+
+@dataclass(slots=True)
+class EvalRunRow:
+    run_id: str
+    ts_us: int
+    suite: str
+    config_id: str
+    config: str = ""  # the resolved config, JSON
+    url: str = ""
+    cases: int = 0
+    passed: int = 0
+    ttl_days: int = 365
+
+
+@dataclass(slots=True)
+class EvalResultRow:
+    run_id: str
+    case_id: str
+    trace_id: str
+    ts_us: int
+    score: float
+    passed: bool
+    detail: str = ""
+    tags: list[str] = dataclasses.field(default_factory=list)
+    ttl_days: int = 365
+
+
+@dataclass(slots=True)
+class BenchRunRow:
+    run_id: str
+    ts_us: int
+    mode: str
+    target: str
+    config_id: str = ""
+    params: str = ""  # JSON
+    results: str = ""  # JSON summary
+    ttl_days: int = 365
+
+
+# Strings with few distinct values: stored as LowCardinality(String).
+_LOW_CARDINALITY = {"tenant", "api_key_id", "endpoint", "final_state", "finish_reason",
+                    "error_type", "model", "model_revision", "engine_version",
+                    "tokenizer_revision", "gateway_version", "config_id", "replica", "state",
+                    "suite", "mode"}
+_TIME_COLUMNS = {"ts_us": "ts", "arrival_ts_us": "arrival_ts"}  # µs ints -> DateTime64(6)
+_SCALARS = {str: "String", int: "Int64", float: "Float64", bool: "Bool"}
+_ARRAYS = {"input_token_ids": "Array(UInt32)", "output_token_ids": "Array(UInt32)",
+           "itl_ms": "Array(Float32)", "tags": "Array(LowCardinality(String))"}
+_NARROW = {"ttl_days": "UInt16", "http_status": "UInt16", "prompt_tokens": "UInt32",
+           "cached_tokens": "UInt32", "generated_tokens": "UInt32", "emitted_tokens": "UInt32",
+           "n": "UInt16", "retries": "UInt8", "preemptions": "UInt32", "step": "UInt64",
+           "incarnation": "UInt32", "seq": "UInt16"}
+
+
+def _ch_type(name: str, annotation) -> str:
+    if name in _TIME_COLUMNS:
+        return "DateTime64(6, 'UTC')"
+    if name in _ARRAYS:
+        return _ARRAYS[name]
+    if name in _NARROW:
+        return _NARROW[name]
+    args = typing.get_args(annotation)
+    if isinstance(annotation, types.UnionType) and type(None) in args:  # X | None
+        inner = next(a for a in args if a is not type(None))
+        return f"Nullable({_SCALARS[inner]})"
+    base = _SCALARS[annotation]
+    return f"LowCardinality({base})" if name in _LOW_CARDINALITY else base
+
+
+def _columns(cls, skip: tuple[str, ...] = ()) -> list[tuple[str, str, str]]:
+    """(column name, ClickHouse type, dataclass field name) for each stored field."""
+    hints = typing.get_type_hints(cls)
+    return [(_TIME_COLUMNS.get(f.name, f.name), _ch_type(f.name, hints[f.name]), f.name)
+            for f in dataclasses.fields(cls) if f.name not in skip]
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    row_type: type
+    columns: list[tuple[str, str, str]]
+    time_column: str
+    order_by: str
+
+    def create(self) -> str:
+        cols = ",\n    ".join(f"`{c}` {t}" for c, t, _ in self.columns)
+        return (f"CREATE TABLE IF NOT EXISTS {DATABASE}.{self.name} (\n    {cols}\n)\n"
+                f"ENGINE = MergeTree\nPARTITION BY toDate({self.time_column})\n"
+                f"ORDER BY ({self.order_by})\n"
+                f"TTL toDateTime({self.time_column}) + toIntervalDay(ttl_days)\n"
+                f"SETTINGS non_replicated_deduplication_window = {DEDUP_WINDOW}")
+
+
+TABLES: dict[str, Table] = {t.name: t for t in [
+    Table("requests", RequestRecord,
+          _columns(RequestRecord, skip=("events",)),
+          "arrival_ts", "toStartOfHour(arrival_ts), model, replica, arrival_ts"),
+    Table("request_events", EventRow, _columns(EventRow), "ts", "trace_id, ts, seq"),
+    Table("engine_steps", EngineStepRow, _columns(EngineStepRow), "ts",
+          "replica, ts, incarnation, step"),
+    Table("eval_runs", EvalRunRow, _columns(EvalRunRow), "ts", "ts, run_id"),
+    Table("eval_results", EvalResultRow, _columns(EvalResultRow), "ts", "run_id, case_id"),
+    Table("bench_runs", BenchRunRow, _columns(BenchRunRow), "ts", "ts, run_id"),
+]}
+
+
+def ddl() -> list[str]:
+    return [f"CREATE DATABASE IF NOT EXISTS {DATABASE}", *(t.create() for t in TABLES.values())]
+
+
+# (version, name, statements). Applied in order, each once; statements are idempotent too.
+MIGRATIONS: list[tuple[int, str, list[str]]] = [
+    (1, "initial tables", [t.create() for t in TABLES.values()]),
+]
+
+__all__ = ["DATABASE", "TABLES", "MIGRATIONS", "EngineStepRow", "EventRow", "EvalRunRow",
+           "EvalResultRow", "BenchRunRow", "RecordEvent", "ddl"]
