@@ -14,7 +14,8 @@ Load is open loop: the send times are fixed up front (evenly spaced at each rate
 measured from the *scheduled* time, so a stalled server cannot hide its stall; the report says
 how far the client itself fell behind. The figures include the client's own cost, which is
 larger for HTTP than for ZeroMQ, so "added" is an upper bound on the gateway's share. Peak RSS
-is the gateway process's alone (its replica is a separate process). No pass/fail here.
+is the gateway process's alone (its replica is a separate process); the gateway runs with full
+capture into a fresh embedded chDB store. No pass/fail here.
 
 The replica runs with one torch thread on both paths (``--replica-threads``, default 1): on a
 small machine the load generator, the gateway and the replica share the cores, and a replica
@@ -200,9 +201,12 @@ async def run_gateway(rates: list[float], duration: float, model: str, tokenizer
     import httpx
 
     port = free_port()
+    # full capture, as deployed: every record and engine step goes to a fresh chDB store
+    store_dsn = f"chdb://{tempfile.mkdtemp(prefix='tailscope-bench-')}/store"
     proc = subprocess.Popen([sys.executable, "-m", "tailscope.cli", "serve", "--port",
                              str(port), "--model", model, "--tokenizer", tokenizer],
-                            cwd=ROOT, env={**replica_env(), "TAILSCOPE_KV_CACHE_MB": "64"},
+                            cwd=ROOT, env={**replica_env(), "TAILSCOPE_KV_CACHE_MB": "64",
+                                           "TAILSCOPE_STORE_DSN": store_dsn},
                             stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     stop, peak = threading.Event(), []

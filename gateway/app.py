@@ -56,6 +56,8 @@ class GatewayConfig:
     store_ttl_days: int = 30  # default row TTL (a tenant's ttl_days overrides)
     admin_key: str | None = None  # Bearer key for /debug/* (besides admin tenants' keys)
     fault_store_down_file: str | None = None  # fault injection: inserts fail while it exists
+    otlp_endpoint: str | None = None  # export one span per request over OTLP when set
+    otlp_protocol: str = "http/protobuf"  # or "grpc"
 
 
 def config_id(config: GatewayConfig, replica: ReplicaConfig) -> str:
@@ -95,6 +97,12 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
         pool.on_step = lambda replica, msg: writer.emit_step(
             step_row(replica, msg, config.store_ttl_days))
         metrics.watch_writer(writer)
+    if config.otlp_endpoint:
+        from tracing.otel import OtelSink, make_exporter
+
+        sinks.append(OtelSink(make_exporter(config.otlp_endpoint, config.otlp_protocol)))
+        log.info("exporting spans over OTLP (%s) to %s", config.otlp_protocol,
+                 config.otlp_endpoint)
     sinks += extra_sinks or []
     sink = FanoutSink(sinks)
 

@@ -110,7 +110,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                    store_ttl_days=s.store_ttl_days,
                                    admin_key=s.admin_key or None,
                                    fault_store_down_file=os.environ.get(
-                                       "TAILSCOPE_FAULT_STORE_DOWN_FILE") or None))
+                                       "TAILSCOPE_FAULT_STORE_DOWN_FILE") or None,
+                                   otlp_endpoint=s.otlp_endpoint or None,
+                                   otlp_protocol=s.otlp_protocol))
     uvicorn.run(app, host=args.host, port=args.port, log_level="info",
                 access_log=args.access_log)
     return 0

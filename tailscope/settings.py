@@ -30,6 +30,8 @@ class Settings:
     store_ttl_days: int = 30  # TAILSCOPE_STORE_TTL_DAYS: default row TTL
     admin_key: str = ""  # TAILSCOPE_ADMIN_KEY: Bearer key for /debug/* endpoints
     gateway_url: str = "http://127.0.0.1:8000"  # TAILSCOPE_GATEWAY_URL: for `tailscope store`
+    otlp_endpoint: str = ""  # TAILSCOPE_OTLP_ENDPOINT: OTLP collector (spans off when empty)
+    otlp_protocol: str = "http/protobuf"  # TAILSCOPE_OTLP_PROTOCOL: http/protobuf | grpc
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -53,4 +55,6 @@ class Settings:
             store_ttl_days=int(_env("STORE_TTL_DAYS", str(cls.store_ttl_days))),
             admin_key=_env("ADMIN_KEY", cls.admin_key),
             gateway_url=_env("GATEWAY_URL", cls.gateway_url),
+            otlp_endpoint=_env("OTLP_ENDPOINT", cls.otlp_endpoint),
+            otlp_protocol=_env("OTLP_PROTOCOL", cls.otlp_protocol),
         )

@@ -44,7 +44,7 @@ def check_identities(rec: dict) -> None:
     assert rec["events"][0]["state"] == "RECEIVED" and rec["events"][-1]["state"] == "END"
 
 
-def test_traceparent_continues_into_headers_and_record(tiny_server):
+def test_traceparent_continues_into_headers_and_record(tiny_server, bundled_tokenizer):
     trace_id, parent_span, tp = traceparent()
     body = {"model": tiny_server.model, "prompt": "Once upon a time", "max_tokens": 5,
             "ignore_eos": True}
@@ -65,6 +65,9 @@ def test_traceparent_continues_into_headers_and_record(tiny_server):
     assert rec["prompt_tokens"] == tok["usage"]["prompt_tokens"] == len(rec["input_token_ids"])
     assert rec["generated_tokens"] == rec["emitted_tokens"] == 5 == len(rec["output_token_ids"])
     assert rec["max_tokens"] == 5 and rec["stream"] is False
+    # the recorded ids decode to exactly the text the client received
+    assert bundled_tokenizer.decode(rec["output_token_ids"], skip_special_tokens=True) == \
+        r.json()["choices"][0]["text"]
     assert rec["engine_version"] and rec["gateway_version"] and rec["config_id"]
     assert rec["model_revision"] == "tiny-seed0" and rec["tokenizer_revision"]
     assert rec["ttft_ms"] == pytest.approx(rec["e2e_ms"] - rec["tail_ms"])  # one JSON flush

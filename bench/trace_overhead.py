@@ -1,0 +1,170 @@
+"""What tracing costs: gateway+engine throughput with full capture vs capture off, and the record
+writer's ingest rate into embedded ClickHouse (chDB).
+
+    python bench/trace_overhead.py [--seconds 15] [--concurrency 16] [--records 100000] [--quick]
+
+1. Two gateways on the tiny model (vocabulary of the bundled tokenizer), one replica each, run
+   one after the other under the same closed-loop load (``--concurrency`` streams of short
+   completions): ``capture on`` writes every record, its events and every engine step to chDB;
+   ``capture off`` has no store (records still go to the in-memory sink and ``/metrics``). The
+   runs alternate on/off/on/off and the best of each is compared, to damp drift on a shared
+   machine. Printed: requests/s, output tokens/s, and the loss in percent.
+2. The writer alone, in this process: ``--records`` records with 256 token ids each (and 12
+   events) emitted as fast as possible into a fresh chDB store; records/s from the first emit to
+   the end of the drain (every row inserted).
+No pass/fail here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_gateway(store: str | None) -> tuple[subprocess.Popen, str]:
+    from engine.loader.paths import resolve_model_path
+
+    port = free_port()
+    env = {**os.environ, "TAILSCOPE_KV_CACHE_MB": "64",
+           "TAILSCOPE_STORE_DSN": store or "none"}
+    proc = subprocess.Popen([sys.executable, "-m", "tailscope.cli", "serve", "--port", str(port),
+                             "--model", "tiny:49152", "--tokenizer",
+                             str(resolve_model_path("bundled"))], cwd=ROOT, env=env,
+                            stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    import httpx
+
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("gateway did not start")
+
+
+def closed_loop(url: str, seconds: float, concurrency: int) -> tuple[float, float]:
+    import httpx
+
+    done, tokens = [0], [0]
+    stop = time.monotonic() + seconds
+    lock = threading.Lock()
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        with httpx.Client(timeout=60) as http:
+            while time.monotonic() < stop:
+                prompt = [rng.randrange(100, 49000) for _ in range(rng.randrange(8, 64))]
+                r = http.post(f"{url}/v1/completions", json={
+                    "model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 16,
+                    "ignore_eos": True, "stream": True})
+                if r.status_code == 200:
+                    with lock:
+                        done[0] += 1
+                        tokens[0] += 16
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    dt = time.monotonic() - t0
+    return done[0] / dt, tokens[0] / dt
+
+
+def throughput(seconds: float, concurrency: int, rounds: int) -> dict:
+    results: dict[str, list[tuple[float, float]]] = {"on": [], "off": []}
+    for _ in range(rounds):
+        for mode in ("on", "off"):
+            store = f"chdb://{tempfile.mkdtemp(prefix='tailscope-bench-')}/store" \
+                if mode == "on" else None
+            proc, url = start_gateway(store)
+            try:
+                closed_loop(url, 2.0, concurrency)  # warm-up
+                results[mode].append(closed_loop(url, seconds, concurrency))
+            finally:
+                proc.terminate()
+                proc.wait(60)
+    return {m: max(v) for m, v in results.items()}
+
+
+def ingest(n: int) -> tuple[float, dict]:
+    from tracing.record import RecordEvent, RequestRecord
+    from tracing.store import Store
+    from tracing.writer import RecordWriter
+
+    d = Path(tempfile.mkdtemp(prefix="tailscope-ingest-"))
+    store = Store(f"chdb://{d}/store")
+    store.migrate()
+    writer = RecordWriter(store, d / "spool", batch_size=10_000, max_queue=n + 1)
+    rng = random.Random(0)
+    ids = [rng.randrange(0, 49152) for _ in range(256)]
+    now = time.time_ns() // 1000
+    events = [RecordEvent(now + i, s) for i, s in enumerate(
+        ["RECEIVED", "ADMITTED", "TOKENIZED", "ROUTED", "QUEUED", "RUNNABLE", "PREFILLING",
+         "DECODING", "FINISHED", "FIRST_FLUSH", "END", "END"])]
+    records = [RequestRecord(trace_id=secrets.token_hex(16), span_id="0" * 16,
+                             request_id=f"r{i}", arrival_ts_us=now, final_state="FINISHED",
+                             finish_reason="length", model="m", replica="r0",
+                             input_token_ids=ids[:128], output_token_ids=ids[128:],
+                             itl_ms=[1.0] * 127, ttft_ms=5.0, e2e_ms=200.0, events=events)
+               for i in range(n)]
+    t0 = time.monotonic()
+    for r in records:
+        writer.emit(r)
+    emit_s = time.monotonic() - t0
+    writer.close(timeout_s=600)
+    total_s = time.monotonic() - t0
+    count = store.select("SELECT count() FROM tailscope.requests")[1][0][0]
+    assert count == n, (count, n)
+    return n / total_s, {"emit_us_per_record": emit_s / n * 1e6, **writer.stats}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=15.0)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--records", type=int, default=100_000)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.seconds, args.rounds, args.records = 5.0, 1, 20_000
+    rate, stats = ingest(args.records)
+    print(f"writer ingest into chDB: {rate:,.0f} records/s ({args.records:,} records with 256 "
+          f"token ids and 12 events each; emit {stats['emit_us_per_record']:.2f} us/record "
+          f"on the request path; written {stats['written']:,}, dropped {stats['dropped']})")
+    tp = throughput(args.seconds, args.concurrency, args.rounds)
+    on, off = tp["on"], tp["off"]
+    print(f"\ncapture on : {on[0]:7.1f} req/s  {on[1]:8.1f} output tok/s")
+    print(f"capture off: {off[0]:7.1f} req/s  {off[1]:8.1f} output tok/s")
+    print(f"throughput loss with full capture: {100 * (1 - on[0] / off[0]):+.1f}% "
+          f"(best of {args.rounds} alternating runs of {args.seconds:g} s, "
+          f"{args.concurrency} streams, 16 output tokens)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
