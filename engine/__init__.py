@@ -1,16 +1,34 @@
-"""Token-in/token-out inference engine: the public protocol the gateway imports."""
+"""Token-in/token-out inference engine: the public protocol the gateway imports.
 
-from engine.config import EngineConfig, ModelConfig
-from engine.llm_engine import Engine, RequestOutput
-from engine.loader import UnsupportedModelError, default_model_path, load_model
-from engine.observer import OutputObserver, RequestStats, StepStats
-from engine.request import IllegalTransition, Request, RequestState
-from engine.sampling_params import SamplingParams
+The names below are imported lazily (PEP 562), so that the gateway process, which needs only
+``engine.text``, ``engine.protocol`` and ``engine.sampling_params``, never loads torch.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Engine", "EngineConfig", "IllegalTransition", "ModelConfig", "OutputObserver", "Request",
-    "RequestOutput", "RequestState", "RequestStats", "SamplingParams", "StepStats",
-    "UnsupportedModelError", "default_model_path", "load_model",
-]
+_EXPORTS = {
+    "EngineConfig": "engine.config", "ModelConfig": "engine.config",
+    "Engine": "engine.llm_engine", "RequestOutput": "engine.llm_engine",
+    "UnsupportedModelError": "engine.loader", "default_model_path": "engine.loader",
+    "load_model": "engine.loader",
+    "OutputObserver": "engine.observer", "RequestStats": "engine.observer",
+    "StepStats": "engine.observer",
+    "IllegalTransition": "engine.request", "Request": "engine.request",
+    "RequestState": "engine.request",
+    "SamplingParams": "engine.sampling_params",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

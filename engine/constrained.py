@@ -9,12 +9,16 @@ fed into the sampler's hard-mask step and every sampled token is consumed by the
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import llguidance
 import llguidance.numpy as llnp
 import numpy as np
-import torch
 
 from engine.sampling_params import StructuredOutput
+
+if TYPE_CHECKING:
+    import torch
 
 
 class TokenConstraint:
@@ -26,6 +30,8 @@ class TokenConstraint:
         self._bitmask = llnp.allocate_token_bitmask(1, vocab_size)
 
     def allowed_tokens(self, vocab: int) -> torch.Tensor:
+        import torch  # here, not at import: the gateway uses this module without torch
+
         llnp.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
         bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")
         allowed = torch.zeros(vocab, dtype=torch.bool)

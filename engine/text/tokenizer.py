@@ -10,7 +10,6 @@ from typing import Any
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from engine.loader.errors import UnsupportedModelError
-from engine.loader.gguf_loader import open_gguf
 from engine.text.chat_template import ChatTemplate
 
 _SPECIAL = 3  # llama.cpp token type CONTROL
@@ -50,7 +49,9 @@ class TextTokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> TextTokenizer:
-        reader = open_gguf(Path(path).resolve())
+        from gguf import GGUFReader  # metadata only (no torch: runs in the gateway)
+
+        reader = GGUFReader(Path(path).resolve())
 
         def get(key: str, default: Any = None) -> Any:
             f = reader.fields.get(key)
