@@ -106,6 +106,7 @@ class _Work:
     prompt_pending: int  # prompt tokens not yet prefilled (0 after the first token)
     output_pending: int  # output tokens still allowed
     paused_since: float | None = None  # monotonic seconds, while BACKPRESSURED
+    slow_cancelled: bool = False  # cancelled because its client stopped reading
 
 
 PREFIX_LRU_BLOCKS = 8192
@@ -281,7 +282,7 @@ class ReplicaPool:
         """The request's next delta; resumes a paused request once its buffer has drained."""
         item = await queue.get()
         work = self.work.get(request_id)
-        if (work is not None and work.paused_since is not None
+        if (work is not None and work.paused_since is not None and not work.slow_cancelled
                 and queue.qsize() <= self.max_buffered_deltas // 2):
             work.paused_since = None
             self._send_nowait(work.replica, ResumeRequest(request_id))
@@ -311,9 +312,9 @@ class ReplicaPool:
             self._send_nowait(work.replica, PauseRequest(request_id))
 
     def _cancel_slow(self, request_id: str, work: _Work, why: str) -> None:
-        if work.paused_since == -1.0:  # already cancelled
+        if work.slow_cancelled:
             return
-        work.paused_since = -1.0
+        work.slow_cancelled = True
         self.slow_client_cancels += 1
         log.warning("cancelling %s: the client is not reading its stream (%s)", request_id, why)
         self._send_nowait(work.replica, AbortRequest(
@@ -384,7 +385,7 @@ class ReplicaPool:
             await asyncio.sleep(0.2)
             now = time.monotonic()
             for rid, work in list(self.work.items()):
-                if (work.paused_since is not None and work.paused_since >= 0
+                if (work.paused_since is not None and not work.slow_cancelled
                         and now - work.paused_since > self.slow_client_timeout_s):
                     self._cancel_slow(rid, work,
                                       f"paused for over {self.slow_client_timeout_s:g} s")

@@ -224,6 +224,7 @@ class Service:
                 break
             if not await self._retry(c, item):
                 c.finish_reason, c.final_state, c.error = "error", "FAILED", str(item)
+                self.pool.release(c.engine_id)
                 return "", True
         delta: TokenDelta = item
         text = ""

@@ -12,6 +12,7 @@ server (``{name:Type}`` placeholders), never interpolated into the SQL.
 
 from __future__ import annotations
 
+import operator
 import re
 import threading
 from pathlib import Path
@@ -62,12 +63,12 @@ def check_select(sql: str) -> str:
     return body
 
 
-def _arrow_type(ch_type: str) -> pa.DataType:
+def arrow_type(ch_type: str) -> pa.DataType:
     t = ch_type.replace("LowCardinality(", "").replace("Nullable(", "").rstrip(")")
     if t.startswith("DateTime64"):
         return pa.timestamp("us", tz="UTC")
     if t.startswith("Array("):
-        return pa.list_(_arrow_type(t[len("Array("):]))
+        return pa.list_(arrow_type(t[len("Array("):]))
     return {"String": pa.string(), "Int64": pa.int64(), "Float64": pa.float64(),
             "Float32": pa.float32(), "Bool": pa.bool_(), "UInt8": pa.uint8(),
             "UInt16": pa.uint16(), "UInt32": pa.uint32(), "UInt64": pa.uint64()}[t]
@@ -76,8 +77,8 @@ def _arrow_type(ch_type: str) -> pa.DataType:
 def to_arrow(table: Table, rows: list) -> pa.Table:
     arrays = {}
     for col, ch_type, field in table.columns:
-        values = [getattr(r, field) for r in rows]
-        arrays[col] = pa.array(values, type=_arrow_type(ch_type))
+        values = list(map(operator.attrgetter(field), rows))
+        arrays[col] = pa.array(values, type=arrow_type(ch_type))
     return pa.table(arrays)
 
 

@@ -31,8 +31,8 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from tracing.record import RequestRecord
-from tracing.schema import TABLES, EngineStepRow, EventRow
-from tracing.store import Store, StoreError, to_arrow
+from tracing.schema import TABLES, EngineStepRow
+from tracing.store import Store, StoreError, arrow_type, to_arrow
 
 log = logging.getLogger("tailscope.writer")
 
@@ -119,14 +119,28 @@ class RecordWriter:
     def _tables(self, items) -> dict[str, pa.Table]:
         records = [it for kind, it, _ in items if kind == "requests"]
         steps = [it for kind, it, _ in items if kind == "engine_steps"]
-        events = [EventRow(r.trace_id, e.ts_us, e.state, e.detail, i, r.ttl_days)
-                  for r in records for i, e in enumerate(r.events)]
         out = {}
-        for name, rows in (("requests", records), ("request_events", events),
-                           ("engine_steps", steps)):
+        for name, rows in (("requests", records), ("engine_steps", steps)):
             if rows:
                 out[name] = to_arrow(TABLES[name], rows)
+        if any(r.events for r in records):
+            out["request_events"] = self._events_table(records)
         return out
+
+    @staticmethod
+    def _events_table(records: list[RequestRecord]) -> pa.Table:
+        """Column by column (no per-event row objects: a request has a dozen events)."""
+        cols: dict[str, list] = {c: [] for c, _, _ in TABLES["request_events"].columns}
+        for r in records:
+            n = len(r.events)
+            cols["trace_id"] += [r.trace_id] * n
+            cols["ts"] += [e.ts_us for e in r.events]
+            cols["state"] += [e.state for e in r.events]
+            cols["detail"] += [e.detail for e in r.events]
+            cols["seq"] += range(n)
+            cols["ttl_days"] += [r.ttl_days] * n
+        return pa.table({c: pa.array(cols[c], type=arrow_type(t))
+                         for c, t, _ in TABLES["request_events"].columns})
 
     def _store_or_raise(self) -> Store:
         if self.fault_file and os.path.exists(self.fault_file):

@@ -151,6 +151,16 @@ def test_privacy_counts_only_and_ttl(store_server):
                                   "generated_tokens, ttl_days")[0]
     assert row["input_token_ids"] == [] and row["output_token_ids"] == []
     assert row["prompt_tokens"] > 0 and row["generated_tokens"] == 4 and row["ttl_days"] == 7
+    # a tenant's rows can be deleted, and only theirs
+    others = query(s, "SELECT count() FROM tailscope.requests WHERE tenant != 'private'")
+    r = httpx.delete(f"{s.url}/debug/tenants/private/records",
+                     headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60)
+    assert r.status_code == 200 and r.json()["deleted_requests"] >= 1
+    assert rows_for(s, [trace_id], "trace_id") == []
+    assert query(s, "SELECT count() FROM tailscope.request_events WHERE trace_id = {t:String}",
+                 {"t": trace_id})["rows"] == [[0]]
+    assert query(s, "SELECT count() FROM tailscope.requests WHERE tenant != 'private'")[
+        "rows"] == others["rows"]
 
 
 def test_query_endpoint_is_admin_only_read_only_and_binds_parameters(store_server):
