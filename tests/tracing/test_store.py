@@ -13,16 +13,8 @@ import pytest
 
 from tracing.record import RecordEvent, RequestRecord
 from tracing.schema import MIGRATIONS, TABLES, EngineStepRow
-from tracing.store import QueryRefused, Store, check_select
+from tracing.store import QueryRefused, check_select
 from tracing.writer import RecordWriter
-
-
-@pytest.fixture(scope="session")
-def store(tmp_path_factory):
-    s = Store(f"chdb://{tmp_path_factory.mktemp('chdb') / 'store'}")
-    s.migrate()
-    yield s
-    s.close()
 
 
 def make_record(**kw) -> RequestRecord:

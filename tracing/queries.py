@@ -1,0 +1,329 @@
+"""The drill-down query library: named, parameterised queries shared by every surface (the
+Streamlit app, the CLI, benchmarks, evals).
+
+Each function takes a *source* (anything with ``select(sql, params) -> (columns, rows)``: a
+``tracing.store.Store`` opened directly, or ``GatewaySource`` reading through a gateway's
+``/debug/query``) and returns a pandas DataFrame. User input only ever reaches ClickHouse as a
+bound parameter (``{name:Type}``); the few identifiers that vary (a metric, a dimension) are
+checked against the fixed lists below before they are written into the SQL.
+
+The seed lecture's rule is built in: ``tail_breakdown`` and ``compare_windows`` split queueing
+from service time stage by stage (ingress, tokenize, route, engine queue, prefill, decode,
+preempted, streaming) and per dimension value, never only aggregates.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+
+import pandas as pd
+
+# Latency columns of tailscope.requests; "itl_ms" is an array (one value per gap).
+METRICS = ("ttft_ms", "tpot_ms", "e2e_ms", "itl_ms", "tail_ms", "ingress_ms", "tokenize_ms",
+           "route_ms", "engine_queue_ms", "prefill_ms", "decode_ms", "preempted_ms")
+DIMENSIONS = ("replica", "model", "model_revision", "engine_version", "config_id", "tenant",
+              "final_state", "finish_reason", "endpoint", "prompt_bucket")
+# The stages that add up to each end-to-end metric, in path order. "streaming" is the rest:
+# for e2e, the time between the engine's tokens and the client's flushes (and the tail).
+STAGES = {
+    "e2e_ms": ("ingress_ms", "tokenize_ms", "route_ms", "engine_queue_ms", "prefill_ms",
+               "decode_ms", "preempted_ms"),
+    "ttft_ms": ("ingress_ms", "tokenize_ms", "route_ms", "engine_queue_ms", "prefill_ms"),
+}
+STAGE_NAMES = {"ingress_ms": "ingress", "tokenize_ms": "tokenize", "route_ms": "routing",
+               "engine_queue_ms": "engine queue time", "prefill_ms": "prefill",
+               "decode_ms": "decode", "preempted_ms": "preemption", "other_ms": "streaming"}
+_DIM_SQL = {d: d for d in DIMENSIONS} | {
+    "prompt_bucket": "multiIf(prompt_tokens < 128, '<128', prompt_tokens < 512, '128-511', "
+                     "prompt_tokens < 2048, '512-2047', '>=2048')"}
+_WINDOW = ("arrival_ts >= fromUnixTimestamp64Micro({start:Int64}, 'UTC') AND "
+           "arrival_ts < fromUnixTimestamp64Micro({end:Int64}, 'UTC')")
+
+
+class QueryError(ValueError):
+    pass
+
+
+def _us(t: dt.datetime | float | int) -> int:
+    """A window bound as µs since the epoch (datetimes without tzinfo are UTC)."""
+    if isinstance(t, dt.datetime):
+        if t.tzinfo is None:
+            t = t.replace(tzinfo=dt.UTC)
+        return int(t.timestamp() * 1_000_000)
+    return int(float(t) * 1_000_000)  # seconds since the epoch
+
+
+def _metric(metric: str) -> str:
+    if metric not in METRICS:
+        raise QueryError(f"unknown metric {metric!r}; one of {', '.join(METRICS)}")
+    return metric
+
+
+def _dim(dim: str | None) -> str | None:
+    if dim is None:
+        return None
+    if dim not in DIMENSIONS:
+        raise QueryError(f"unknown dimension {dim!r}; one of {', '.join(DIMENSIONS)}")
+    return _DIM_SQL[dim]
+
+
+def _filters(filters: dict[str, str] | None, params: dict) -> str:
+    """Equality filters on dimensions, bound as parameters: ' AND dim = {f_dim:String}'."""
+    out = ""
+    for i, (dim, value) in enumerate(sorted((filters or {}).items())):
+        out += f" AND {_dim(dim)} = {{f{i}:String}}"
+        params[f"f{i}"] = str(value)
+    return out
+
+
+def frame(source, sql: str, params: dict) -> pd.DataFrame:
+    cols, rows = source.select(sql, params)
+    return pd.DataFrame([list(r) for r in rows], columns=cols)
+
+
+@dataclass
+class GatewaySource:
+    """Reads through a gateway's ``POST /debug/query`` (the embedded store belongs to it)."""
+
+    url: str
+    admin_key: str | None = None
+    timeout_s: float = 60.0
+
+    def select(self, sql: str, params: dict | None = None) -> tuple[list[str], list[list]]:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
+        r = httpx.post(f"{self.url.rstrip('/')}/debug/query", headers=headers,
+                       json={"sql": sql, "params": params or {}}, timeout=self.timeout_s)
+        if r.status_code != 200:
+            raise QueryError(r.json().get("error", {}).get("message", r.text))
+        body = r.json()
+        return body["columns"], body["rows"]
+
+
+# ---- percentiles ------------------------------------------------------------------------------
+def percentiles(source, start, end, metric: str = "e2e_ms", by: str | None = None,
+                bucket_s: int | None = None, filters: dict[str, str] | None = None
+                ) -> pd.DataFrame:
+    """p50/p90/p95/p99/max (and the count) of a metric, by time bucket and/or a dimension."""
+    m = _metric(metric)
+    params = {"start": _us(start), "end": _us(end)}
+    value = "arrayJoin(itl_ms)" if m == "itl_ms" else m
+    keys, names = [], []
+    if bucket_s:
+        keys.append("toStartOfInterval(arrival_ts, toIntervalSecond({bucket:UInt32})) AS t")
+        names.append("t")
+        params["bucket"] = int(bucket_s)
+    if by:
+        keys.append(f"{_dim(by)} AS {by}")
+        names.append(by)
+    select = ", ".join(keys + [
+        "count() AS n",
+        "quantilesExact(0.5, 0.9, 0.95, 0.99)(v) AS q", "max(v) AS max"])
+    group = f" GROUP BY {', '.join(names)} ORDER BY {', '.join(names)}" if names else ""
+    sql = (f"SELECT {select} FROM (SELECT *, {value} AS v FROM tailscope.requests WHERE "
+           f"{_WINDOW}{_filters(filters, params)} AND v IS NOT NULL){group}")
+    df = frame(source, sql, params)
+    columns = [*names, "n", "p50", "p90", "p95", "p99", "max"]
+    if df.empty:  # an empty result may come back without column names
+        return pd.DataFrame(columns=columns)
+    q = pd.DataFrame(df.pop("q").tolist(), columns=["p50", "p90", "p95", "p99"])
+    return pd.concat([df, q], axis=1)[columns]
+
+
+# ---- the tail, stage by stage -------------------------------------------------------------
+def _stage_exprs(metric: str) -> list[tuple[str, str]]:
+    stages = STAGES.get(metric)
+    if stages is None:
+        raise QueryError(f"stage breakdowns exist for {', '.join(STAGES)}, not {metric!r}")
+    other = f"{metric} - ({' + '.join(stages)})"
+    return [(s, s) for s in stages] + [("other_ms", other)]
+
+
+def tail_breakdown(source, start, end, metric: str = "e2e_ms", quantile: float = 0.99,
+                   filters: dict[str, str] | None = None) -> pd.DataFrame:
+    """For requests above the window's ``quantile`` of ``metric``: each stage's mean, against
+    the median request's (the median of each stage), and its share of the gap."""
+    m = _metric(metric)
+    stages = _stage_exprs(m)
+    params = {"start": _us(start), "end": _us(end), "q": float(quantile)}
+    where = f"{_WINDOW}{_filters(filters, params)} AND {m} IS NOT NULL"
+    cut = frame(source, f"SELECT quantileExact({{q:Float64}})({m}) AS cut FROM "
+                        f"tailscope.requests WHERE {where}", params)
+    if cut.empty or cut.iloc[0]["cut"] is None:
+        return pd.DataFrame(columns=["stage", "column", "tail_ms", "median_ms", "delta_ms",
+                                     "share"])
+    params["cut"] = float(cut.iloc[0]["cut"])
+    cols = ", ".join(f"avgIf({e}, {m} >= {{cut:Float64}}) AS tail_{s}, median({e}) AS med_{s}"
+                     for s, e in stages)
+    sql = (f"SELECT countIf({m} >= {{cut:Float64}}) AS tail_n, count() AS n, {cols} "
+           f"FROM tailscope.requests WHERE {where}")
+    row = frame(source, sql, params)
+    if row.empty or not row.at[0, "n"]:
+        return pd.DataFrame(columns=["stage", "column", "tail_ms", "median_ms", "delta_ms",
+                                     "share"])
+    r = row.iloc[0]
+    out = pd.DataFrame([{"stage": STAGE_NAMES[s], "column": s, "tail_ms": r[f"tail_{s}"],
+                         "median_ms": r[f"med_{s}"]} for s, _ in stages])
+    out["delta_ms"] = out["tail_ms"] - out["median_ms"]
+    gap = out["delta_ms"].sum()
+    out["share"] = out["delta_ms"] / gap if gap else 0.0
+    out.attrs.update(cut_ms=params["cut"], tail_n=int(r["tail_n"]), n=int(r["n"]))
+    return out.sort_values("delta_ms", ascending=False, ignore_index=True)
+
+
+def compare_windows(source, base: tuple, suspect: tuple, metric: str = "e2e_ms",
+                    by: str = "replica", quantile: float = 0.99,
+                    filters: dict[str, str] | None = None,
+                    base_filters: dict[str, str] | None = None,
+                    suspect_filters: dict[str, str] | None = None) -> pd.DataFrame:
+    """What moved the tail between two windows (or two configs, with per-side filters such as
+    ``{"config_id": ...}``), per value of ``by`` and per stage, ranked by how much of the
+    regression it explains.
+
+    Attribution (stated): within each value ``d`` of ``by``, its tail is its requests at or above
+    its own ``quantile`` of ``metric``; the stages add up to the metric, so the change of the tail
+    mean splits exactly into the changes of each stage's mean over that tail. Each (d, stage)
+    change is weighted by d's share of the requests (so a small tenant cannot dominate), and
+    ``share`` is its fraction of the positive weighted changes. Taking each value's own tail
+    keeps a shift of traffic between values from posing as a stage change. The overall change
+    of the ``quantile`` of ``metric`` is in ``attrs``.
+    """
+    m = _metric(metric)
+    dim = _dim(by)
+    stages = _stage_exprs(m)
+    sides, cuts = {}, {}
+    for side, (start, end), extra in (("base", base, base_filters),
+                                      ("suspect", suspect, suspect_filters)):
+        params = {"start": _us(start), "end": _us(end), "q": float(quantile)}
+        where = (f"{_WINDOW}{_filters({**(filters or {}), **(extra or {})}, params)} "
+                 f"AND {m} IS NOT NULL")
+        cut = frame(source, f"SELECT quantileExact({{q:Float64}})({m}) AS cut FROM "
+                            f"tailscope.requests WHERE {where}", params)
+        cuts[side] = float(cut.iloc[0]["cut"]) if not cut.empty and \
+            cut.iloc[0]["cut"] is not None else float("nan")
+        inner = ", ".join(f"{e} AS x_{s}" for s, e in stages)  # never shadow a column
+        means = ", ".join(f"avg(x_{s}) AS mean_{s}" for s, _ in stages)
+        sql = (f"SELECT dim, any(nd) AS nd, count() AS k, {means} FROM (SELECT {dim} AS dim, "
+               f"{m} AS v, {inner}, quantileExact({{q:Float64}})(v) OVER (PARTITION BY dim) "
+               f"AS cut_d, count() OVER (PARTITION BY dim) AS nd FROM tailscope.requests "
+               f"WHERE {where}) WHERE v >= cut_d GROUP BY dim")
+        df = frame(source, sql, params)
+        df["n_total"] = df["nd"].sum() if len(df) else 0
+        sides[side] = df
+    rows = []
+    dims = sorted(set(sides["base"].get("dim", [])) | set(sides["suspect"].get("dim", [])))
+    for d in dims:
+        hit = {side: df[df["dim"] == d] for side, df in sides.items()}
+        if any(h.empty for h in hit.values()):
+            continue  # a value seen in one window only: nothing to compare it with
+        weight = float(hit["suspect"]["nd"].iloc[0]) / float(sides["suspect"]["n_total"].iloc[0])
+        for s, _ in stages:
+            b = float(hit["base"][f"mean_{s}"].iloc[0])
+            a = float(hit["suspect"][f"mean_{s}"].iloc[0])
+            rows.append({by: d, "stage": STAGE_NAMES[s], "column": s, "base_ms": b,
+                         "suspect_ms": a, "delta_ms": a - b, "weight": weight,
+                         "weighted_ms": (a - b) * weight})
+    out = pd.DataFrame(rows, columns=[by, "stage", "column", "base_ms", "suspect_ms",
+                                      "delta_ms", "weight", "weighted_ms"])
+    positive = out.loc[out["weighted_ms"] > 0, "weighted_ms"].sum() if len(out) else 0.0
+    out["share"] = out["weighted_ms"].clip(lower=0) / positive if positive else 0.0
+    out = out.sort_values("weighted_ms", ascending=False, ignore_index=True)
+    out.attrs.update(metric=m, by=by, quantile=quantile, base_cut_ms=cuts["base"],
+                     suspect_cut_ms=cuts["suspect"], weighted_delta_ms=float(
+                         out["weighted_ms"].sum()) if len(out) else 0.0)
+    return out
+
+
+def explain(comparison: pd.DataFrame) -> str:
+    """One plain sentence naming the top cause, e.g.
+    "p99 E2E +180 ms; 85% of it is engine queue time on r1"."""
+    a = comparison.attrs
+    label = a["metric"].removesuffix("_ms").upper()
+    q = f"p{round(a['quantile'] * 100):d}"
+    delta = a["suspect_cut_ms"] - a["base_cut_ms"]
+    if comparison.empty or comparison.iloc[0]["weighted_ms"] <= 0:
+        return f"{q} {label} {delta:+.0f} ms; no stage moved"
+    top = comparison.iloc[0]
+    where = f"on {top[a['by']]}" if a["by"] == "replica" else f"for {a['by']} {top[a['by']]}"
+    return (f"{q} {label} {delta:+.0f} ms; {top['share'] * 100:.0f}% of it is "
+            f"{top['stage']} {where}")
+
+
+# ---- requests, traces, SLOs, rates ------------------------------------------------------------
+def slowest(source, start, end, metric: str = "e2e_ms", limit: int = 50,
+            filters: dict[str, str] | None = None) -> pd.DataFrame:
+    m = _metric(metric)
+    params = {"start": _us(start), "end": _us(end), "limit": int(limit)}
+    order = "arrayMax(itl_ms)" if m == "itl_ms" else m
+    sql = (f"SELECT trace_id, arrival_ts, replica, tenant, final_state, finish_reason, "
+           f"prompt_tokens, emitted_tokens, ttft_ms, tpot_ms, e2e_ms, engine_queue_ms, "
+           f"prefill_ms, decode_ms FROM tailscope.requests WHERE {_WINDOW}"
+           f"{_filters(filters, params)} ORDER BY {order} DESC LIMIT {{limit:UInt32}}")
+    return frame(source, sql, params)
+
+
+def trace(source, trace_id: str) -> dict:
+    """One trace: its record, its events, and its replica's engine steps during it."""
+    params = {"t": trace_id.lower()}
+    rec = frame(source, "SELECT * FROM tailscope.requests WHERE trace_id = {t:String} "
+                        "LIMIT 1", params)
+    if rec.empty:
+        return {"record": None, "events": pd.DataFrame(), "steps": pd.DataFrame()}
+    record = rec.iloc[0].to_dict()
+    events = frame(source, "SELECT ts, state, detail FROM tailscope.request_events WHERE "
+                           "trace_id = {t:String} ORDER BY ts, seq", params)
+    steps = frame(source, "SELECT ts, step, duration_ms, num_seqs, prefill_tokens, "
+                          "decode_tokens, kv_blocks_used, kv_blocks_total, running, waiting "
+                          "FROM tailscope.engine_steps WHERE replica = {r:String} AND ts >= "
+                          "(SELECT arrival_ts FROM tailscope.requests WHERE trace_id = "
+                          "{t:String} LIMIT 1) AND ts <= (SELECT arrival_ts + toIntervalMicro"
+                          "second(toInt64(e2e_ms * 1000)) FROM tailscope.requests WHERE "
+                          "trace_id = {t:String} LIMIT 1) ORDER BY ts, step",
+                  {**params, "r": str(record.get("replica") or "")})
+    return {"record": record, "events": events, "steps": steps}
+
+
+def slo(source, start, end, ttft_ms: float, tpot_ms: float, by: str | None = None,
+        filters: dict[str, str] | None = None) -> pd.DataFrame:
+    """SLO attainment (the fraction of finished requests within both thresholds; a request
+    with one token has no TPOT and meets that part) and goodput (such requests per second)."""
+    params = {"start": _us(start), "end": _us(end), "ttft": float(ttft_ms),
+              "tpot": float(tpot_ms)}
+    window_s = max((params["end"] - params["start"]) / 1e6, 1e-9)
+    key = f"{_dim(by)} AS {by}, " if by else ""
+    group = f" GROUP BY {by} ORDER BY {by}" if by else ""
+    ok = ("final_state = 'FINISHED' AND ttft_ms <= {ttft:Float64} AND "
+          "(tpot_ms IS NULL OR tpot_ms <= {tpot:Float64})")
+    sql = (f"SELECT {key}count() AS n, countIf({ok}) AS good, good / n AS attainment "
+           f"FROM tailscope.requests WHERE {_WINDOW}{_filters(filters, params)}{group}")
+    df = frame(source, sql, params)
+    df["goodput_rps"] = df["good"] / window_s
+    return df
+
+
+def rates(source, start, end, bucket_s: int = 60, filters: dict[str, str] | None = None
+          ) -> pd.DataFrame:
+    """Per time bucket: requests/s by final state, rejection, cancellation and error rates,
+    and the prefix-cache hit rate (cached / prompt tokens)."""
+    params = {"start": _us(start), "end": _us(end), "bucket": int(bucket_s)}
+    sql = ("SELECT toStartOfInterval(arrival_ts, toIntervalSecond({bucket:UInt32})) AS t, "
+           "count() AS n, count() / {bucket:UInt32} AS rps, "
+           "countIf(final_state = 'FINISHED') / n AS finished_rate, "
+           "countIf(final_state = 'REJECTED') / n AS rejection_rate, "
+           "countIf(final_state = 'CANCELLED') / n AS cancellation_rate, "
+           "countIf(final_state IN ('FAILED', 'TIMED_OUT')) / n AS error_rate, "
+           "if(sum(prompt_tokens) = 0, 0, sum(cached_tokens) / sum(prompt_tokens)) AS "
+           f"prefix_hit_rate FROM tailscope.requests WHERE {_WINDOW}"
+           f"{_filters(filters, params)} GROUP BY t ORDER BY t")
+    return frame(source, sql, params)
+
+
+def by_finish_reason(source, start, end, bucket_s: int = 60,
+                     filters: dict[str, str] | None = None) -> pd.DataFrame:
+    params = {"start": _us(start), "end": _us(end), "bucket": int(bucket_s)}
+    sql = ("SELECT toStartOfInterval(arrival_ts, toIntervalSecond({bucket:UInt32})) AS t, "
+           "finish_reason, count() / {bucket:UInt32} AS rps FROM tailscope.requests WHERE "
+           f"{_WINDOW}{_filters(filters, params)} GROUP BY t, finish_reason ORDER BY t")
+    return frame(source, sql, params)
