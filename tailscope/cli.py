@@ -192,6 +192,22 @@ def cmd_store(args: argparse.Namespace) -> int:
     return 2
 
 
+def cmd_drill(args: argparse.Namespace) -> int:
+    """Serve the Streamlit drill-down on a data source (default: the running gateway)."""
+    import subprocess
+    from pathlib import Path
+
+    s = Settings.from_env()
+    source = args.source or (f"gateway:{args.url or s.gateway_url}")
+    app = Path(__file__).resolve().parent.parent / "dashboards" / "drill.py"
+    env = {**os.environ, "TAILSCOPE_DRILL_SOURCE": source}
+    cmd = [sys.executable, "-m", "streamlit", "run", str(app), "--server.port", str(args.port),
+           "--server.address", args.host, "--server.headless", "true",
+           "--browser.gatherUsageStats", "false"]
+    print(f"drill-down on {source}: http://{args.host}:{args.port}", file=sys.stderr)
+    return subprocess.call(cmd, env=env)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tailscope", description=__doc__)
     p.add_argument("--version", action="version", version=f"tailscope {__version__}")
@@ -242,6 +258,13 @@ def build_parser() -> argparse.ArgumentParser:
     d = sst.add_parser("delete", help="delete every stored row of a tenant")
     d.add_argument("--tenant", required=True)
     st.set_defaults(func=cmd_store)
+    dr = sub.add_parser("drill", help="serve the Streamlit p99 drill-down")
+    dr.add_argument("--source", help="chdb:///path or http(s)://host:8123 DSN, or "
+                                     "gateway:URL (default: the gateway at TAILSCOPE_GATEWAY_URL)")
+    dr.add_argument("--url", help="the gateway to read through (shorthand for gateway:URL)")
+    dr.add_argument("--host", default="127.0.0.1")
+    dr.add_argument("--port", type=int, default=8501)
+    dr.set_defaults(func=cmd_drill)
     return p
 
 

@@ -49,3 +49,14 @@ def hf_gguf_model(bundled_path):
     )
     model.eval()
     return model
+
+
+@pytest.fixture(scope="session")
+def store(tmp_path_factory):
+    """One embedded store for the whole session: chDB allows one directory per process."""
+    from tracing.store import Store
+
+    s = Store(f"chdb://{tmp_path_factory.mktemp('chdb') / 'store'}")
+    s.migrate()
+    yield s
+    s.close()

@@ -210,6 +210,8 @@ def compare_windows(source, base: tuple, suspect: tuple, metric: str = "e2e_ms",
                f"AS cut_d, count() OVER (PARTITION BY dim) AS nd FROM tailscope.requests "
                f"WHERE {where}) WHERE v >= cut_d GROUP BY dim")
         df = frame(source, sql, params)
+        if df.empty:  # an empty result may come back without column names
+            df = pd.DataFrame(columns=["dim", "nd", "k", *(f"mean_{s}" for s, _ in stages)])
         df["n_total"] = df["nd"].sum() if len(df) else 0
         sides[side] = df
     rows = []

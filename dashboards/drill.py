@@ -1,0 +1,223 @@
+"""The p99 drill-down (Streamlit): ``tailscope drill`` or ``streamlit run dashboards/drill.py``.
+
+Pages: Overview (percentiles over time by replica, request rate by finish reason, SLO
+attainment), Regression (baseline vs suspect window, or two config ids: what moved, ranked, and
+one sentence naming the top cause), Requests (the slowest, filterable; choosing one opens its
+Trace view: stage timeline, inter-token gaps against the replica's batch size and KV usage,
+token ids with their text, versions and sampling parameters).
+
+The data source comes from ``TAILSCOPE_DRILL_SOURCE`` and is shown on every page:
+``gateway:http://host:8000`` reads through a gateway's ``/debug/query`` (the embedded store
+belongs to the gateway while it runs; ``TAILSCOPE_ADMIN_KEY`` is sent when set), a
+``chdb:///path`` or ``http(s)://`` DSN is opened directly. Every number comes from
+``tracing.queries``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+
+import pandas as pd
+import streamlit as st
+
+from tracing import queries as Q
+
+PAGES = ("Overview", "Regression", "Requests")
+
+
+def source_spec() -> str:
+    return os.environ.get("TAILSCOPE_DRILL_SOURCE", "gateway:http://127.0.0.1:8000")
+
+
+@st.cache_resource
+def open_source(spec: str):
+    if spec.startswith("gateway:"):
+        return Q.GatewaySource(spec[len("gateway:"):], os.environ.get("TAILSCOPE_ADMIN_KEY"))
+    from tracing.store import Store
+
+    store = Store(spec)
+    store.migrate()
+    return store
+
+
+def parse_time(text: str, default: dt.datetime) -> dt.datetime:
+    try:
+        t = dt.datetime.fromisoformat(text.strip())
+    except ValueError:
+        st.warning(f"could not read {text!r} as a time (ISO 8601); using {default:%F %T}")
+        return default
+    return t if t.tzinfo else t.replace(tzinfo=dt.UTC)
+
+
+def window(label: str, start: dt.datetime, end: dt.datetime, key: str
+           ) -> tuple[dt.datetime, dt.datetime]:
+    c1, c2 = st.columns(2)
+    a = c1.text_input(f"{label} from (UTC)", start.strftime("%Y-%m-%d %H:%M:%S"), key=f"{key}_a")
+    b = c2.text_input(f"{label} to (UTC)", end.strftime("%Y-%m-%d %H:%M:%S"), key=f"{key}_b")
+    return parse_time(a, start), parse_time(b, end)
+
+
+def overview(src, now: dt.datetime) -> None:
+    start, end = window("Window", now - dt.timedelta(hours=1), now, "ov")
+    metric = st.selectbox("Metric", ["ttft_ms", "e2e_ms", "tpot_ms", "itl_ms",
+                                     "engine_queue_ms", "prefill_ms", "decode_ms"], key="ov_m")
+    span_s = max((end - start).total_seconds(), 1)
+    bucket = max(10, int(span_s // 60))
+    pct = Q.percentiles(src, start, end, metric=metric, by="replica", bucket_s=bucket)
+    st.subheader(f"{metric}: p50 / p95 / p99 by replica")
+    if pct.empty:
+        st.info("no requests in this window")
+    else:
+        wide = pct.pivot_table(index="t", columns="replica", values=["p50", "p95", "p99"])
+        wide.columns = [f"{q} {r}" for q, r in wide.columns]
+        st.line_chart(wide)
+        st.dataframe(Q.percentiles(src, start, end, metric=metric, by="replica"),
+                     hide_index=True)
+    st.subheader("Requests per second by finish reason")
+    fr = Q.by_finish_reason(src, start, end, bucket_s=bucket)
+    if not fr.empty:
+        st.bar_chart(fr.pivot_table(index="t", columns="finish_reason", values="rps"))
+    st.subheader("SLO attainment")
+    c1, c2 = st.columns(2)
+    ttft = c1.number_input("TTFT SLO (ms)", value=500.0, key="ov_ttft")
+    tpot = c2.number_input("TPOT SLO (ms)", value=50.0, key="ov_tpot")
+    slo = Q.slo(src, start, end, ttft_ms=ttft, tpot_ms=tpot, by="replica")
+    st.dataframe(slo, hide_index=True)
+
+
+def regression(src, now: dt.datetime) -> None:
+    mode = st.radio("Compare", ["two windows", "two configs"], horizontal=True, key="rg_mode")
+    metric = st.selectbox("Metric", ["ttft_ms", "e2e_ms"], key="rg_m")
+    by = st.selectbox("By", ["replica", "model_revision", "engine_version", "config_id",
+                             "tenant", "prompt_bucket", "endpoint"], key="rg_by")
+    base_f = suspect_f = None
+    if mode == "two windows":
+        base = window("Baseline", now - dt.timedelta(hours=2), now - dt.timedelta(hours=1),
+                      "rg_base")
+        suspect = window("Suspect", now - dt.timedelta(hours=1), now, "rg_sus")
+    else:
+        base = suspect = window("Window", now - dt.timedelta(hours=6), now, "rg_cfg")
+        c1, c2 = st.columns(2)
+        base_f = {"config_id": c1.text_input("Baseline config_id", key="rg_cfg_a")}
+        suspect_f = {"config_id": c2.text_input("Suspect config_id", key="rg_cfg_b")}
+    cmp = Q.compare_windows(src, base, suspect, metric=metric, by=by, base_filters=base_f,
+                            suspect_filters=suspect_f)
+    if cmp.empty:
+        st.info("nothing to compare: one of the sides has no requests")
+        return
+    st.success(Q.explain(cmp))
+    top = cmp.head(12).copy()
+    top["what"] = top[by].astype(str) + " · " + top["stage"]
+    st.bar_chart(top.set_index("what")["weighted_ms"], horizontal=True)
+    st.dataframe(cmp[[by, "stage", "base_ms", "suspect_ms", "delta_ms", "share"]],
+                 hide_index=True)
+
+
+def requests_page(src, now: dt.datetime) -> None:
+    start, end = window("Window", now - dt.timedelta(hours=1), now, "rq")
+    c1, c2, c3 = st.columns(3)
+    metric = c1.selectbox("Slowest by", ["e2e_ms", "ttft_ms", "tpot_ms", "itl_ms"], key="rq_m")
+    replica = c2.text_input("Replica (blank: all)", key="rq_r")
+    tenant = c3.text_input("Tenant (blank: all)", key="rq_t")
+    filters = {k: v for k, v in (("replica", replica), ("tenant", tenant)) if v}
+    slow = Q.slowest(src, start, end, metric=metric, limit=50, filters=filters)
+    st.dataframe(slow, hide_index=True)
+    options = list(slow["trace_id"]) if not slow.empty else []
+    typed = st.text_input("Trace id", key="rq_trace")
+    chosen = typed.strip() or (st.selectbox("or pick one of the slowest", options, key="rq_pick")
+                               if options else "")
+    if chosen:
+        trace_view(src, chosen)
+
+
+def trace_view(src, trace_id: str) -> None:
+    t = Q.trace(src, trace_id)
+    rec = t["record"]
+    st.header(f"Trace {trace_id}")
+    if rec is None:
+        st.error(f"no record for trace {trace_id}")
+        return
+    st.caption(f"{rec['final_state']} · {rec['finish_reason']} · HTTP {rec['http_status']} · "
+               f"replica {rec['replica'] or '-'} · tenant {rec['tenant']}")
+    stages = pd.DataFrame([{"stage": Q.STAGE_NAMES[c], "ms": float(rec[c] or 0.0)}
+                           for c in Q.STAGES["e2e_ms"]])
+    other = float(rec["e2e_ms"]) - stages["ms"].sum()
+    stages.loc[len(stages)] = {"stage": "streaming", "ms": other}
+    st.subheader("Stages")
+    st.bar_chart(stages.set_index("stage")["ms"], horizontal=True)
+    st.dataframe(stages, hide_index=True)
+    st.subheader("Inter-token gaps and the replica's batch")
+    itl = list(rec.get("itl_ms") or [])
+    if itl:
+        arrival_us = int(pd.Timestamp(rec["arrival_ts"], tz="UTC").timestamp() * 1e6) \
+            if pd.Timestamp(rec["arrival_ts"]).tzinfo is None \
+            else int(pd.Timestamp(rec["arrival_ts"]).timestamp() * 1e6)
+        first_us = arrival_us + float(rec["ttft_ms"] or 0) * 1000
+        gaps = pd.DataFrame({"t_us": (first_us + pd.Series(itl).cumsum() * 1000).astype(
+            "int64"), "gap_ms": itl})
+        steps = t["steps"]
+        if not steps.empty:  # the replica's last step at or before each flush
+            keys = pd.to_datetime(steps["ts"], utc=True)
+            steps = steps.assign(t_us=[int(k.timestamp() * 1e6) for k in keys])
+            gaps = pd.merge_asof(gaps, steps.sort_values("t_us")[
+                ["t_us", "num_seqs", "kv_blocks_used", "kv_blocks_total"]], on="t_us",
+                direction="backward")
+        gaps.insert(0, "ts", pd.to_datetime(gaps.pop("t_us"), unit="us", utc=True))
+        st.line_chart(gaps.set_index("ts")[[c for c in ("gap_ms", "num_seqs")
+                                            if c in gaps]])
+        st.dataframe(gaps, hide_index=True)
+    else:
+        st.info("no inter-token gaps (fewer than two content flushes)")
+    st.subheader("Timeline")
+    st.dataframe(t["events"], hide_index=True)
+    st.subheader("Tokens")
+    ids = list(rec.get("output_token_ids") or [])
+    st.write(f"prompt {rec['prompt_tokens']} tokens, generated {rec['generated_tokens']}, "
+             f"emitted {rec['emitted_tokens']}")
+    if ids:
+        st.code(str(ids[:200]), language=None)
+        text = decode(tuple(ids))
+        if text is not None:
+            st.text(text)
+    st.subheader("Versions and sampling")
+    keys = ("model", "model_revision", "engine_version", "tokenizer_revision",
+            "gateway_version", "config_id", "temperature", "top_p", "top_k", "min_p", "seed",
+            "max_tokens", "stream")
+    st.dataframe(pd.DataFrame([{"field": k, "value": str(rec.get(k))} for k in keys]),
+                 hide_index=True)
+
+
+@st.cache_data
+def decode(ids: tuple[int, ...]) -> str | None:
+    """The bundled tokenizer's text for the ids (None when it is not installed here)."""
+    try:
+        from engine.loader.paths import default_model_path
+        from engine.text import load_tokenizer
+
+        return load_tokenizer(default_model_path()).decode(list(ids))
+    except (FileNotFoundError, ImportError, ValueError):
+        return None
+
+
+def main() -> None:
+    st.set_page_config(page_title="Tailscope drill-down", layout="wide")
+    spec = source_spec()
+    page = st.sidebar.radio("Page", PAGES, key="page")
+    st.sidebar.caption(f"Data source: `{spec}`")
+    st.title(f"Tailscope · {page}")
+    st.caption(f"Data source: {spec}")
+    try:
+        src = open_source(spec)
+    except Exception as exc:  # a wrong DSN or a locked chDB directory: say so on the page
+        st.error(f"cannot open the data source {spec}: {exc}")
+        return
+    now = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    try:
+        {"Overview": overview, "Regression": regression, "Requests": requests_page}[page](
+            src, now)
+    except Q.QueryError as exc:
+        st.error(str(exc))
+
+
+main()

@@ -1,0 +1,91 @@
+"""The Streamlit drill-down, headless (streamlit.testing AppTest), on a seeded embedded store."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from tracing.seed import synthetic_records, synthetic_steps
+
+APP = str(Path(__file__).resolve().parents[2] / "dashboards" / "drill.py")
+NOW = dt.datetime.now(dt.UTC).replace(microsecond=0)
+T0 = (NOW - dt.timedelta(days=3)).replace(hour=10, minute=0, second=0)
+BASE = (T0, T0 + dt.timedelta(minutes=10))
+SUSPECT = (T0 + dt.timedelta(hours=1), T0 + dt.timedelta(hours=1, minutes=10))
+FMT = "%Y-%m-%d %H:%M:%S"
+
+
+def us(t: dt.datetime) -> int:
+    return int(t.timestamp() * 1e6)
+
+
+@pytest.fixture(scope="module")
+def seeded(store, monkeypatch_module):
+    recent = synthetic_records(300, us(NOW - dt.timedelta(minutes=50)),
+                               us(NOW - dt.timedelta(minutes=10)), seed=7, token_ids=True)
+    base = synthetic_records(600, us(BASE[0]), us(BASE[1]), seed=3)
+    suspect = synthetic_records(600, us(SUSPECT[0]), us(SUSPECT[1]), seed=3,
+                                slow_replica="r1", slow_fraction=0.06, slow_queue_ms=200.0)
+    store.insert_rows("requests", recent + base + suspect)
+    store.insert_rows("engine_steps", synthetic_steps(us(NOW - dt.timedelta(minutes=50)),
+                                                      us(NOW - dt.timedelta(minutes=10))))
+    monkeypatch_module.setenv("TAILSCOPE_DRILL_SOURCE", store.dsn)
+    return recent
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def run(at: AppTest) -> AppTest:
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def test_overview_renders_percentiles_rates_and_slo(seeded, store):
+    at = run(AppTest.from_file(APP, default_timeout=120))
+    assert at.title[0].value == "Tailscope · Overview"
+    assert any(store.dsn in c.value for c in at.caption)  # the data source is on the page
+    tables = [d.value for d in at.dataframe]
+    pct = next(t for t in tables if "p99" in t.columns)
+    assert list(pct["replica"]) == ["r0", "r1"] and pct["n"].sum() == len(seeded)
+    slo = next(t for t in tables if "attainment" in t.columns)
+    assert slo["n"].sum() == len(seeded) and slo["attainment"].between(0, 1).all()
+
+
+def test_regression_names_engine_queue_time_on_r1(seeded):
+    at = run(AppTest.from_file(APP, default_timeout=120))
+    at.sidebar.radio(key="page").set_value("Regression")
+    run(at)
+    at.selectbox(key="rg_m").set_value("e2e_ms")
+    for key, t in (("rg_base_a", BASE[0]), ("rg_base_b", BASE[1]), ("rg_sus_a", SUSPECT[0]),
+                   ("rg_sus_b", SUSPECT[1])):
+        at.text_input(key=key).set_value(t.strftime(FMT))
+    run(at)
+    sentence = at.success[0].value
+    assert sentence.startswith("p99 E2E +") and "engine queue time on r1" in sentence
+
+
+def test_trace_view_shows_the_stages_of_a_trace(seeded):
+    rec = max(seeded, key=lambda r: r.e2e_ms)
+    at = run(AppTest.from_file(APP, default_timeout=120))
+    at.sidebar.radio(key="page").set_value("Requests")
+    run(at)
+    slow = at.dataframe[0].value
+    assert slow["trace_id"].iloc[0] == rec.trace_id  # the slowest first
+    at.text_input(key="rq_trace").set_value(rec.trace_id)
+    run(at)
+    assert any(rec.trace_id in h.value for h in at.header)
+    stages = next(d.value for d in at.dataframe if list(d.value.columns) == ["stage", "ms"])
+    got = dict(zip(stages["stage"], stages["ms"], strict=True))
+    assert got["engine queue time"] == pytest.approx(rec.engine_queue_ms, rel=1e-6)
+    assert sum(got.values()) == pytest.approx(rec.e2e_ms, rel=1e-6)
+    gaps = next(d.value for d in at.dataframe if "gap_ms" in d.value.columns)
+    assert len(gaps) == len(rec.itl_ms) and "num_seqs" in gaps.columns
