@@ -203,6 +203,11 @@ def decode(ids: tuple[int, ...]) -> str | None:
 def main() -> None:
     st.set_page_config(page_title="Tailscope drill-down", layout="wide")
     spec = source_spec()
+    params = st.query_params  # links in (e.g. from Grafana): ?page=Requests&trace=<trace id>
+    if "page" not in st.session_state and params.get("page") in PAGES:
+        st.session_state["page"] = params["page"]
+    if "rq_trace" not in st.session_state and params.get("trace"):
+        st.session_state["rq_trace"] = params["trace"]
     page = st.sidebar.radio("Page", PAGES, key="page")
     st.sidebar.caption(f"Data source: `{spec}`")
     st.title(f"Tailscope · {page}")
