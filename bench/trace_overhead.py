@@ -8,7 +8,8 @@ writer's ingest rate into embedded ClickHouse (chDB).
    completions): ``capture on`` writes every record, its events and every engine step to chDB;
    ``capture off`` has no store (records still go to the in-memory sink and ``/metrics``). The
    runs alternate on/off/on/off and the best of each is compared, to damp drift on a shared
-   machine. Printed: requests/s, output tokens/s, and the loss in percent.
+   machine. Printed: requests/s, output tokens/s, and the loss in percent. The writer's batch
+   age is the gateway's ``TAILSCOPE_STORE_FLUSH_S`` (5 s unless set in the environment).
 2. The writer alone, in this process: ``--records`` records with 256 token ids each (and 12
    events) emitted as fast as possible into a fresh chDB store; records/s from the first emit to
    the end of the drain (every row inserted).

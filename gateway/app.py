@@ -54,6 +54,7 @@ class GatewayConfig:
     store_dsn: str | None = None  # chdb:///path or http(s)://host:8123; None = no store
     spool_dir: str | None = None  # where batches wait while the store is down
     store_ttl_days: int = 30  # default row TTL (a tenant's ttl_days overrides)
+    store_flush_s: float = 5.0  # a batch is inserted when its oldest record is this old
     admin_key: str | None = None  # Bearer key for /debug/* (besides admin tenants' keys)
     fault_store_down_file: str | None = None  # fault injection: inserts fail while it exists
     otlp_endpoint: str | None = None  # export one span per request over OTLP when set
@@ -92,7 +93,7 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
     handle = None
     if config.store_dsn:
         handle, writer = open_store(config.store_dsn, config.spool_dir,
-                                    config.fault_store_down_file)
+                                    config.fault_store_down_file, config.store_flush_s)
         sinks.append(writer)
         pool.on_step = lambda replica, msg: writer.emit_step(
             step_row(replica, msg, config.store_ttl_days))

@@ -53,8 +53,8 @@ def default_spool_dir(dsn: str) -> Path:
     return Path(".tailscope/spool").resolve()
 
 
-def open_store(dsn: str, spool_dir: str | None, fault_file: str | None
-               ) -> tuple[StoreHandle, RecordWriter]:
+def open_store(dsn: str, spool_dir: str | None, fault_file: str | None,
+               flush_s: float = 1.0) -> tuple[StoreHandle, RecordWriter]:
     handle = StoreHandle(dsn)
     if is_embedded(handle.dsn):  # fail fast: e.g. another gateway already owns the directory
         try:
@@ -62,7 +62,7 @@ def open_store(dsn: str, spool_dir: str | None, fault_file: str | None
         except StoreError as exc:
             raise SystemExit(f"tailscope: {exc}") from None
     spool = Path(spool_dir) if spool_dir else default_spool_dir(dsn)
-    writer = RecordWriter(handle.get, spool, fault_file=fault_file)
+    writer = RecordWriter(handle.get, spool, max_age_s=flush_s, fault_file=fault_file)
     log.info("trace store: %s (spool %s)", handle.dsn, spool)
     return handle, writer
 

@@ -108,6 +108,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                    else s.store_dsn,
                                    spool_dir=s.spool_dir or None,
                                    store_ttl_days=s.store_ttl_days,
+                                   store_flush_s=s.store_flush_s,
                                    admin_key=s.admin_key or None,
                                    fault_store_down_file=os.environ.get(
                                        "TAILSCOPE_FAULT_STORE_DOWN_FILE") or None,

@@ -28,6 +28,7 @@ class Settings:
     store_dsn: str = "chdb://./.tailscope/store"  # TAILSCOPE_STORE_DSN ("none": no store)
     spool_dir: str = ""  # TAILSCOPE_SPOOL_DIR: failed batches wait here (default beside store)
     store_ttl_days: int = 30  # TAILSCOPE_STORE_TTL_DAYS: default row TTL
+    store_flush_s: float = 5.0  # TAILSCOPE_STORE_FLUSH_S: oldest record waits this long at most
     admin_key: str = ""  # TAILSCOPE_ADMIN_KEY: Bearer key for /debug/* endpoints
     gateway_url: str = "http://127.0.0.1:8000"  # TAILSCOPE_GATEWAY_URL: for `tailscope store`
     otlp_endpoint: str = ""  # TAILSCOPE_OTLP_ENDPOINT: OTLP collector (spans off when empty)
@@ -53,6 +54,7 @@ class Settings:
             store_dsn=_env("STORE_DSN", cls.store_dsn),
             spool_dir=_env("SPOOL_DIR", cls.spool_dir),
             store_ttl_days=int(_env("STORE_TTL_DAYS", str(cls.store_ttl_days))),
+            store_flush_s=float(_env("STORE_FLUSH_S", str(cls.store_flush_s))),
             admin_key=_env("ADMIN_KEY", cls.admin_key),
             gateway_url=_env("GATEWAY_URL", cls.gateway_url),
             otlp_endpoint=_env("OTLP_ENDPOINT", cls.otlp_endpoint),

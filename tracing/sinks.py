@@ -88,5 +88,8 @@ class FanoutSink:
                               record.trace_id)
 
     def close(self) -> None:
-        for sink in self.sinks:
-            sink.close()
+        for sink in self.sinks:  # every sink gets to flush, even if one fails to
+            try:
+                sink.close()
+            except Exception:
+                log.exception("record sink %s failed to close", type(sink).__name__)

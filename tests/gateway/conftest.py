@@ -32,7 +32,8 @@ def start_server(*args: str, timeout_s: float = 240.0, env: dict[str, str] | Non
     proc = subprocess.Popen(
         [sys.executable, "-m", "tailscope.cli", "serve", "--port", str(port), *args],
         env={**os.environ, "TAILSCOPE_KV_CACHE_MB": "64",
-             "TAILSCOPE_STORE_DSN": f"chdb://{store}/store", **(env or {})})
+             "TAILSCOPE_STORE_DSN": f"chdb://{store}/store", "TAILSCOPE_STORE_FLUSH_S": "0.5",
+             **(env or {})})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
