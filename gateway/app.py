@@ -108,7 +108,10 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
     sink = FanoutSink(sinks)
 
     def on_record(record: RequestRecord) -> None:
-        metrics.observe(record)
+        try:
+            metrics.observe(record)
+        except Exception:  # metrics must never take a record (or a response) down with them
+            log.exception("metrics failed for trace %s", record.trace_id)
         sink.emit(record)
 
     @asynccontextmanager

@@ -267,3 +267,24 @@ def test_cli_store_query_goes_through_the_gateway(store_server):
         env={**os.environ, "TAILSCOPE_ADMIN_KEY": ADMIN})
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip())["n"] > 0
+
+
+def test_query_library_reads_the_embedded_store_through_the_gateway(store_server):
+    import datetime as dt
+
+    from tracing import queries as Q
+
+    trace_id, status = send(store_server, "sk-alpha", {"max_tokens": 4, "ignore_eos": True},
+                            stream=True)
+    assert status == 200
+    assert wait_for(lambda: len(rows_for(store_server, [trace_id], "trace_id")) == 1, 10)
+    src = Q.GatewaySource(store_server.url, ADMIN)
+    now = dt.datetime.now(dt.UTC)
+    pct = Q.percentiles(src, now - dt.timedelta(hours=1), now + dt.timedelta(minutes=1),
+                        "ttft_ms", by="replica")
+    assert list(pct["replica"]) == ["r0"] and pct.at[0, "n"] >= 1
+    t = Q.trace(src, trace_id)
+    assert t["record"]["trace_id"] == trace_id and t["record"]["emitted_tokens"] == 4
+    assert "DECODING" in list(t["events"]["state"]) and len(t["steps"]) > 0
+    with pytest.raises(Q.QueryError):
+        Q.GatewaySource(store_server.url, "wrong-key").select("SELECT 1")
