@@ -209,6 +209,46 @@ def cmd_drill(args: argparse.Namespace) -> int:
     return subprocess.call(cmd, env=env)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Load-test any OpenAI-compatible endpoint (bench/loadgen.py)."""
+    from pathlib import Path
+
+    from bench import loadgen as L
+
+    slo = {}
+    for part in (args.slo or "").split(","):
+        if part.strip():
+            key, _, value = part.partition("=")
+            if key.strip() not in ("ttft_ms", "tpot_ms") or not value:
+                raise ValueError(f"--slo {args.slo!r}: use ttft_ms=N,tpot_ms=N")
+            slo[key.strip()] = float(value)
+    target = L.Target(args.url, model=args.model, api_key=args.api_key)
+    keys = [k for k in (args.tenant_keys or "").split(",") if k]
+
+    def items_for(n: int, seed: int) -> list:
+        if args.trace:
+            return L.load_trace(args.trace)[:n]
+        return L.workload(n, L.Dist.parse(args.prompt_len), L.Dist.parse(args.output_len),
+                          seed=seed, shared_prefix=args.shared_prefix, api_keys=keys or None)
+
+    if args.mode == "sweep":
+        result = L.sweep(target, items_for, args.steps, seed=args.seed, slo=slo or None,
+                         point_s=args.duration or 10.0)
+    else:
+        n = args.requests or (int(args.rate * args.duration) if args.rate and args.duration
+                              else 100)
+        result = L.run(target, args.mode, items_for(n + args.warmup, args.seed),
+                       rate=args.rate, burstiness=args.burstiness,
+                       concurrency=args.concurrency, seed=args.seed, warmup=args.warmup,
+                       slo=slo or None)
+    result["run_id"] = target.run_id
+    print(L.summary_md(result))
+    if args.out:
+        for path in L.write_outputs(result, Path(args.out)):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tailscope", description=__doc__)
     p.add_argument("--version", action="version", version=f"tailscope {__version__}")
@@ -266,6 +306,32 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--host", default="127.0.0.1")
     dr.add_argument("--port", type=int, default=8501)
     dr.set_defaults(func=cmd_drill)
+    b = sub.add_parser("bench", help="load-test an OpenAI-compatible endpoint")
+    b.add_argument("--url", default="http://127.0.0.1:8000", help="base URL, with or without /v1")
+    b.add_argument("--api-key")
+    b.add_argument("--model", default="SmolLM2-135M-Instruct")
+    b.add_argument("--mode", choices=["serial", "burst", "rate", "sweep", "closed"],
+                   default="rate")
+    b.add_argument("--rate", type=float, help="requests/s (mode rate)")
+    b.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the arrival gaps: 1 = Poisson, <1 burstier")
+    b.add_argument("--concurrency", type=int, default=8, help="streams (mode closed)")
+    b.add_argument("--requests", type=int, help="requests to send (default rate x duration)")
+    b.add_argument("--duration", type=float,
+                   help="seconds of schedule (mode rate; per rate in a sweep, default 10)")
+    b.add_argument("--steps", type=int, default=5, help="rates in a sweep")
+    b.add_argument("--prompt-len", default="lognormal:128:0.6",
+                   help="fixed:N | uniform:A:B | lognormal:MEDIAN:SIGMA (tokens)")
+    b.add_argument("--output-len", default="uniform:16:64")
+    b.add_argument("--shared-prefix", type=float, default=0.0,
+                   help="fraction of prompts starting with the same 64 tokens")
+    b.add_argument("--tenant-keys", help="comma-separated API keys, used round-robin")
+    b.add_argument("--trace", help="JSONL trace to replay (timestamp, prompt, max_tokens)")
+    b.add_argument("--warmup", type=int, default=2, help="serial requests reported apart")
+    b.add_argument("--slo", help="ttft_ms=N,tpot_ms=N: report attainment and goodput")
+    b.add_argument("--out", help="directory for results.json, summary.md and plots")
+    b.add_argument("--seed", type=int, default=0)
+    b.set_defaults(func=cmd_bench)
     return p
 
 

@@ -1,0 +1,28 @@
+"""A short sweep of `tailscope serve` (tiny model) through the CLI writes its report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_short_sweep_writes_results_summary_and_plot(tiny_server, tmp_path):
+    out = tmp_path / "sweep"
+    r = subprocess.run(
+        [sys.executable, "-m", "tailscope.cli", "bench", "--url", tiny_server.url + "/v1",
+         "--mode", "sweep", "--steps", "2", "--duration", "2", "--prompt-len", "fixed:16",
+         "--output-len", "fixed:4", "--slo", "ttft_ms=2000,tpot_ms=500", "--out", str(out)],
+        capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads((out / "results.json").read_text())
+    assert result["serial"]["succeeded"] == 16 and result["burst"]["succeeded"] == 32
+    assert len(result["points"]) == 2
+    for p in result["points"]:  # near the burst throughput the gateway may shed (503)
+        assert p["succeeded"] > 0 and p["e2e_ms"]["n"] == p["succeeded"]
+        assert set(p["errors"]) <= {"503"} and p["requests"] >= 20
+        assert 0 <= p["slo"]["attainment"] <= 1 and "p99_ci95" in p["e2e_ms"]
+    summary = (out / "summary.md").read_text()
+    assert "| serial |" in summary and "Saturation" in summary
+    png = (out / "frontier.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
