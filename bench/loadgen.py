@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import random
 import statistics
 import time
@@ -328,6 +329,7 @@ def run(target: Target, mode: str, items: list[Item], *, rate: float | None = No
         slo: dict | None = None) -> dict:
     """One run of a mode; ``warmup`` requests go first, serially, and are reported apart."""
     cold: list[Sample] = []
+    cpu0 = _cpu_ms()
     if warmup:
         cold, _ = asyncio.run(run_closed_loop(target, items[:warmup], 1))
         items = items[warmup:]
@@ -350,11 +352,18 @@ def run(target: Target, mode: str, items: list[Item], *, rate: float | None = No
     rep = report(samples, dur, slo)
     rep.update(mode=mode, rate=rate, burstiness=burstiness, concurrency=concurrency,
                run_id=target.run_id)
+    rep["client_cpu_ms_per_request"] = (_cpu_ms() - cpu0) / max(1, len(samples))
     if cold:
         rep["cold_start"] = {"requests": len(cold),
                              "ttft_ms": [s.ttft_ms for s in cold],
                              "e2e_ms": [s.e2e_ms for s in cold]}
     return rep
+
+
+def _cpu_ms() -> float:
+    """This process's CPU time: the generator's own cost, reported with every run."""
+    t = os.times()
+    return (t.user + t.system) * 1e3
 
 
 def saturation(points: list[dict], metric: str = "e2e_ms", factor: float = 2.0) -> dict | None:
@@ -435,6 +444,30 @@ def summary_md(result: dict) -> str:
     else:
         lines.append(row(result["mode"], result))
     return "\n".join(lines) + "\n"
+
+
+def record_run(target: Target, result: dict, params: dict, admin_key: str | None) -> str:
+    """Store the run in the target gateway's ``bench_runs`` table (a Tailscope gateway only);
+    returns what happened, in words."""
+    import httpx
+
+    base = target.url.rstrip("/").removesuffix("/v1")
+    summary = {k: result[k] for k in ("request_throughput_rps", "output_token_throughput_tps",
+                                      "ttft_ms", "e2e_ms", "errors") if k in result}
+    if "points" in result:
+        summary = {"saturation_rps": result.get("saturation_rps"),
+                   "points": [{k: p[k] for k in ("rate", "request_throughput_rps", "e2e_ms",
+                                                 "ttft_ms")} for p in result["points"]]}
+    try:
+        r = httpx.post(f"{base}/debug/bench-runs", timeout=30, headers={
+            "Authorization": f"Bearer {admin_key}"} if admin_key else {}, json={
+            "run_id": target.run_id, "mode": result.get("mode", "sweep"), "target": base,
+            "params": params, "results": summary})
+    except httpx.HTTPError as exc:
+        return f"not stored in bench_runs ({exc})"
+    if r.status_code != 200:
+        return f"not stored in bench_runs (HTTP {r.status_code}: not a Tailscope gateway?)"
+    return f"stored in bench_runs as {target.run_id}"
 
 
 def write_outputs(result: dict, out: Path) -> list[Path]:

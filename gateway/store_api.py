@@ -10,15 +10,17 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import io
+import json
 import logging
 import threading
+import time
 from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from gateway.errors import APIError, bad_request
-from tracing.schema import EngineStepRow
+from tracing.schema import BenchRunRow, EngineStepRow
 from tracing.store import QueryRefused, Store, StoreError, is_embedded, normalise_dsn
 from tracing.writer import RecordWriter
 
@@ -178,6 +180,22 @@ def register(app: FastAPI, handle: StoreHandle | None, memory, require_admin) ->
             end = start + int((rec.get("e2e_ms") or 0) * 1000) + 1
             out["engine_steps"] = await in_thread(_steps, rec["replica"], start, end)
         return _jsonable(out)
+
+    @app.post("/debug/bench-runs")
+    async def record_bench_run(request: Request) -> dict:
+        """Store a load-generator run (``tailscope bench`` posts its results here)."""
+        require_admin(request)
+        try:
+            body = await request.json()
+            row = BenchRunRow(run_id=str(body["run_id"])[:64], ts_us=int(time.time() * 1e6),
+                              mode=str(body["mode"]), target=str(body.get("target", "")),
+                              config_id=str(body.get("config_id", "")),
+                              params=json.dumps(body.get("params", {})),
+                              results=json.dumps(body.get("results", {})))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise bad_request(f"bench run: {exc}") from None
+        await in_thread(lambda: handle.get().insert_rows("bench_runs", [row]))
+        return {"run_id": row.run_id, "stored": True}
 
     @app.delete("/debug/tenants/{tenant}/records")
     async def delete_tenant(tenant: str, request: Request) -> dict:

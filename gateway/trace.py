@@ -150,6 +150,9 @@ class TraceMiddleware:
         traced = scope["method"] == "POST" and scope["path"].startswith("/v1/")
         trace = RequestTrace(request_id, trace_id, span_id, parent_span, scope["path"]) \
             if traced else None
+        if trace is not None:
+            trace.record.bench_run = headers.get(b"x-tailscope-bench-run", b"").decode(
+                "latin-1")[:64]
         state = scope.setdefault("state", {})
         state.update(request_id=request_id, trace_id=trace_id, trace=trace)
         extra = [(b"x-request-id", request_id.encode("latin-1")),

@@ -243,6 +243,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        slo=slo or None)
     result["run_id"] = target.run_id
     print(L.summary_md(result))
+    if not args.no_record:
+        params = {k: v for k, v in vars(args).items() if k not in ("func", "api_key",
+                                                                    "tenant_keys")}
+        print(L.record_run(target, result, params, Settings.from_env().admin_key or None),
+              file=sys.stderr)
     if args.out:
         for path in L.write_outputs(result, Path(args.out)):
             print(f"wrote {path}", file=sys.stderr)
@@ -331,6 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--slo", help="ttft_ms=N,tpot_ms=N: report attainment and goodput")
     b.add_argument("--out", help="directory for results.json, summary.md and plots")
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--no-record", action="store_true",
+                   help="do not store the run in the gateway's bench_runs table")
     b.set_defaults(func=cmd_bench)
     return p
 

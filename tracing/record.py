@@ -41,6 +41,7 @@ class RequestRecord:
     tenant: str = ""
     api_key_id: str = ""
     endpoint: str = ""  # /v1/chat/completions, ...
+    bench_run: str = ""  # the x-tailscope-bench-run header: joins the record to a bench run
     arrival_ts_us: int = 0
     # how it ended
     final_state: str = ""  # FINISHED, CANCELLED, TIMED_OUT, FAILED, REJECTED

@@ -99,7 +99,7 @@ class BenchRunRow:
 _LOW_CARDINALITY = {"tenant", "api_key_id", "endpoint", "final_state", "finish_reason",
                     "error_type", "model", "model_revision", "engine_version",
                     "tokenizer_revision", "gateway_version", "config_id", "replica", "state",
-                    "suite", "mode"}
+                    "suite", "mode", "bench_run"}
 _TIME_COLUMNS = {"ts_us": "ts", "arrival_ts_us": "arrival_ts"}  # µs ints -> DateTime64(6)
 _SCALARS = {str: "String", int: "Int64", float: "Float64", bool: "Bool"}
 _ARRAYS = {"input_token_ids": "Array(UInt32)", "output_token_ids": "Array(UInt32)",
@@ -169,6 +169,8 @@ def ddl() -> list[str]:
 # (version, name, statements). Applied in order, each once; statements are idempotent too.
 MIGRATIONS: list[tuple[int, str, list[str]]] = [
     (1, "initial tables", [t.create() for t in TABLES.values()]),
+    (2, "requests.bench_run", [f"ALTER TABLE {DATABASE}.requests ADD COLUMN IF NOT EXISTS "
+                               "bench_run LowCardinality(String) AFTER endpoint"]),
 ]
 
 __all__ = ["DATABASE", "TABLES", "MIGRATIONS", "EngineStepRow", "EventRow", "EvalRunRow",

@@ -77,8 +77,8 @@ def test_open_loop_sees_the_stall_a_closed_loop_hides(stalling):
     assert open_rep["e2e_ms"]["p99"] >= 2000
     assert open_rep["send_lag_ms"]["p99"] < 50  # the generator kept its schedule
     now = time.monotonic()
-    stalling.stall_from, stalling.stall_to = now + 0.5, now + 1.0
-    closed = L.run(target, "closed", items(400), concurrency=1)
+    stalling.stall_from, stalling.stall_to = now + 0.1, now + 0.6
+    closed = L.run(target, "closed", items(1500), concurrency=1)  # runs past the window
     # one request waited 2 s; the ones that would have been sent meanwhile never were
     assert closed["e2e_ms"]["max"] >= 2000 and closed["e2e_ms"]["p99"] < 1000
 

@@ -6,6 +6,10 @@ import json
 import subprocess
 import sys
 
+import httpx
+
+from tests.gateway.test_faults import wait_for
+
 
 def test_short_sweep_writes_results_summary_and_plot(tiny_server, tmp_path):
     out = tmp_path / "sweep"
@@ -24,5 +28,17 @@ def test_short_sweep_writes_results_summary_and_plot(tiny_server, tmp_path):
         assert 0 <= p["slo"]["attainment"] <= 1 and "p99_ci95" in p["e2e_ms"]
     summary = (out / "summary.md").read_text()
     assert "| serial |" in summary and "Saturation" in summary
+    # the run is in bench_runs, and its requests' records carry its id
+    assert "stored in bench_runs" in r.stderr, r.stderr[-500:]
+    n_sent = sum(p["requests"] + len(p.get("cold_start", {}).get("e2e_ms", []))
+                 for p in (result["serial"], result["burst"], *result["points"]))
+
+    def stored() -> list:
+        return httpx.post(f"{tiny_server.url}/debug/query", json={
+            "sql": "SELECT mode, (SELECT count() FROM tailscope.requests WHERE bench_run = "
+                   "{r:String}) FROM tailscope.bench_runs WHERE run_id = {r:String}",
+            "params": {"r": result["run_id"]}}).json()["rows"]
+
+    assert wait_for(lambda: stored() == [["sweep", n_sent]], 10), (stored(), n_sent)
     png = (out / "frontier.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
