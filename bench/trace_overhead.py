@@ -26,7 +26,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -66,33 +65,14 @@ def start_gateway(store: str | None) -> tuple[subprocess.Popen, str]:
 
 
 def closed_loop(url: str, seconds: float, concurrency: int) -> tuple[float, float]:
-    import httpx
+    """(requests/s, output tokens/s) of ``concurrency`` streams for about ``seconds``, with the
+    load generator's closed mode (bench/loadgen.py)."""
+    from bench import loadgen as L
 
-    done, tokens = [0], [0]
-    stop = time.monotonic() + seconds
-    lock = threading.Lock()
-
-    def worker(seed: int) -> None:
-        rng = random.Random(seed)
-        with httpx.Client(timeout=60) as http:
-            while time.monotonic() < stop:
-                prompt = [rng.randrange(100, 49000) for _ in range(rng.randrange(8, 64))]
-                r = http.post(f"{url}/v1/completions", json={
-                    "model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 16,
-                    "ignore_eos": True, "stream": True})
-                if r.status_code == 200:
-                    with lock:
-                        done[0] += 1
-                        tokens[0] += 16
-
-    t0 = time.monotonic()
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    dt = time.monotonic() - t0
-    return done[0] / dt, tokens[0] / dt
+    n = max(concurrency, int(seconds * 150))  # about the tiny model's rate here; timed below
+    items = L.workload(n, L.Dist.parse("uniform:8:63"), L.Dist.parse("fixed:16"), seed=n)
+    rep = L.run(L.Target(url), "closed", items, concurrency=concurrency, warmup=0)
+    return rep["request_throughput_rps"], rep["output_token_throughput_tps"]
 
 
 def throughput(seconds: float, concurrency: int, rounds: int) -> dict:
