@@ -1,0 +1,169 @@
+"""Eval cases and their scorers (the case format of the evals issue; the runner comes next).
+
+A case, in YAML (a list, or ``{"cases": [...]}``) or JSONL (one object per line)::
+
+    - id: capital-france
+      messages: [{role: user, content: "What is the capital of France?"}]   # or prompt: "..."
+      params: {temperature: 0, max_tokens: 16}       # any request field, sent as is
+      weight: 1.0
+      tags: [geography]
+      expect:                                        # every scorer listed must pass
+        contains_any: ["Paris"]                      # or contains_all: [...]
+        exact: "Paris"                               # the whole output, stripped
+        regex: "^[A-Z]"                              # re.search
+        json: true                                   # the output parses as JSON
+        json_schema: {type: object, required: [name]}
+        finish_reason: stop
+        not_contains: ["As an AI"]
+        min_length: 1                                # characters
+        max_length: 200
+
+``score`` returns a ``Score``: the fraction of the case's checks that passed, whether all
+did, and a detail naming each failure, so a failing case says why.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCORERS = ("exact", "contains_any", "contains_all", "regex", "json", "json_schema",
+           "finish_reason", "not_contains", "min_length", "max_length")
+
+
+class CaseError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    messages: list[dict] | None = None
+    prompt: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    expect: dict[str, Any] = field(default_factory=dict)
+    weight: float = 1.0
+    tags: tuple[str, ...] = ()
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "") -> Case:
+        if not isinstance(d, dict):
+            raise CaseError(f"{where}: a case must be a mapping, not {type(d).__name__}")
+        unknown = set(d) - {"id", "messages", "prompt", "params", "expect", "weight", "tags"}
+        if unknown:
+            raise CaseError(f"{where}: unknown case fields {sorted(unknown)}")
+        if not d.get("id"):
+            raise CaseError(f"{where}: a case needs an id")
+        if (d.get("messages") is None) == (d.get("prompt") is None):
+            raise CaseError(f"{where} ({d['id']}): give exactly one of messages or prompt")
+        expect = d.get("expect") or {}
+        bad = set(expect) - set(SCORERS)
+        if bad:
+            raise CaseError(f"{where} ({d['id']}): unknown scorers {sorted(bad)}; "
+                            f"known: {', '.join(SCORERS)}")
+        if "regex" in expect:
+            try:
+                re.compile(expect["regex"])
+            except re.error as exc:
+                raise CaseError(f"{where} ({d['id']}): bad regex: {exc}") from None
+        weight = float(d.get("weight", 1.0))
+        if weight < 0:
+            raise CaseError(f"{where} ({d['id']}): weight must be >= 0")
+        return cls(id=str(d["id"]), messages=d.get("messages"), prompt=d.get("prompt"),
+                   params=dict(d.get("params") or {}), expect=dict(expect), weight=weight,
+                   tags=tuple(d.get("tags") or ()))
+
+
+def load_cases(path: str | Path) -> list[Case]:
+    path = Path(path)
+    text = path.read_text()
+    if path.suffix == ".jsonl":
+        rows = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append((f"{path}:{n}", json.loads(line)))
+                except json.JSONDecodeError as exc:
+                    raise CaseError(f"{path}:{n}: {exc}") from None
+    else:
+        import yaml
+
+        data = yaml.safe_load(text)
+        data = data.get("cases", data) if isinstance(data, dict) else data
+        if not isinstance(data, list):
+            raise CaseError(f"{path}: expected a list of cases")
+        rows = [(f"{path}[{i}]", d) for i, d in enumerate(data)]
+    cases = [Case.from_dict(d, where) for where, d in rows]
+    ids = [c.id for c in cases]
+    dup = {i for i in ids if ids.count(i) > 1}
+    if dup:
+        raise CaseError(f"{path}: duplicate case ids {sorted(dup)}")
+    return cases
+
+
+@dataclass(frozen=True)
+class Score:
+    score: float  # the fraction of checks passed
+    passed: bool
+    detail: str
+
+
+def score(case: Case, output: str, finish_reason: str | None) -> Score:
+    """Run each of the case's checks on one output."""
+    failures, checks = [], 0
+
+    def check(ok: bool, why: str) -> None:
+        nonlocal checks
+        checks += 1
+        if not ok:
+            failures.append(why)
+
+    e = case.expect
+    if "exact" in e:
+        check(output.strip() == str(e["exact"]).strip(), f"output is not exactly {e['exact']!r}")
+    if "contains_any" in e:
+        check(any(s in output for s in e["contains_any"]),
+              f"output contains none of {e['contains_any']}")
+    if "contains_all" in e:
+        missing = [s for s in e["contains_all"] if s not in output]
+        check(not missing, f"output lacks {missing}")
+    if "regex" in e:
+        check(re.search(e["regex"], output) is not None, f"output does not match /{e['regex']}/")
+    parsed, parse_error = None, None
+    if "json" in e or "json_schema" in e:
+        try:
+            parsed = json.loads(output)
+        except json.JSONDecodeError as exc:
+            parse_error = str(exc)
+    if e.get("json"):
+        check(parse_error is None, f"output is not JSON ({parse_error})")
+    if "json_schema" in e:
+        import jsonschema
+
+        if parse_error is not None:
+            check(False, f"output is not JSON ({parse_error})")
+        else:
+            try:
+                jsonschema.validate(parsed, e["json_schema"])
+                check(True, "")
+            except jsonschema.ValidationError as exc:
+                check(False, f"JSON does not match the schema: {exc.message}")
+    if "finish_reason" in e:
+        check(finish_reason == e["finish_reason"],
+              f"finish_reason is {finish_reason!r}, not {e['finish_reason']!r}")
+    if "not_contains" in e:
+        found = [s for s in e["not_contains"] if s in output]
+        check(not found, f"output contains {found}")
+    if "min_length" in e:
+        check(len(output) >= int(e["min_length"]),
+              f"output has {len(output)} characters, fewer than {e['min_length']}")
+    if "max_length" in e:
+        check(len(output) <= int(e["max_length"]),
+              f"output has {len(output)} characters, more than {e['max_length']}")
+    if not checks:
+        return Score(1.0, True, "no checks")
+    return Score((checks - len(failures)) / checks, not failures,
+                 "; ".join(failures) or "all checks passed")

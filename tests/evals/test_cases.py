@@ -1,0 +1,61 @@
+"""Eval case format and every scorer, on passing and failing outputs."""
+
+from __future__ import annotations
+
+import pytest
+
+from evals.cases import Case, CaseError, load_cases, score
+
+
+def case(**expect) -> Case:
+    return Case.from_dict({"id": "c", "prompt": "x", "expect": expect})
+
+
+@pytest.mark.parametrize("expect,good,bad", [
+    ({"exact": "Paris"}, " Paris\n", "Paris, France"),
+    ({"contains_any": ["Paris", "paris"]}, "It is paris.", "It is Lyon."),
+    ({"contains_all": ["a", "b"]}, "a and b", "only a"),
+    ({"regex": r"^\d{4}$"}, "1789", "year 1789"),
+    ({"json": True}, '{"a": 1}', "{a: 1}"),
+    ({"json_schema": {"type": "object", "required": ["name"]}}, '{"name": "x"}', '{"n": 1}'),
+    ({"not_contains": ["sorry"]}, "Sure.", "I am sorry"),
+    ({"min_length": 3}, "abc", "ab"),
+    ({"max_length": 3}, "abc", "abcd"),
+])
+def test_each_scorer_passes_and_fails(expect, good, bad):
+    assert score(case(**expect), good, "stop").passed
+    s = score(case(**expect), bad, "stop")
+    assert not s.passed and s.score == 0.0 and s.detail
+
+
+def test_finish_reason_and_partial_scores():
+    c = case(contains_any=["Paris"], finish_reason="stop", max_length=10)
+    assert score(c, "Paris", "stop").passed
+    s = score(c, "Paris is a big city", "length")
+    assert not s.passed and s.score == pytest.approx(1 / 3)
+    assert "finish_reason is 'length'" in s.detail and "more than 10" in s.detail
+    assert score(case(json_schema={"type": "object"}), "not json", "stop").detail.startswith(
+        "output is not JSON")
+
+
+def test_loading_yaml_and_jsonl_and_clear_errors(tmp_path):
+    y = tmp_path / "s.yaml"
+    y.write_text("cases:\n  - id: a\n    messages: [{role: user, content: hi}]\n"
+                 "    params: {temperature: 0}\n    weight: 2\n    tags: [t]\n"
+                 "    expect: {contains_any: [hello]}\n")
+    (c,) = load_cases(y)
+    assert c.messages[0]["content"] == "hi" and c.weight == 2 and c.tags == ("t",)
+    j = tmp_path / "s.jsonl"
+    j.write_text('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": "y"}\n')
+    assert [c.id for c in load_cases(j)] == ["a", "b"]
+    for text, message in (('{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "y"}\n',
+                           "duplicate"),
+                          ('{"id": "a"}\n', "exactly one of messages or prompt"),
+                          ('{"id": "a", "prompt": "x", "expect": {"fuzzy": 1}}\n',
+                           "unknown scorers"),
+                          ('{"id": "a", "prompt": "x", "expect": {"regex": "("}}\n',
+                           "bad regex"),
+                          ('{"id": "a", "prompt": "x"\n', "s.jsonl:1")):
+        j.write_text(text)
+        with pytest.raises(CaseError, match=message):
+            load_cases(j)
