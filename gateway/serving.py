@@ -296,7 +296,6 @@ class Service:
                     params: SamplingParams, choices: list[Choice], client_gone: bool,
                     tenant: Tenant) -> None:
         r = trace.record
-        r.prompt_tokens, r.n, r.stream = len(prompt), req.n, req.stream
         r.generated_tokens = sum(c.stream.generated_tokens for c in choices)
         r.emitted_tokens = sum(c.stream.emitted_tokens for c in choices)
         r.retries = sum(c.retries for c in choices)

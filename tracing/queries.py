@@ -141,6 +141,18 @@ def _stage_exprs(metric: str) -> list[tuple[str, str]]:
     return [(s, s) for s in stages] + [("other_ms", other)]
 
 
+def _cut(source, m: str, where: str, params: dict) -> float | None:
+    """The ``{q:Float64}`` quantile of ``m`` over ``where`` (None when nothing matches)."""
+    df = frame(source, f"SELECT quantileExact({{q:Float64}})({m}) AS cut FROM "
+                       f"tailscope.requests WHERE {where}", params)
+    if df.empty or df.iloc[0]["cut"] is None:
+        return None
+    return float(df.iloc[0]["cut"])
+
+
+_TAIL_COLUMNS = ["stage", "column", "tail_ms", "median_ms", "delta_ms", "share"]
+
+
 def tail_breakdown(source, start, end, metric: str = "e2e_ms", quantile: float = 0.99,
                    filters: dict[str, str] | None = None) -> pd.DataFrame:
     """For requests above the window's ``quantile`` of ``metric``: each stage's mean, against
@@ -149,20 +161,17 @@ def tail_breakdown(source, start, end, metric: str = "e2e_ms", quantile: float =
     stages = _stage_exprs(m)
     params = {"start": _us(start), "end": _us(end), "q": float(quantile)}
     where = f"{_WINDOW}{_filters(filters, params)} AND {m} IS NOT NULL"
-    cut = frame(source, f"SELECT quantileExact({{q:Float64}})({m}) AS cut FROM "
-                        f"tailscope.requests WHERE {where}", params)
-    if cut.empty or cut.iloc[0]["cut"] is None:
-        return pd.DataFrame(columns=["stage", "column", "tail_ms", "median_ms", "delta_ms",
-                                     "share"])
-    params["cut"] = float(cut.iloc[0]["cut"])
+    cut = _cut(source, m, where, params)
+    if cut is None:
+        return pd.DataFrame(columns=_TAIL_COLUMNS)
+    params["cut"] = cut
     cols = ", ".join(f"avgIf({e}, {m} >= {{cut:Float64}}) AS tail_{s}, median({e}) AS med_{s}"
                      for s, e in stages)
     sql = (f"SELECT countIf({m} >= {{cut:Float64}}) AS tail_n, count() AS n, {cols} "
            f"FROM tailscope.requests WHERE {where}")
     row = frame(source, sql, params)
     if row.empty or not row.at[0, "n"]:
-        return pd.DataFrame(columns=["stage", "column", "tail_ms", "median_ms", "delta_ms",
-                                     "share"])
+        return pd.DataFrame(columns=_TAIL_COLUMNS)
     r = row.iloc[0]
     out = pd.DataFrame([{"stage": STAGE_NAMES[s], "column": s, "tail_ms": r[f"tail_{s}"],
                          "median_ms": r[f"med_{s}"]} for s, _ in stages])
@@ -199,10 +208,8 @@ def compare_windows(source, base: tuple, suspect: tuple, metric: str = "e2e_ms",
         params = {"start": _us(start), "end": _us(end), "q": float(quantile)}
         where = (f"{_WINDOW}{_filters({**(filters or {}), **(extra or {})}, params)} "
                  f"AND {m} IS NOT NULL")
-        cut = frame(source, f"SELECT quantileExact({{q:Float64}})({m}) AS cut FROM "
-                            f"tailscope.requests WHERE {where}", params)
-        cuts[side] = float(cut.iloc[0]["cut"]) if not cut.empty and \
-            cut.iloc[0]["cut"] is not None else float("nan")
+        cut = _cut(source, m, where, params)
+        cuts[side] = float("nan") if cut is None else cut
         inner = ", ".join(f"{e} AS x_{s}" for s, e in stages)  # never shadow a column
         means = ", ".join(f"avg(x_{s}) AS mean_{s}" for s, _ in stages)
         sql = (f"SELECT dim, any(nd) AS nd, count() AS k, {means} FROM (SELECT {dim} AS dim, "
