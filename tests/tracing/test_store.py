@@ -18,7 +18,9 @@ from tracing.writer import RecordWriter
 
 
 def make_record(**kw) -> RequestRecord:
-    now = time.time_ns() // 1000
+    # six hours ago: clear of the windows the dashboard tests seed and read in the same
+    # session store (the last hour, 3.5-4.5 h ago, days ago), whatever order tests run in
+    now = time.time_ns() // 1000 - 6 * 3600 * 1_000_000
     base = dict(trace_id=secrets.token_hex(16), span_id=secrets.token_hex(8),
                 request_id="req-1", arrival_ts_us=now, final_state="FINISHED",
                 finish_reason="length", http_status=200, model="m", replica="r0",
