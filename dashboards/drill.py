@@ -4,7 +4,9 @@ Pages: Overview (percentiles over time by replica, request rate by finish reason
 attainment), Regression (baseline vs suspect window, or two config ids: what moved, ranked, and
 one sentence naming the top cause), Requests (the slowest, filterable; choosing one opens its
 Trace view: stage timeline, inter-token gaps against the replica's batch size and KV usage,
-token ids with their text, versions and sampling parameters).
+token ids with their text, versions and sampling parameters), Evals (stored eval runs, a
+comparison of two with the verdict ``tailscope eval compare`` gives, and failing cases linked to
+their Trace view; ``?page=Evals&a=RUN&b=RUN`` opens a comparison).
 
 The data source comes from ``TAILSCOPE_DRILL_SOURCE`` and is shown on every page:
 ``gateway:http://host:8000`` reads through a gateway's ``/debug/query`` (the embedded store
@@ -23,7 +25,7 @@ import streamlit as st
 
 from tracing import queries as Q
 
-PAGES = ("Overview", "Regression", "Requests")
+PAGES = ("Overview", "Regression", "Requests", "Evals")
 
 
 def source_spec() -> str:
@@ -188,6 +190,62 @@ def trace_view(src, trace_id: str) -> None:
                  hide_index=True)
 
 
+def trace_link(trace_id: str) -> str:
+    return f"/?page=Requests&trace={trace_id}" if trace_id else ""
+
+
+def evals_page(src, now: dt.datetime) -> None:
+    from evals import compare as C
+
+    runs = C.list_runs(src, 200)
+    if runs.empty:
+        st.info("no eval runs stored yet: `tailscope eval run --suite smoke-qa`")
+        return
+    runs = runs.assign(pass_rate=runs["passed"] / runs["cases"].clip(lower=1))
+    st.subheader("Runs")
+    st.dataframe(runs, hide_index=True, column_config={
+        "pass_rate": st.column_config.ProgressColumn("pass rate", min_value=0, max_value=1)})
+    ids = list(runs["run_id"])
+    for key in ("ev_a", "ev_b"):  # a run id from the URL that is not stored: ignore it
+        if st.session_state.get(key) not in (None, *ids):
+            del st.session_state[key]
+    c1, c2 = st.columns(2)
+    a = c1.selectbox("Baseline run (A)", ids, index=min(1, len(ids) - 1), key="ev_a")
+    b = c2.selectbox("Candidate run (B)", ids, index=0, key="ev_b")
+    run_a, res_a = C.load_run(src, a)
+    run_b, res_b = C.load_run(src, b)
+    cmp = C.compare(run_a, res_a, run_b, res_b)
+    m1, m2, m3, m4 = st.columns(4)
+    m1.metric("Verdict", cmp.verdict.upper())
+    m2.metric("Pass rate B", f"{cmp.pass_rate_b:.1%}",
+              f"{(cmp.pass_rate_b - cmp.pass_rate_a) * 100:+.1f} points")
+    m3.metric("Newly failing / passing", f"{len(cmp.regressed)} / {len(cmp.fixed)}")
+    m4.metric("McNemar p (one-sided)", f"{cmp.mcnemar_p:.4f}")
+    st.caption(f"A: {a} (config {run_a['config_id']}) · B: {b} (config {run_b['config_id']}) · "
+               "thresholds: the defaults of `tailscope eval compare`")
+    st.subheader("Latency from the joined request records")
+    st.dataframe(cmp.latency, hide_index=True)
+    link = st.column_config.LinkColumn("trace (Trace view)", display_text=r"trace=(\w+)")
+    changed = cmp.cases[cmp.cases["case_id"].isin(cmp.regressed + cmp.fixed)]
+    st.subheader("Cases whose verdict changed")
+    if changed.empty:
+        st.info("no case changed between the runs")
+    else:
+        st.dataframe(pd.DataFrame({
+            "case_id": changed["case_id"], "A": changed["passed_a"], "B": changed["passed_b"],
+            "detail B": changed["detail_b"], "output B": changed["output_b"],
+            "trace": changed["trace_id_b"].map(trace_link)}), hide_index=True,
+            column_config={"trace": link})
+    failing = res_b[~res_b["passed"]]
+    st.subheader(f"Failing cases in B ({len(failing)} of {len(res_b)})")
+    if not failing.empty:
+        st.dataframe(pd.DataFrame({
+            "case_id": failing["case_id"], "detail": failing["detail"],
+            "output": failing["output"], "finish_reason": failing["finish_reason"],
+            "e2e_ms": failing["e2e_ms"], "trace": failing["trace_id"].map(trace_link)}),
+            hide_index=True, column_config={"trace": link})
+
+
 @st.cache_data
 def decode(ids: tuple[int, ...]) -> str | None:
     """The bundled tokenizer's text for the ids (None when it is not installed here)."""
@@ -208,6 +266,9 @@ def main() -> None:
         st.session_state["page"] = params["page"]
     if "rq_trace" not in st.session_state and params.get("trace"):
         st.session_state["rq_trace"] = params["trace"]
+    for key in ("a", "b"):  # ?page=Evals&a=RUN&b=RUN
+        if f"ev_{key}" not in st.session_state and params.get(key):
+            st.session_state[f"ev_{key}"] = params[key]
     page = st.sidebar.radio("Page", PAGES, key="page")
     st.sidebar.caption(f"Data source: `{spec}`")
     st.title(f"Tailscope · {page}")
@@ -219,8 +280,8 @@ def main() -> None:
         return
     now = dt.datetime.now(dt.UTC).replace(microsecond=0)
     try:
-        {"Overview": overview, "Regression": regression, "Requests": requests_page}[page](
-            src, now)
+        {"Overview": overview, "Regression": regression, "Requests": requests_page,
+         "Evals": evals_page}[page](src, now)
     except Q.QueryError as exc:
         st.error(str(exc))
 

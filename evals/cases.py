@@ -1,12 +1,14 @@
-"""Eval cases and their scorers (the case format of the evals issue; the runner comes next).
+"""Eval cases and their scorers (``evals.runner`` sends them, ``evals.compare`` judges runs).
 
-A case, in YAML (a list, or ``{"cases": [...]}``) or JSONL (one object per line)::
+A case, in YAML (a list, or ``{"defaults": {"params": {...}, "tags": [...]}, "cases": [...]}``,
+where a case's own params win over the suite's) or JSONL (one object per line)::
 
     - id: capital-france
       messages: [{role: user, content: "What is the capital of France?"}]   # or prompt: "..."
       params: {temperature: 0, max_tokens: 16}       # any request field, sent as is
       weight: 1.0
       tags: [geography]
+      repeat: 1                                      # send it this many times (see consistent)
       expect:                                        # every scorer listed must pass
         contains_any: ["Paris"]                      # or contains_all: [...]
         exact: "Paris"                               # the whole output, stripped
@@ -17,6 +19,13 @@ A case, in YAML (a list, or ``{"cases": [...]}``) or JSONL (one object per line)
         not_contains: ["As an AI"]
         min_length: 1                                # characters
         max_length: 200
+        consistent: true                             # every repeat gave the same choices
+        n_choices: 3                                 # the response has this many choices
+        prompt_tokens: 37                            # usage.prompt_tokens (the chat template)
+
+A case with ``messages`` goes to ``/v1/chat/completions``, one with ``prompt`` to
+``/v1/completions``; ``params`` may say ``stream: true`` (the runner then reads the SSE stream).
+Text scorers look at the first choice of the first attempt.
 
 ``score`` returns a ``Score``: the fraction of the case's checks that passed, whether all
 did, and a detail naming each failure, so a failing case says why.
@@ -31,7 +40,9 @@ from pathlib import Path
 from typing import Any
 
 SCORERS = ("exact", "contains_any", "contains_all", "regex", "json", "json_schema",
-           "finish_reason", "not_contains", "min_length", "max_length")
+           "finish_reason", "not_contains", "min_length", "max_length", "consistent",
+           "n_choices", "prompt_tokens")
+FIELDS = {"id", "messages", "prompt", "params", "expect", "weight", "tags", "repeat"}
 
 
 class CaseError(ValueError):
@@ -47,12 +58,13 @@ class Case:
     expect: dict[str, Any] = field(default_factory=dict)
     weight: float = 1.0
     tags: tuple[str, ...] = ()
+    repeat: int = 1
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "") -> Case:
         if not isinstance(d, dict):
             raise CaseError(f"{where}: a case must be a mapping, not {type(d).__name__}")
-        unknown = set(d) - {"id", "messages", "prompt", "params", "expect", "weight", "tags"}
+        unknown = set(d) - FIELDS
         if unknown:
             raise CaseError(f"{where}: unknown case fields {sorted(unknown)}")
         if not d.get("id"):
@@ -72,9 +84,14 @@ class Case:
         weight = float(d.get("weight", 1.0))
         if weight < 0:
             raise CaseError(f"{where} ({d['id']}): weight must be >= 0")
+        repeat = d.get("repeat", 1)
+        if not isinstance(repeat, int) or repeat < 1:
+            raise CaseError(f"{where} ({d['id']}): repeat must be a positive integer")
+        if expect.get("consistent") and repeat < 2:
+            raise CaseError(f"{where} ({d['id']}): consistent needs repeat >= 2")
         return cls(id=str(d["id"]), messages=d.get("messages"), prompt=d.get("prompt"),
                    params=dict(d.get("params") or {}), expect=dict(expect), weight=weight,
-                   tags=tuple(d.get("tags") or ()))
+                   tags=tuple(d.get("tags") or ()), repeat=repeat)
 
 
 def load_cases(path: str | Path) -> list[Case]:
@@ -92,16 +109,29 @@ def load_cases(path: str | Path) -> list[Case]:
         import yaml
 
         data = yaml.safe_load(text)
-        data = data.get("cases", data) if isinstance(data, dict) else data
+        defaults = {}
+        if isinstance(data, dict):
+            defaults = data.get("defaults") or {}
+            if set(defaults) - {"params", "tags"}:
+                raise CaseError(f"{path}: suite defaults may set params and tags only")
+            data = data.get("cases")
         if not isinstance(data, list):
             raise CaseError(f"{path}: expected a list of cases")
-        rows = [(f"{path}[{i}]", d) for i, d in enumerate(data)]
+        rows = [(f"{path}[{i}]", _with_defaults(d, defaults)) for i, d in enumerate(data)]
     cases = [Case.from_dict(d, where) for where, d in rows]
     ids = [c.id for c in cases]
     dup = {i for i in ids if ids.count(i) > 1}
     if dup:
         raise CaseError(f"{path}: duplicate case ids {sorted(dup)}")
     return cases
+
+
+def _with_defaults(case, defaults: dict):
+    """Suite-level ``defaults``: params a case does not set, tags added to every case."""
+    if not defaults or not isinstance(case, dict):
+        return case
+    return {**case, "params": {**(defaults.get("params") or {}), **(case.get("params") or {})},
+            "tags": [*(case.get("tags") or []), *(defaults.get("tags") or [])]}
 
 
 @dataclass(frozen=True)
@@ -111,8 +141,11 @@ class Score:
     detail: str
 
 
-def score(case: Case, output: str, finish_reason: str | None) -> Score:
-    """Run each of the case's checks on one output."""
+def score(case: Case, output: str, finish_reason: str | None, *,
+          choices: list[str] | None = None, repeats: list[list[str]] | None = None,
+          prompt_tokens: int | None = None) -> Score:
+    """Run each of the case's checks on one output (``choices``: every choice's text of the
+    first attempt; ``repeats``: the choices of each later attempt)."""
     failures, checks = [], 0
 
     def check(ok: bool, why: str) -> None:
@@ -163,6 +196,17 @@ def score(case: Case, output: str, finish_reason: str | None) -> Score:
     if "max_length" in e:
         check(len(output) <= int(e["max_length"]),
               f"output has {len(output)} characters, more than {e['max_length']}")
+    if "n_choices" in e:
+        got = len(choices) if choices is not None else 1
+        check(got == int(e["n_choices"]), f"{got} choices, not {e['n_choices']}")
+    if e.get("consistent"):
+        first = choices if choices is not None else [output]
+        differ = [i + 1 for i, r in enumerate(repeats or []) if r != first]
+        check(bool(repeats) and not differ,
+              f"attempts {differ} differ from the first" if differ else "no repeats to compare")
+    if "prompt_tokens" in e:
+        check(prompt_tokens == int(e["prompt_tokens"]),
+              f"prompt has {prompt_tokens} tokens, not {e['prompt_tokens']}")
     if not checks:
         return Score(1.0, True, "no checks")
     return Score((checks - len(failures)) / checks, not failures,

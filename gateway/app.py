@@ -59,12 +59,25 @@ class GatewayConfig:
     fault_store_down_file: str | None = None  # fault injection: inserts fail while it exists
     otlp_endpoint: str | None = None  # export one span per request over OTLP when set
     otlp_protocol: str = "http/protobuf"  # or "grpc"
+    # request fields filled in when a request leaves them out / forced on every request
+    sampling_defaults: dict = dataclasses.field(default_factory=dict)
+    sampling_overrides: dict = dataclasses.field(default_factory=dict)
+    config_name: str = ""  # a label (an engine config file's name); not part of config_id
+
+
+def resolved_config(config: GatewayConfig, replica: ReplicaConfig) -> dict:
+    """What decides the outputs and timings: model, engine settings and sampling policy."""
+    return {"model": replica.model, "served_model_name": config.served_model_name,
+            "replicas": config.replicas,
+            "engine": {k: v for k, v in dataclasses.asdict(replica).items()
+                       if k not in ("model", "tokenizer")},
+            "sampling": {"defaults": config.sampling_defaults,
+                         "overrides": config.sampling_overrides}}
 
 
 def config_id(config: GatewayConfig, replica: ReplicaConfig) -> str:
-    """A stable hash of what decides the outputs and timings: model + engine settings."""
-    data = {"served_model_name": config.served_model_name, "replicas": config.replicas,
-            **{k: v for k, v in dataclasses.asdict(replica).items() if k != "tokenizer"}}
+    """A stable hash of ``resolved_config`` (key order and the config's name do not count)."""
+    data = resolved_config(config, replica)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -160,6 +173,13 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/debug/config")
+    async def debug_config() -> dict:
+        """The gateway's resolved config, its config_id and versions (the eval runner reads
+        them to label a run). Open: it holds no secrets."""
+        return {"config_id": versions["config_id"], "name": config.config_name,
+                "config": resolved_config(config, replica_config), "versions": versions}
 
     @app.get("/debug/replicas")
     async def debug_replicas(request: Request) -> dict:

@@ -79,6 +79,8 @@ class Service:
             raise bad_request(f"request body is not valid JSON: {exc}") from None
         if not isinstance(data, dict):
             raise bad_request("request body must be a JSON object")
+        if self.config.sampling_defaults or self.config.sampling_overrides:
+            data = {**self.config.sampling_defaults, **data, **self.config.sampling_overrides}
         try:
             parsed = model.model_validate(data)
         except pydantic.ValidationError as exc:

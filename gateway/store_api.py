@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from gateway.errors import APIError, bad_request
-from tracing.schema import BenchRunRow, EngineStepRow
+from tracing.schema import BenchRunRow, EngineStepRow, EvalResultRow, EvalRunRow
 from tracing.store import QueryRefused, Store, StoreError, is_embedded, normalise_dsn
 from tracing.writer import RecordWriter
 
@@ -196,6 +196,39 @@ def register(app: FastAPI, handle: StoreHandle | None, memory, require_admin) ->
             raise bad_request(f"bench run: {exc}") from None
         await in_thread(lambda: handle.get().insert_rows("bench_runs", [row]))
         return {"run_id": row.run_id, "stored": True}
+
+    @app.post("/debug/eval-runs")
+    async def record_eval_run(request: Request) -> dict:
+        """Store an eval run and its per-case results (``tailscope eval run`` posts here):
+        ``{"run": {run_id, suite, config_id, config, url}, "results": [{case_id, trace_id,
+        score, passed, detail, tags, output, finish_reason, weight}, ...]}``."""
+        require_admin(request)
+        now = int(time.time() * 1e6)
+        try:
+            body = await request.json()
+            run, items = body["run"], body["results"]
+            run_id = str(run["run_id"])[:64]
+            results = [EvalResultRow(
+                run_id=run_id, case_id=str(r["case_id"]), trace_id=str(r.get("trace_id", "")),
+                ts_us=now, score=float(r["score"]), passed=bool(r["passed"]),
+                detail=str(r.get("detail", "")), tags=[str(t) for t in r.get("tags", [])],
+                output=str(r.get("output", "")), finish_reason=str(r.get("finish_reason", "")),
+                weight=float(r.get("weight", 1.0))) for r in items]
+            row = EvalRunRow(run_id=run_id, ts_us=now, suite=str(run["suite"]),
+                             config_id=str(run.get("config_id", "")),
+                             config=json.dumps(run.get("config", {})),
+                             url=str(run.get("url", "")), cases=len(results),
+                             passed=sum(r.passed for r in results))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise bad_request(f"eval run: {exc!r}") from None
+
+        def insert() -> None:
+            store = handle.get()
+            store.insert_rows("eval_results", results, token=f"eval-results-{run_id}")
+            store.insert_rows("eval_runs", [row], token=f"eval-run-{run_id}")
+
+        await in_thread(insert)
+        return {"run_id": run_id, "stored": True, "cases": row.cases, "passed": row.passed}
 
     @app.delete("/debug/tenants/{tenant}/records")
     async def delete_tenant(tenant: str, request: Request) -> dict:

@@ -88,14 +88,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from gateway.replicas import ReplicaConfig
 
     s = Settings.from_env()
+    file = None
+    if args.engine_config:
+        from tailscope.engine_config import ConfigFileError, load
+
+        try:
+            file = load(args.engine_config)
+        except ConfigFileError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        e = file.engine  # precedence: command-line flag > config file > environment > default
+        s = replace(s, model=file.model or s.model, dtype=e.get("dtype") or s.dtype,
+                    kv_cache_mb=e.get("kv_cache_mb") or s.kv_cache_mb,
+                    block_size=e.get("block_size") or s.block_size,
+                    max_num_seqs=e.get("max_num_seqs") or s.max_num_seqs,
+                    max_batched_tokens=e.get("max_batched_tokens") or s.max_batched_tokens)
     s = replace(s, model=args.model or s.model, dtype=args.dtype or s.dtype)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     replica = ReplicaConfig(model=s.model, dtype=s.dtype, kv_cache_mb=s.kv_cache_mb,
                             block_size=s.block_size, max_num_seqs=s.max_num_seqs,
-                            max_batched_tokens=s.max_batched_tokens, tokenizer=args.tokenizer)
+                            max_batched_tokens=s.max_batched_tokens, tokenizer=args.tokenizer,
+                            num_kv_blocks=file.engine.get("num_kv_blocks") if file else None)
+    served = args.served_model_name or (file and file.served_model_name) \
+        or "SmolLM2-135M-Instruct"
     app = create_app(GatewayConfig(model=s.model, tokenizer=args.tokenizer,
-                                   served_model_name=args.served_model_name,
-                                   replicas=args.replicas, replica=replica,
+                                   served_model_name=served,
+                                   replicas=args.replicas or (file and file.replicas) or 1,
+                                   replica=replica,
                                    tenants_file=args.config or s.config,
                                    max_inflight_per_replica=args.max_inflight,
                                    queue_timeout_s=(args.queue_timeout if args.queue_timeout
@@ -113,7 +132,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                    fault_store_down_file=os.environ.get(
                                        "TAILSCOPE_FAULT_STORE_DOWN_FILE") or None,
                                    otlp_endpoint=s.otlp_endpoint or None,
-                                   otlp_protocol=s.otlp_protocol))
+                                   otlp_protocol=s.otlp_protocol,
+                                   sampling_defaults=file.sampling_defaults if file else {},
+                                   sampling_overrides=file.sampling_overrides if file else {},
+                                   config_name=file.name if file else ""))
     uvicorn.run(app, host=args.host, port=args.port, log_level="info",
                 access_log=args.access_log)
     return 0
@@ -254,6 +276,76 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Run a suite against a config (or a running gateway), compare two runs, list runs."""
+    from evals import compare as C
+    from evals import runner as R
+    from tracing.queries import GatewaySource
+
+    s = Settings.from_env()
+    admin = s.admin_key or None
+    if args.eval_command == "run":
+        try:
+            suite, cases = R.load_suite(args.suite)
+        except (R.EvalError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        if args.url and args.config:
+            print("error: give --config (start a gateway with it) or --url (use that gateway "
+                  "and its own config), not both", file=sys.stderr)
+            return 2
+        kwargs = dict(concurrency=args.concurrency, api_key=args.api_key, admin_key=admin)
+        try:
+            if args.url:
+                summary = R.run(args.url, suite, cases, **kwargs)
+            else:
+                from tracing.store import is_embedded, normalise_dsn
+
+                config = args.config or str(R.CONFIGS_DIR / "bundled.yaml")
+                if is_embedded(normalise_dsn(s.store_dsn)) and _gateway_up(s.gateway_url):
+                    print(f"error: a gateway at {s.gateway_url} holds the embedded store; stop "
+                          "it, or run against it with --url", file=sys.stderr)
+                    return 2
+                env = {"TAILSCOPE_STORE_FLUSH_S": os.environ.get("TAILSCOPE_STORE_FLUSH_S",
+                                                                 "1")}
+                with R.GatewayProcess(config, env=env, log_path=args.gateway_log) as gw:
+                    print(f"gateway for {config} on {gw.url}", file=sys.stderr)
+                    summary = R.run(gw.url, suite, cases, **kwargs)
+        except R.EvalError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        print(summary.text())
+        print(summary.run_id)
+        return 0
+    kind, target = _store_target(args, s)
+    source = GatewaySource(target, admin) if kind == "gateway" else target
+    if args.eval_command == "list":
+        runs = C.list_runs(source, args.limit)
+        print(runs.to_string(index=False) if not runs.empty else "no eval runs stored")
+        return 0
+    th = C.Thresholds(max_pass_drop=args.max_pass_drop, alpha=1.0 if args.strict else args.alpha,
+                      max_p50_increase=args.max_p50_increase,
+                      max_p99_increase=args.max_p99_increase)
+    try:
+        run_a, res_a = C.load_run(source, args.run_a)
+        run_b, res_b = C.load_run(source, args.run_b)
+    except KeyError as exc:
+        print(f"error: {exc.args[0]}", file=sys.stderr)
+        return 2
+    comparison = C.compare(run_a, res_a, run_b, res_b, th)
+    print(C.render(comparison))
+    return 1 if comparison.verdict == "regressed" else 0
+
+
+def _gateway_up(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/health", timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tailscope", description=__doc__)
     p.add_argument("--version", action="version", version=f"tailscope {__version__}")
@@ -278,8 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--model", help="'bundled' (default), a .gguf file, an HF dir, or tiny:<vocab>")
     sv.add_argument("--tokenizer", help="tokenizer path (defaults to the model's)")
-    sv.add_argument("--served-model-name", default="SmolLM2-135M-Instruct")
-    sv.add_argument("--replicas", type=int, default=1)
+    sv.add_argument("--served-model-name", help="default SmolLM2-135M-Instruct")
+    sv.add_argument("--replicas", type=int, help="replica processes (default 1)")
+    sv.add_argument("--engine-config", metavar="FILE",
+                    help="YAML: model, engine settings and sampling policy (evals/configs/)")
     sv.add_argument("--dtype", help="float32 (default) | bfloat16")
     sv.add_argument("--config", help="TOML file with [[tenants]] (API keys and limits)")
     sv.add_argument("--max-inflight", type=int,
@@ -339,7 +433,44 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-record", action="store_true",
                    help="do not store the run in the gateway's bench_runs table")
     b.set_defaults(func=cmd_bench)
+    _eval_parser(sub)
     return p
+
+
+def _eval_parser(sub) -> None:
+    ev = sub.add_parser("eval", help="eval suites: run, compare two runs (a CI gate), list")
+    es = ev.add_subparsers(dest="eval_command", required=True)
+    r = es.add_parser("run", help="run a suite against a config file or a running gateway")
+    r.add_argument("--suite", required=True,
+                   help="protocol | smoke-qa | determinism, or a YAML/JSONL file of cases")
+    r.add_argument("--config", help="engine config YAML to start a gateway with "
+                   "(default evals/configs/bundled.yaml)")
+    r.add_argument("--url", help="run against this gateway instead (its own config is used)")
+    r.add_argument("--concurrency", type=int, default=8)
+    r.add_argument("--api-key", help="tenant key for the requests")
+    r.add_argument("--gateway-log", metavar="FILE", help="the started gateway's output")
+    for name, help_ in (("compare", "compare run B against baseline run A; exit 1 on a "
+                         "regression"), ("list", "the latest stored runs")):
+        c = es.add_parser(name, help=help_)
+        c.add_argument("--url", help="a gateway to read through (default: the running one, "
+                       "if any)")
+        c.add_argument("--dsn", help="store DSN (default TAILSCOPE_STORE_DSN)")
+        if name == "list":
+            c.add_argument("--limit", type=int, default=20)
+            continue
+        c.add_argument("run_a", help="baseline run id")
+        c.add_argument("run_b", help="candidate run id")
+        c.add_argument("--max-pass-drop", type=float, default=0.0,
+                       help="tolerated drop of the weighted pass rate (fraction, default 0)")
+        c.add_argument("--alpha", type=float, default=0.05,
+                       help="McNemar one-sided p-value needed to call a quality regression")
+        c.add_argument("--strict", action="store_true",
+                       help="any net loss of passing cases regresses (no significance test)")
+        c.add_argument("--max-p50-increase", type=float, default=0.5,
+                       help="p50 TTFT/E2E ratio limit, minus 1 (default 0.5)")
+        c.add_argument("--max-p99-increase", type=float, default=1.0,
+                       help="p99 TTFT/E2E ratio limit, minus 1 (default 1.0)")
+    ev.set_defaults(func=cmd_eval)
 
 
 def main(argv: list[str] | None = None) -> int:

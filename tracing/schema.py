@@ -80,6 +80,9 @@ class EvalResultRow:
     passed: bool
     detail: str = ""
     tags: list[str] = dataclasses.field(default_factory=list)
+    output: str = ""  # the first choice's text (compare shows what changed)
+    finish_reason: str = ""
+    weight: float = 1.0
     ttl_days: int = 365
 
 
@@ -171,6 +174,12 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
     (1, "initial tables", [t.create() for t in TABLES.values()]),
     (2, "requests.bench_run", [f"ALTER TABLE {DATABASE}.requests ADD COLUMN IF NOT EXISTS "
                                "bench_run LowCardinality(String) AFTER endpoint"]),
+    (3, "eval_results.output, finish_reason, weight", [
+        f"ALTER TABLE {DATABASE}.eval_results ADD COLUMN IF NOT EXISTS output String",
+        f"ALTER TABLE {DATABASE}.eval_results ADD COLUMN IF NOT EXISTS "
+        "finish_reason LowCardinality(String)",
+        f"ALTER TABLE {DATABASE}.eval_results ADD COLUMN IF NOT EXISTS weight Float64 "
+        "DEFAULT 1"]),
 ]
 
 __all__ = ["DATABASE", "TABLES", "MIGRATIONS", "EngineStepRow", "EventRow", "EvalRunRow",

@@ -89,3 +89,36 @@ def test_trace_view_shows_the_stages_of_a_trace(seeded):
     assert sum(got.values()) == pytest.approx(rec.e2e_ms, rel=1e-6)
     gaps = next(d.value for d in at.dataframe if "gap_ms" in d.value.columns)
     assert len(gaps) == len(rec.itl_ms) and "num_seqs" in gaps.columns
+
+
+def test_evals_page_compares_two_runs_and_links_failures_to_traces(seeded, store):
+    from tracing.schema import EvalResultRow, EvalRunRow
+
+    recs = seeded[:20]
+    now = us(NOW)
+    rows = []
+    for i, rec in enumerate(recs):
+        run_id, case = ("ev-base", f"c{i}") if i < 10 else ("ev-cand", f"c{i - 10}")
+        ok = run_id == "ev-base" or i - 10 >= 7  # the candidate fails c0..c6
+        rows.append(EvalResultRow(run_id=run_id, case_id=case, trace_id=rec.trace_id,
+                                  ts_us=now, score=float(ok), passed=ok,
+                                  detail="" if ok else "output contains none of ['Paris']",
+                                  output="Paris" if ok else "Lyon"))
+    store.insert_rows("eval_results", rows)
+    store.insert_rows("eval_runs", [
+        EvalRunRow(run_id="ev-base", ts_us=now - 1000, suite="s", config_id="cfg-1", cases=10,
+                   passed=10),
+        EvalRunRow(run_id="ev-cand", ts_us=now, suite="s", config_id="cfg-2", cases=10,
+                   passed=3)])
+    at = AppTest.from_file(APP, default_timeout=120)
+    at.query_params["page"] = "Evals"
+    at.query_params["a"] = "ev-base"
+    at.query_params["b"] = "ev-cand"
+    run(at)
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["Verdict"] == "REGRESSED" and metrics["Pass rate B"] == "30.0%"
+    assert metrics["Newly failing / passing"] == "7 / 0"
+    failing = next(d.value for d in at.dataframe if "detail" in d.value.columns)
+    assert sorted(failing["case_id"]) == [f"c{i}" for i in range(7)]
+    by_case = dict(zip(failing["case_id"], failing["trace"], strict=True))
+    assert by_case["c0"] == f"/?page=Requests&trace={recs[10].trace_id}"

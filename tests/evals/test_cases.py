@@ -59,3 +59,45 @@ def test_loading_yaml_and_jsonl_and_clear_errors(tmp_path):
         j.write_text(text)
         with pytest.raises(CaseError, match=message):
             load_cases(j)
+
+
+def test_repeat_choices_and_prompt_token_scorers():
+    c = Case.from_dict({"id": "r", "prompt": "x", "repeat": 3,
+                        "expect": {"consistent": True, "n_choices": 2, "prompt_tokens": 5}})
+    ok = score(c, "a", "stop", choices=["a", "b"], repeats=[["a", "b"], ["a", "b"]],
+               prompt_tokens=5)
+    assert ok.passed, ok.detail
+    bad = score(c, "a", "stop", choices=["a"], repeats=[["a"], ["a!"]], prompt_tokens=6)
+    assert not bad.passed and bad.score == 0.0
+    assert "1 choices, not 2" in bad.detail and "attempts [2] differ" in bad.detail
+    assert "prompt has 6 tokens, not 5" in bad.detail
+    with pytest.raises(CaseError, match="consistent needs repeat >= 2"):
+        Case.from_dict({"id": "r", "prompt": "x", "expect": {"consistent": True}})
+    with pytest.raises(CaseError, match="repeat must be a positive integer"):
+        Case.from_dict({"id": "r", "prompt": "x", "repeat": 0})
+
+
+def test_suite_defaults_fill_params_and_add_tags(tmp_path):
+    p = tmp_path / "s.yaml"
+    p.write_text("defaults: {params: {temperature: 0, max_tokens: 8}, tags: [suite]}\n"
+                 "cases:\n- {id: a, prompt: x, params: {max_tokens: 2}, tags: [t]}\n"
+                 "- {id: b, prompt: y}\n")
+    a, b = load_cases(p)
+    assert a.params == {"temperature": 0, "max_tokens": 2} and a.tags == ("t", "suite")
+    assert b.params == {"temperature": 0, "max_tokens": 8} and b.tags == ("suite",)
+    p.write_text("defaults: {expect: {json: true}}\ncases: []\n")
+    with pytest.raises(CaseError, match="defaults may set params and tags only"):
+        load_cases(p)
+
+
+@pytest.mark.parametrize("name", ["protocol", "smoke-qa", "determinism"])
+def test_builtin_suites_load(name):
+    from evals.runner import load_suite
+
+    suite, cases = load_suite(name)
+    assert suite == name and cases
+    if name == "smoke-qa":
+        assert len(cases) >= 40
+        assert all(c.params.get("temperature") == 0 for c in cases)
+    if name == "determinism":
+        assert all(c.repeat >= 2 and c.expect.get("consistent") for c in cases)

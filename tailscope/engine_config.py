@@ -1,0 +1,91 @@
+"""Engine config files: one YAML file names a deployment's model, engine settings and sampling
+policy, so an eval run (or a rollout) is reproducible from the file alone::
+
+    name: bundled-default            # a label, not part of config_id
+    model: bundled                   # 'bundled', 'tiny', a .gguf file or an HF directory
+    served_model_name: SmolLM2-135M-Instruct
+    replicas: 1
+    engine:                          # any of these; the rest keep their defaults
+      dtype: float32
+      kv_cache_mb: 512
+      block_size: 16
+      max_num_seqs: 64
+      max_batched_tokens: 512
+      num_kv_blocks: null            # pins the pool size (tests use tiny pools)
+    sampling:
+      defaults: {}                   # request fields filled in when a request leaves them out
+      overrides: {}                  # request fields forced on every request (null removes)
+
+``tailscope serve --engine-config FILE`` starts a gateway with it; the gateway's ``config_id``
+(on every request record and in ``GET /debug/config``) is a hash of the resolved config.
+Unknown keys are errors: a typo must not silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENGINE_KEYS = {"dtype": str, "kv_cache_mb": int, "block_size": int, "max_num_seqs": int,
+               "max_batched_tokens": int, "num_kv_blocks": int}
+TOP_KEYS = {"name", "model", "served_model_name", "replicas", "engine", "sampling"}
+
+
+class ConfigFileError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class EngineConfigFile:
+    path: str
+    name: str = ""
+    model: str | None = None
+    served_model_name: str | None = None
+    replicas: int | None = None
+    engine: dict[str, Any] = field(default_factory=dict)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    sampling_overrides: dict[str, Any] = field(default_factory=dict)
+
+
+def load(path: str | Path) -> EngineConfigFile:
+    import yaml
+
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigFileError(f"{path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigFileError(f"{path}: expected a mapping at the top level")
+    unknown = set(data) - TOP_KEYS
+    if unknown:
+        raise ConfigFileError(f"{path}: unknown keys {sorted(unknown)}; known: "
+                              f"{', '.join(sorted(TOP_KEYS))}")
+    engine = data.get("engine") or {}
+    bad = set(engine) - set(ENGINE_KEYS)
+    if bad:
+        raise ConfigFileError(f"{path}: unknown engine keys {sorted(bad)}; known: "
+                              f"{', '.join(ENGINE_KEYS)}")
+    for key, kind in ENGINE_KEYS.items():
+        value = engine.get(key)
+        if value is not None and not isinstance(value, kind):
+            raise ConfigFileError(f"{path}: engine.{key} must be {kind.__name__}, "
+                                  f"got {value!r}")
+    sampling = data.get("sampling") or {}
+    bad = set(sampling) - {"defaults", "overrides"}
+    if bad:
+        raise ConfigFileError(f"{path}: unknown sampling keys {sorted(bad)}; "
+                              "known: defaults, overrides")
+    for key in ("defaults", "overrides"):
+        if not isinstance(sampling.get(key) or {}, dict):
+            raise ConfigFileError(f"{path}: sampling.{key} must be a mapping")
+    replicas = data.get("replicas")
+    if replicas is not None and (not isinstance(replicas, int) or replicas < 1):
+        raise ConfigFileError(f"{path}: replicas must be a positive integer")
+    return EngineConfigFile(path=str(path), name=str(data.get("name") or path.stem),
+                            model=data.get("model"),
+                            served_model_name=data.get("served_model_name"),
+                            replicas=replicas, engine=dict(engine),
+                            sampling_defaults=dict(sampling.get("defaults") or {}),
+                            sampling_overrides=dict(sampling.get("overrides") or {}))
