@@ -53,6 +53,9 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(_DTYPES)}") from None
 
 
+PREEMPTION_MODES = ("recompute", "swap", "auto", "off")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Scheduler and KV settings of one engine replica.
@@ -68,6 +71,12 @@ class EngineConfig:
     max_batched_tokens: int = 512
     max_model_len: int | None = None  # defaults to the model's context length
     dtype: str = "float32"
+    # reuse cached full KV blocks of a prompt's prefix (keyed per tenant namespace)
+    prefix_caching: bool = True
+    # when KV runs out mid-decode: "recompute" (free the victim's blocks, prefill it again),
+    # "swap" (copy its blocks to host memory and back), "auto" (the cost rule in
+    # engine.scheduler), or "off" (admission reserves prompt + max_tokens: never preempts)
+    preemption: str = "recompute"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -81,6 +90,9 @@ class EngineConfig:
         if self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
         parse_dtype(self.dtype)
+        if self.preemption not in PREEMPTION_MODES:
+            raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got "
+                             f"{self.preemption!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -57,9 +57,18 @@ class Engine:
         self.max_model_len = min(self.config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
         num_blocks = self.config.num_blocks_for(mc)
-        self.kv = KVCacheManager(num_blocks, self.config.block_size)
+        # the prefix cache's salt: everything that changes KV besides the tokens (the tenant's
+        # namespace is added per request)
+        self.kv = KVCacheManager(num_blocks, self.config.block_size,
+                                 prefix_caching=self.config.prefix_caching,
+                                 salt=f"{mc.name}|{mc.revision}|{self.config.dtype}")
         self.runner = ModelRunner(model, num_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.config, self.kv)
+        self.scheduler.on_preempt = self._preempt
+        self.scheduler.on_swap_in = self._swap_in
+        self.preemptions = 0  # total, by any mode
+        self.swaps = 0
+        self._last_counts = (0, 0, 0, 0)  # prefix queries, hits, evictions, preemptions
         self.observer = observer or OutputObserver()
         self.requests: dict[str, Request] = {}  # live requests only
         # Finished requests stay findable for a while (late aborts, lookups) without growing
@@ -74,12 +83,15 @@ class Engine:
     # ---- admission ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams | None = None, deadline_s: float | None = None,
-                    arrival_ns: int | None = None, queue_timeout_s: float | None = None
-                    ) -> Request:
+                    arrival_ns: int | None = None, queue_timeout_s: float | None = None,
+                    cache_salt: str = "", branch_of: str | None = None) -> Request:
         """Admit a request (QUEUED, KV reserved when it fits now) or reject it with a reason
         (REJECTED, ``request.error`` says why). Raises ValueError only for a duplicate id.
         ``deadline_s`` bounds the whole request; ``queue_timeout_s`` only its wait before a
-        tick picks it (both end it TIMED_OUT)."""
+        tick picks it (both end it TIMED_OUT). ``cache_salt`` is its prefix-cache namespace.
+        ``branch_of`` names a live request with the same prompt that has not finished its
+        prefill (``n`` > 1): this one is forked from it, sharing its prompt blocks, and
+        samples its first token from the same logits; otherwise it runs on its own."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already live")
         now = time.monotonic_ns()
@@ -87,15 +99,70 @@ class Engine:
                       arrival_ns=arrival_ns or now,
                       deadline_ns=None if deadline_s is None else now + int(deadline_s * 1e9),
                       queue_deadline_ns=None if queue_timeout_s is None
-                      else now + int(queue_timeout_s * 1e9))
+                      else now + int(queue_timeout_s * 1e9), cache_salt=cache_salt)
         self.requests[request_id] = req
         reason = self._rejection(req)
         if reason is not None:
             self._end(req, S.REJECTED, "rejected", error=reason)
             return req
         req.transition(S.QUEUED)
+        parent = self.requests.get(branch_of) if branch_of else None
+        if parent is not None and parent.branch_parent is None and not parent.output_token_ids \
+                and parent.prompt_token_ids == req.prompt_token_ids \
+                and parent.cache_salt == req.cache_salt \
+                and parent.state in (S.QUEUED, S.RUNNABLE, S.PREFILLING, S.PREEMPTED):
+            req.branch_parent = parent.request_id
+            parent.pending_branches.append(req)
+            return req
         self.scheduler.add(req)
         return req
+
+    # ---- preemption and branches -----------------------------------------------------------
+    def _preempt(self, req: Request) -> None:
+        """Free a running request's KV so another can grow (the scheduler chose it)."""
+        mode = self.config.preemption
+        if mode == "auto":
+            mode = "recompute" if req.num_computed_tokens <= self.config.max_batched_tokens \
+                else "swap"
+        if mode == "swap" and req.state in (S.PREFILLING, S.DECODING, S.BACKPRESSURED,
+                                            S.RESUMED) and req.num_computed_tokens:
+            self.runner.run_pending_copies(self.kv)  # its blocks must hold their final K/V
+            n = self.kv.blocks_needed(req.num_computed_tokens)
+            req.swapped_kv = self.runner.copy_blocks_out(self.kv.block_table(
+                req.request_id).blocks[:n])
+            req.swapped_blocks = n
+            self.kv.free(req.request_id)
+            req.transition(S.SWAPPED, f"{n} blocks to host memory")
+            self.swaps += 1
+        else:
+            self.kv.free(req.request_id)
+            req.transition(S.PREEMPTED, f"recompute {req.num_tokens} tokens")
+            req.num_computed_tokens = 0
+        self.preemptions += 1
+        self.scheduler.requeue(req)
+
+    def _swap_in(self, req: Request, blocks: list[int]) -> None:
+        self.runner.copy_blocks_in(blocks, req.swapped_kv)
+        req.swapped_kv, req.swapped_blocks = None, 0
+
+    def _fork_branches(self, parent: Request, t_ns: int) -> None:
+        """The parent's prompt is computed: its pending branches share its blocks now (a
+        branch that does not fit waits as a preempted request and recomputes later)."""
+        n = len(parent.prompt_token_ids)
+        for b in parent.pending_branches:
+            b.branch_parent = None
+            b.transition(S.RUNNABLE, ts_ns=t_ns)
+            reserve = b.max_total_tokens if self.config.preemption == "off" else n
+            if self.kv.fork(parent.request_id, b.request_id, n, reserve):
+                b.num_computed_tokens = n
+                b.num_cached_tokens = n
+                b.transition(S.PREFILLING, f"forked from {parent.request_id}", ts_ns=t_ns)
+                self.scheduler.running.append(b)
+            else:
+                b.transition(S.PREEMPTED, "no KV for the branch yet", ts_ns=t_ns)
+                self.scheduler.running.append(b)
+                self.scheduler.requeue(b)
+        parent.pending_branches = []
 
     def _rejection(self, req: Request) -> str | None:
         n, p = len(req.prompt_token_ids), req.params
@@ -186,6 +253,15 @@ class Engine:
         the pool only when their last holder frees them), reservation, RNG state."""
         req.reclaim_count += 1
         self.requests.pop(req.request_id, None)
+        if req.branch_parent is not None:  # a branch that never forked
+            parent = self.requests.get(req.branch_parent)
+            if parent is not None and req in parent.pending_branches:
+                parent.pending_branches.remove(req)
+        for b in req.pending_branches:  # its parent ended before its prefill: run on its own
+            b.branch_parent = None
+            self.scheduler.add(b)
+        req.pending_branches = []
+        req.swapped_kv = None
         self.recent[req.request_id] = req
         while len(self.recent) > self.recent_limit:
             self.recent.popitem(last=False)
@@ -213,7 +289,7 @@ class Engine:
         if sched.is_empty:
             return self._drain_ended([])
         for s in sched.prefills:
-            if s.request.state == S.RUNNABLE:
+            if s.request.state in (S.RUNNABLE, S.RESUMED):
                 s.request.transition(S.PREFILLING)
         try:
             result = self.runner.execute(sched, self.kv)
@@ -224,9 +300,15 @@ class Engine:
             return self._drain_ended([])
         t_tok = time.monotonic_ns()
         for s in sched.all:
-            s.request.num_computed_tokens += s.num_new_tokens
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            self.kv.commit(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            if req.pending_branches and req.num_computed_tokens == req.num_tokens:
+                self._fork_branches(req, t_tok)
         outputs = []
         for req, token, logprobs in result.sampled:
+            if req.is_finished:  # a branch cancelled while its parent's forward ran
+                continue
             if req.state == S.PREFILLING:
                 req.transition(S.DECODING, ts_ns=t_tok)
             req.output_token_ids.append(token)
@@ -246,12 +328,17 @@ class Engine:
                                              new_logprobs=[logprobs]))
         self.step_count += 1
         usage = self.kv.usage()
+        c = self.kv.pool.counters
+        now = (c.queries, c.hits, c.evictions, self.preemptions)
+        delta = [a - b for a, b in zip(now, self._last_counts, strict=True)]
+        self._last_counts = now
         self.observer.on_step(StepStats(
             step=self.step_count, wall_ns=wall, duration_ms=(time.monotonic_ns() - start) / 1e6,
             num_seqs=len(sched.all), prefill_tokens=sched.num_prefill_tokens,
             decode_tokens=len(sched.decodes), kv_blocks_used=usage.blocks_used,
             kv_blocks_total=usage.blocks_total, forward_ms=result.forward_ms,
-            sample_ms=result.sample_ms, host_ms=result.host_ms,
+            sample_ms=result.sample_ms, host_ms=result.host_ms, prefix_queries=delta[0],
+            prefix_hits=delta[1], evictions=delta[2], preemptions=delta[3],
         ))
         return self._drain_ended(outputs)
 

@@ -71,6 +71,20 @@ class ModelRunner:
             k.index_copy_(0, idx, sk)
             v.index_copy_(0, idx, sv)
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block ``dst`` gets block ``src``'s K/V in every layer."""
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long)
+        for k, v in self.kv_caches:
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))
+
+    def run_pending_copies(self, kv: KVCacheManager) -> None:
+        copies = kv.take_copies()
+        if copies:
+            self.copy_blocks(copies)
+            kv.copies_done(copies)
+
     @property
     def kv_cache_bytes(self) -> int:
         k, _ = self.kv_caches[0]
@@ -112,6 +126,9 @@ class ModelRunner:
             if end == req.num_tokens:  # whole prompt computed: this forward yields token one
                 logits_idx.append(len(ids) - 1)
                 samplers.append(req)
+                for branch in req.pending_branches:  # n > 1: each branch samples its own
+                    logits_idx.append(len(ids) - 1)  # first token from the same logits
+                    samplers.append(branch)
         meta.slot_mapping = torch.tensor(slots, dtype=torch.long)
         return (torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
                 meta, torch.tensor(logits_idx, dtype=torch.long), samplers)
@@ -119,6 +136,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> RunnerResult:
         t0 = time.perf_counter_ns()
+        self.run_pending_copies(kv)  # copy-on-write before anything writes into the copies
         ids, positions, meta, logits_idx, samplers = self._inputs(sched, kv)
         t1 = time.perf_counter_ns()
         logits = self.model.forward(ids, positions, meta, self.kv_caches, logits_idx)

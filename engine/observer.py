@@ -35,6 +35,7 @@ class RequestStats:
     ttft_ms: float | None  # engine arrival -> first token sampled
     e2e_ms: float  # engine arrival -> terminal state
     token_offsets_ms: tuple[float, ...]  # each generated token, relative to engine arrival
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,12 @@ class StepStats:
     forward_ms: float
     sample_ms: float
     host_ms: float
+    # during this step: prompt tokens looked up in the prefix cache, tokens it served, cached
+    # blocks evicted, requests preempted
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    evictions: int = 0
+    preemptions: int = 0
 
 
 def request_stats(req: Request) -> RequestStats:
@@ -71,6 +78,7 @@ def request_stats(req: Request) -> RequestStats:
         ttft_ms=offsets[0] if offsets else None,
         e2e_ms=(end - req.arrival_ns) / 1e6,
         token_offsets_ms=offsets,
+        cached_tokens=req.num_cached_tokens,
     )
 
 

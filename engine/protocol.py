@@ -17,6 +17,8 @@ class AddRequest(msgspec.Struct, tag="add"):
     params: SamplingParams
     deadline_s: float | None = None  # the whole request
     queue_timeout_s: float | None = None  # waiting before a tick picks it
+    cache_salt: str = ""  # prefix-cache namespace (the tenant's, or a shared one)
+    branch_of: str | None = None  # n > 1: fork from this sample of the same request
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):
@@ -67,6 +69,9 @@ class StepReport(msgspec.Struct, tag="step"):
     waiting: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    # the KV pool's books since start: blocks allocated, released, revived from the prefix
+    # cache, evictions, prefix-cache queries/hits (tokens), reserved and cached blocks now
+    kv_books: dict[str, int] | None = None
 
 
 class Health(msgspec.Struct, tag="health"):

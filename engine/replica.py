@@ -84,7 +84,8 @@ class Replica:
         if isinstance(msg, AddRequest):
             try:  # a rejection is reported by the next step's outputs
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
-                                        msg.deadline_s, queue_timeout_s=msg.queue_timeout_s)
+                                        msg.deadline_s, queue_timeout_s=msg.queue_timeout_s,
+                                        cache_salt=msg.cache_salt, branch_of=msg.branch_of)
             except ValueError as exc:  # duplicate live id: a gateway bug, never fatal here
                 log.error("replica %s: %s", self.id, exc)
         elif isinstance(msg, AbortRequest):
@@ -126,7 +127,12 @@ class Replica:
                     {k: float(v) for k, v in stats.items()} if stats else None,
                     running=len(self.engine.scheduler.running),
                     waiting=len(self.engine.scheduler.waiting),
-                    kv_blocks_used=usage.blocks_used, kv_blocks_total=usage.blocks_total)))
+                    kv_blocks_used=usage.blocks_used, kv_blocks_total=usage.blocks_total,
+                    kv_books={**dataclasses.asdict(self.engine.kv.pool.counters),
+                              "reserved": usage.blocks_reserved,
+                              "cached": usage.blocks_cached,
+                              "swaps": self.engine.swaps,
+                              "preemptions": self.engine.preemptions})))
         self.inbox.close(linger=0)
         self.outbox.close(linger=1000)
         self.ctx.term()
@@ -142,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-batched-tokens", type=int, default=512)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--preemption", default="recompute", help="recompute | swap | auto | off")
     p.add_argument("--tokenizer", help="tokenizer (GGUF/HF dir) enabling response_format")
     p.add_argument("--inbox", required=True)
     p.add_argument("--outbox", required=True)
@@ -153,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(int(os.environ["TAILSCOPE_THREADS"]))
     config = EngineConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_mb << 20,
                           num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-                          max_batched_tokens=args.max_batched_tokens, dtype=args.dtype)
+                          max_batched_tokens=args.max_batched_tokens, dtype=args.dtype,
+                          prefix_caching=not args.no_prefix_caching, preemption=args.preemption)
     model = load_model(args.model, args.dtype)
     grammar = None
     if args.tokenizer:

@@ -51,7 +51,8 @@ TRANSITIONS: dict[RequestState | None, frozenset[RequestState]] = {
     S.PREFILLING: frozenset({S.DECODING, S.PREEMPTED, S.SWAPPED} | _ENDINGS),
     S.DECODING: frozenset({S.FINISHED, S.BACKPRESSURED, S.PREEMPTED, S.SWAPPED} | _ENDINGS),
     S.BACKPRESSURED: frozenset({S.DECODING, S.PREEMPTED, S.SWAPPED} | _ENDINGS),
-    S.PREEMPTED: frozenset({S.RESUMED} | _ENDINGS),
+    # a forked branch that waits for KV already sampled its first token, which can end it
+    S.PREEMPTED: frozenset({S.RESUMED, S.FINISHED} | _ENDINGS),
     S.SWAPPED: frozenset({S.RESUMED} | _ENDINGS),
     S.RESUMED: frozenset({S.PREFILLING, S.DECODING, S.PREEMPTED, S.SWAPPED} | _ENDINGS),
     S.REJECTED: frozenset(),
@@ -100,6 +101,12 @@ class Request:
     reclaim_count: int = 0  # how many times reclaim ran (must end at exactly 1)
     output_logprobs: list[Any] = field(default_factory=list)  # TokenLogprobs | None per token
     constraint: Any = None  # engine.constrained.TokenConstraint for structured output
+    cache_salt: str = ""  # prefix-cache namespace (the tenant's): hits only within it
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
+    swapped_kv: Any = None  # host copies of its KV blocks while SWAPPED
+    swapped_blocks: int = 0
+    branch_parent: str | None = None  # n > 1: forked from this request once it has prefilled
+    pending_branches: list[Request] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

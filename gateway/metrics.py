@@ -38,6 +38,19 @@ class _PoolCollector:
                                   labels=["replica"])
         restarts = CounterMetricFamily("tailscope:replica_restarts",
                                        "Replica process restarts", labels=["replica"])
+        kv_counts = {
+            "prefix_queries": CounterMetricFamily(
+                "tailscope:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                labels=["replica"]),
+            "prefix_hits": CounterMetricFamily(
+                "tailscope:prefix_cache_hits", "Prompt tokens served by the prefix cache",
+                labels=["replica"]),
+            "evictions": CounterMetricFamily(
+                "tailscope:kv_cache_evictions", "Cached KV blocks evicted for reuse",
+                labels=["replica"]),
+            "preemptions": CounterMetricFamily(
+                "tailscope:num_preemptions", "Requests preempted (recompute or swap)",
+                labels=["replica"])}
         for rid, d in self.pool.describe().items():
             running.add_metric([rid], d["running"])
             waiting.add_metric([rid], d["waiting"])
@@ -46,7 +59,9 @@ class _PoolCollector:
             kv.add_metric([rid], d["kv_blocks_used"] / total if total else 0.0)
             ready.add_metric([rid], 1.0 if d["ready"] else 0.0)
             restarts.add_metric([rid], d["restarts"])
-        yield from (running, waiting, inflight, kv, ready, restarts)
+            for key, family in kv_counts.items():
+                family.add_metric([rid], d[key])
+        yield from (running, waiting, inflight, kv, ready, restarts, *kv_counts.values())
 
 
 class _WriterCollector:

@@ -61,6 +61,8 @@ class ReplicaConfig:
     max_batched_tokens: int = 512
     num_kv_blocks: int | None = None
     tokenizer: str | None = None  # for JSON-constrained output (llguidance needs the vocab)
+    prefix_caching: bool = True
+    preemption: str = "recompute"  # recompute | swap | auto | off
 
 
 @dataclass
@@ -74,6 +76,7 @@ class Replica:
     restarts: int = 0
     last_report: StepReport | None = None  # the latest engine view: running, waiting, KV
     ended: Counter[str] = field(default_factory=Counter)  # terminal states seen, by name
+    kv_counters: Counter[str] = field(default_factory=Counter)  # KV_COUNTERS, summed
     # chained hashes of leading prompt blocks recently sent here (LRU), for prefix locality
     prefixes: OrderedDict[int, None] = field(default_factory=OrderedDict)
     pending_tokens: int = 0  # expected work in tokens: unprefilled prompt + remaining output
@@ -112,10 +115,17 @@ class _Work:
 PREFIX_LRU_BLOCKS = 8192
 
 
-def prefix_hashes(prompt: list[int], block_size: int) -> list[int]:
-    """Chained hashes of the prompt's full blocks (hash i covers tokens [0, (i+1)*block)).
-    Python's hash of int tuples is not randomised, so equal prefixes hash equally."""
-    out, h = [], 0
+# per-step engine counters the pool sums per replica (prefix cache in tokens, evicted blocks,
+# preempted requests)
+KV_COUNTERS = ("prefix_queries", "prefix_hits", "evictions", "preemptions")
+
+
+def prefix_hashes(prompt: list[int], block_size: int, salt: str = "") -> list[int]:
+    """Chained hashes of the prompt's full blocks (hash i covers tokens [0, (i+1)*block)),
+    rooted in the request's cache namespace like the engine's prefix cache, so the router's
+    locality bonus never reflects another namespace's prompts. Only this process compares
+    them, so Python's per-process string hash is fine."""
+    out, h = [], hash(salt)
     for i in range(len(prompt) // block_size):
         h = hash((h, *prompt[i * block_size:(i + 1) * block_size]))
         out.append(h)
@@ -155,7 +165,10 @@ class ReplicaPool:
                "--dtype", c.dtype, "--kv-cache-mb", str(c.kv_cache_mb),
                "--block-size", str(c.block_size), "--max-num-seqs", str(c.max_num_seqs),
                "--max-batched-tokens", str(c.max_batched_tokens),
+               "--preemption", c.preemption,
                "--inbox", r.inbox_addr, "--outbox", self.outbox_addr]
+        if not c.prefix_caching:
+            cmd.append("--no-prefix-caching")
         if c.num_kv_blocks:
             cmd += ["--num-kv-blocks", str(c.num_kv_blocks)]
         if c.tokenizer:
@@ -199,7 +212,8 @@ class ReplicaPool:
                 "running": rep.running if rep else 0, "waiting": rep.waiting if rep else 0,
                 "kv_blocks_used": rep.kv_blocks_used if rep else 0,
                 "kv_blocks_total": r.health.kv_blocks_total if r.health else 0,
-                "ended": dict(r.ended),
+                "ended": dict(r.ended), **{k: r.kv_counters[k] for k in KV_COUNTERS},
+                "kv_books": (rep.kv_books or {}) if rep else {},
             }
         return out
 
@@ -225,8 +239,10 @@ class ReplicaPool:
         self.ctx.term()
 
     # ---- requests ------------------------------------------------------------------------------
-    def choose(self, prompt: list[int], exclude: frozenset[str] = frozenset()) -> Route:
-        """The ready replica with the least expected completion time (see the module doc)."""
+    def choose(self, prompt: list[int], exclude: frozenset[str] = frozenset(),
+               salt: str = "", prefer: str | None = None) -> Route:
+        """The ready replica with the least expected completion time (see the module doc);
+        ``prefer`` (the replica of an n > 1 request's first sample) wins while it is open."""
         ready = [r for r in self.replicas if r.ready and r.id not in exclude]
         if not ready:
             raise ReplicaFailed("no replica is ready" + (" (the one that failed is excluded)"
@@ -234,7 +250,10 @@ class ReplicaPool:
         open_ = [r for r in ready if len(r.inflight) < self.max_inflight]
         if not open_:
             raise Overloaded(f"all {len(ready)} replicas hold {self.max_inflight} requests")
-        hashes = prefix_hashes(prompt, self.config.block_size)
+        hashes = prefix_hashes(prompt, self.config.block_size, salt)
+        pinned = [r for r in open_ if r.id == prefer]
+        if pinned:
+            return Route(pinned[0], 0, f"branch of a sample on {prefer}")
 
         def hit(r: Replica) -> int:
             n = 0
@@ -258,9 +277,16 @@ class ReplicaPool:
 
     async def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
                      queue_timeout_s: float | None = None,
-                     exclude: frozenset[str] = frozenset(),
+                     exclude: frozenset[str] = frozenset(), cache_salt: str = "",
+                     branch_of: str | None = None,
                      ) -> tuple[Route, asyncio.Queue[TokenDelta | ReplicaFailed]]:
-        route = self.choose(prompt, exclude)
+        """Send a request to a replica. ``branch_of`` (another sample of the same request)
+        routes it to that sample's replica, where the engine forks it from the sample."""
+        parent = self.owner.get(branch_of) if branch_of else None
+        route = self.choose(prompt, exclude, cache_salt,
+                            prefer=parent.id if parent is not None else None)
+        if parent is None or route.replica is not parent:
+            branch_of = None
         replica = route.replica
         queue: asyncio.Queue[TokenDelta | ReplicaFailed] = asyncio.Queue()
         self.queues[request_id] = queue
@@ -271,7 +297,9 @@ class ReplicaPool:
         replica.pending_tokens += work.prompt_pending + work.output_pending
         try:
             replica.socket.send(encode(AddRequest(request_id, prompt, params,
-                                                  queue_timeout_s=queue_timeout_s)), zmq.NOBLOCK)
+                                                  queue_timeout_s=queue_timeout_s,
+                                                  cache_salt=cache_salt, branch_of=branch_of)),
+                                zmq.NOBLOCK)
         except zmq.Again:  # 100k messages queued for it: the replica is not taking any
             self.release(request_id)
             raise ReplicaFailed(f"replica {replica.id} is not accepting requests") from None
@@ -368,6 +396,9 @@ class ReplicaPool:
             replica = next((r for r in self.replicas if r.id == msg.replica), None)
             if replica is not None:
                 replica.last_report = msg
+                if msg.stats is not None:
+                    for key in KV_COUNTERS:
+                        replica.kv_counters[key] += int(msg.stats.get(key, 0))
                 if msg.stats is not None and self.on_step is not None:
                     self.on_step(replica, msg)
             for delta in msg.deltas:

@@ -52,6 +52,7 @@ class Choice:
     stats: dict[str, float] | None = None
     events: list | None = None
     retries: int = 0
+    cache_salt: str = ""
 
 
 class Service:
@@ -175,7 +176,9 @@ class Service:
     # ---- the engine side -----------------------------------------------------------------------
     async def start_choices(self, request_id: str, prompt: list[int], params: SamplingParams,
                             n: int, stop: list[str], include_stop: bool,
-                            trace: RequestTrace) -> list[Choice]:
+                            trace: RequestTrace, cache_salt: str = "") -> list[Choice]:
+        """Submit the ``n`` samples: the first is routed, the others follow it to its replica
+        as its branches (they share its prompt's KV blocks there)."""
         if not self.pool.ready:
             raise APIError(503, "no replica is ready yet", "server_error",
                            code="not_ready", headers={"Retry-After": "1"})
@@ -185,8 +188,9 @@ class Service:
                 dataclasses.replace(params, seed=params.seed + i)
             engine_id = f"{request_id}-{i}"
             try:
-                route, queue = await self.pool.submit(engine_id, prompt, p,
-                                                      self.config.queue_timeout_s)
+                route, queue = await self.pool.submit(
+                    engine_id, prompt, p, self.config.queue_timeout_s, cache_salt=cache_salt,
+                    branch_of=choices[0].engine_id if choices else None)
             except (ReplicaFailed, Overloaded) as exc:
                 await self.abort_all(choices)  # n > 1: do not leave earlier samples running
                 code = "overloaded" if isinstance(exc, Overloaded) else "replica_unavailable"
@@ -200,7 +204,8 @@ class Service:
                     r.model_revision = route.replica.health.model_revision
             choices.append(Choice(i, engine_id, TextStream(self.tokenizer, stop, include_stop),
                                   queue, route.replica.id, p, prompt,
-                                  logprobs=[] if params.logprobs else None))
+                                  logprobs=[] if params.logprobs else None,
+                                  cache_salt=cache_salt))
         trace.mark("ROUTED")
         return choices
 
@@ -212,7 +217,8 @@ class Service:
         try:
             route, queue = await self.pool.submit(c.engine_id, c.prompt, c.params,
                                                   self.config.queue_timeout_s,
-                                                  exclude=frozenset({c.replica}))
+                                                  exclude=frozenset({c.replica}),
+                                                  cache_salt=c.cache_salt)
         except (ReplicaFailed, Overloaded):
             return False
         c.retries, c.queue, c.replica = 1, queue, route.replica.id
@@ -351,7 +357,8 @@ class Service:
         trace.mark("TOKENIZED")
         try:
             choices = await self.start_choices(rid, prompt, params, req.n, self.stops(req),
-                                               req.include_stop_str_in_output, trace)
+                                               req.include_stop_str_in_output, trace,
+                                               tenant.cache_salt)
         except APIError:
             registry.give_back_tokens(tenant, params.max_tokens * req.n)
             raise

@@ -78,7 +78,9 @@ def step_row(replica, msg, ttl_days: int) -> EngineStepRow:
         decode_tokens=int(s["decode_tokens"]), kv_blocks_used=int(s["kv_blocks_used"]),
         kv_blocks_total=int(s["kv_blocks_total"]), forward_ms=s["forward_ms"],
         sample_ms=s["sample_ms"], host_ms=s["host_ms"], running=msg.running,
-        waiting=msg.waiting, ttl_days=ttl_days)
+        waiting=msg.waiting, prefix_queries=int(s.get("prefix_queries", 0)),
+        prefix_hits=int(s.get("prefix_hits", 0)), evictions=int(s.get("evictions", 0)),
+        preemptions=int(s.get("preemptions", 0)), ttl_days=ttl_days)
 
 
 def _jsonable(v):

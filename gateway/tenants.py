@@ -13,6 +13,8 @@ Configured in a TOML file (``tailscope serve --config FILE`` or ``TAILSCOPE_CONF
     admin = false                   # true: its keys may read /debug/* endpoints
     capture = "full"                # "counts": records keep token counts, not token ids
     ttl_days = 30                   # the store drops its rows after this many days
+    cache_namespace = "public"      # opt in: share prefix-cache hits with tenants naming the
+                                    # same namespace (default: its own, never shared)
 
 No tenants configured = open local mode (every request is tenant "local", no limits); the
 gateway logs a warning at start. Keys are never logged or stored; records carry a key id (a
@@ -73,9 +75,17 @@ class Tenant:
     admin: bool = False  # its keys may read /debug endpoints
     capture: str = "full"  # "full": token ids in records; "counts": counts only
     ttl_days: int | None = None  # how long the store keeps its rows (default: the store's)
+    cache_namespace: str | None = None  # shared prefix-cache namespace (opt-in)
     active: int = 0
     request_bucket: TokenBucket | None = None
     token_bucket: TokenBucket | None = None
+
+    @property
+    def cache_salt(self) -> str:
+        """The prefix-cache namespace of its requests: private to the tenant unless it opts
+        into a shared one (the engine salts block hashes with it, so no hit, and no timing
+        difference, can cross namespaces)."""
+        return f"ns:{self.cache_namespace}" if self.cache_namespace else f"tenant:{self.name}"
 
     def __post_init__(self) -> None:
         if self.requests_per_minute:

@@ -111,6 +111,7 @@ class RequestTrace:
         r.decode_ms = s.get("decode_ms", 0.0)
         r.preempted_ms = s.get("preempted_ms", 0.0)
         r.preemptions = int(s.get("preemptions", 0))
+        r.cached_tokens = int(s.get("cached_tokens", 0))
         events = [RecordEvent(self.arrival_wall_us, "RECEIVED")]
         events += [RecordEvent(self._wall(ns), stage) for stage, ns in
                    sorted(m.items(), key=lambda kv: kv[1])]

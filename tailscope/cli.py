@@ -18,7 +18,7 @@ def _engine_config(s: Settings):
 
     return EngineConfig(block_size=s.block_size, kv_cache_bytes=s.kv_cache_mb * 1024 * 1024,
                         max_num_seqs=s.max_num_seqs, max_batched_tokens=s.max_batched_tokens,
-                        dtype=s.dtype)
+                        dtype=s.dtype, prefix_caching=s.prefix_caching, preemption=s.preemption)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -102,13 +102,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     kv_cache_mb=e.get("kv_cache_mb") or s.kv_cache_mb,
                     block_size=e.get("block_size") or s.block_size,
                     max_num_seqs=e.get("max_num_seqs") or s.max_num_seqs,
-                    max_batched_tokens=e.get("max_batched_tokens") or s.max_batched_tokens)
+                    max_batched_tokens=e.get("max_batched_tokens") or s.max_batched_tokens,
+                    prefix_caching=e.get("prefix_caching", s.prefix_caching),
+                    preemption=e.get("preemption") or s.preemption)
     s = replace(s, model=args.model or s.model, dtype=args.dtype or s.dtype)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     replica = ReplicaConfig(model=s.model, dtype=s.dtype, kv_cache_mb=s.kv_cache_mb,
                             block_size=s.block_size, max_num_seqs=s.max_num_seqs,
                             max_batched_tokens=s.max_batched_tokens, tokenizer=args.tokenizer,
-                            num_kv_blocks=file.engine.get("num_kv_blocks") if file else None)
+                            num_kv_blocks=file.engine.get("num_kv_blocks") if file else None,
+                            prefix_caching=s.prefix_caching, preemption=s.preemption)
     served = args.served_model_name or (file and file.served_model_name) \
         or "SmolLM2-135M-Instruct"
     app = create_app(GatewayConfig(model=s.model, tokenizer=args.tokenizer,

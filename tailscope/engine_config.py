@@ -12,6 +12,8 @@ policy, so an eval run (or a rollout) is reproducible from the file alone::
       max_num_seqs: 64
       max_batched_tokens: 512
       num_kv_blocks: null            # pins the pool size (tests use tiny pools)
+      prefix_caching: true           # reuse cached KV blocks of shared prompt prefixes
+      preemption: recompute          # recompute | swap | auto | off
     sampling:
       defaults: {}                   # request fields filled in when a request leaves them out
       overrides: {}                  # request fields forced on every request (null removes)
@@ -28,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 ENGINE_KEYS = {"dtype": str, "kv_cache_mb": int, "block_size": int, "max_num_seqs": int,
-               "max_batched_tokens": int, "num_kv_blocks": int}
+               "max_batched_tokens": int, "num_kv_blocks": int, "prefix_caching": bool,
+               "preemption": str}
 TOP_KEYS = {"name", "model", "served_model_name", "replicas", "engine", "sampling"}
 
 

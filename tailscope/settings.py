@@ -18,6 +18,8 @@ class Settings:
     block_size: int = 16  # TAILSCOPE_BLOCK_SIZE: tokens per KV block
     max_num_seqs: int = 64  # TAILSCOPE_MAX_NUM_SEQS: running sequences per tick
     max_batched_tokens: int = 512  # TAILSCOPE_MAX_BATCHED_TOKENS: token budget per tick
+    prefix_caching: bool = True  # TAILSCOPE_PREFIX_CACHING: 0 turns the prefix cache off
+    preemption: str = "recompute"  # TAILSCOPE_PREEMPTION: recompute | swap | auto | off
     threads: int = 0  # TAILSCOPE_THREADS: torch intra-op threads (0 = torch's default)
     config: str = ""  # TAILSCOPE_CONFIG: gateway TOML (tenants, API keys, limits)
     queue_timeout_s: float = 60.0  # TAILSCOPE_QUEUE_TIMEOUT_S: engine queue wait -> 504 (0 = none)
@@ -43,6 +45,8 @@ class Settings:
             block_size=int(_env("BLOCK_SIZE", str(cls.block_size))),
             max_num_seqs=int(_env("MAX_NUM_SEQS", str(cls.max_num_seqs))),
             max_batched_tokens=int(_env("MAX_BATCHED_TOKENS", str(cls.max_batched_tokens))),
+            prefix_caching=_env("PREFIX_CACHING", "1").lower() not in ("0", "false", "no"),
+            preemption=_env("PREEMPTION", cls.preemption),
             threads=int(_env("THREADS", str(cls.threads))),
             config=_env("CONFIG", cls.config),
             queue_timeout_s=float(_env("QUEUE_TIMEOUT_S", str(cls.queue_timeout_s))),

@@ -44,6 +44,10 @@ class EngineStepRow:
     host_ms: float
     running: int = 0
     waiting: int = 0
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache during the step
+    prefix_hits: int = 0  # tokens it served
+    evictions: int = 0  # cached blocks evicted
+    preemptions: int = 0  # requests preempted
     ttl_days: int = 30
 
 
@@ -180,6 +184,9 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
         "finish_reason LowCardinality(String)",
         f"ALTER TABLE {DATABASE}.eval_results ADD COLUMN IF NOT EXISTS weight Float64 "
         "DEFAULT 1"]),
+    (4, "engine_steps prefix cache and preemption counters", [
+        f"ALTER TABLE {DATABASE}.engine_steps ADD COLUMN IF NOT EXISTS {c} Int64 "
+        "AFTER waiting" for c in ("preemptions", "evictions", "prefix_hits", "prefix_queries")]),
 ]
 
 __all__ = ["DATABASE", "TABLES", "MIGRATIONS", "EngineStepRow", "EventRow", "EvalRunRow",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -26,17 +28,21 @@ ops = st.lists(
 
 def check_invariants(engine: Engine, all_requests: list) -> None:
     kv, pool = engine.kv, engine.kv.pool
-    held = [b for t in kv._tables.values() for b in t.blocks]
-    free = list(pool._free)
+    entries = kv._entries
+    holders = Counter(b for e in entries.values() for b in e.table.blocks)
+    holders.update(src for e in entries.values() for src, _ in e.copies)  # pinned for a copy
+    free, evictable = list(pool._free), list(pool._evictable)
     assert len(set(free)) == len(free), "a block is on the free list twice"
-    assert not set(free) & set(held), "a free block is still in a block table"
-    assert len(held) == len(set(held)), "a block is in two tables (no sharing yet)"
-    assert len(free) + len(held) == pool.num_blocks, "a block leaked"
-    assert all(pool.ref_counts[b] == 1 for b in held)
-    assert all(pool.ref_counts[b] == 0 for b in free)
-    assert kv.reserved_total == sum(kv._reserved.values()) <= pool.num_blocks
-    for rid, table in kv._tables.items():
-        assert len(table.blocks) <= kv._reserved[rid], "allocation beyond reservation"
+    assert not set(free) & set(holders), "a free block is still in a block table"
+    assert not set(evictable) & set(holders), "an evictable block is still held"
+    assert len(free) + len(evictable) + len(holders) == pool.num_blocks, "a block leaked"
+    assert all(pool.ref_counts[b] == n for b, n in holders.items()), "ref count != holders"
+    assert all(pool.ref_counts[b] == 0 for b in free + evictable)
+    assert all(pool.block_key[b] is not None for b in evictable)
+    c = pool.counters
+    assert c.allocated + c.revived - c.released == len(holders), "a block was freed twice"
+    assert kv.reserved_total == sum(e.reserved for e in entries.values())
+    assert pool.num_used + kv.reserved_total <= pool.num_blocks
     for req in all_requests:
         if req.is_finished:
             assert req.reclaim_count == 1, f"{req.request_id} reclaimed {req.reclaim_count}x"
@@ -45,12 +51,15 @@ def check_invariants(engine: Engine, all_requests: list) -> None:
             assert req.reclaim_count == 0
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops)
-def test_random_operations_never_leak_or_double_free(tiny_model, operations):
+@pytest.mark.parametrize("mode", ["off", "recompute", "swap"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(operations=ops)
+def test_random_operations_never_leak_or_double_free(tiny_model, mode, operations):
+    """Prompts here share prefixes (all start 3, 4, 5, ...), so the prefix cache, its LRU
+    eviction and, in the preempting modes, recompute or swap are all exercised."""
     engine = Engine(tiny_model, EngineConfig(block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS,
                                              max_batched_tokens=8, max_num_seqs=3,
-                                             dtype="float64"))
+                                             dtype="float64", preemption=mode))
     reclaims: list[str] = []
     engine.on_reclaim = lambda r: reclaims.append(r.request_id)
     ids: list[str] = []
@@ -69,7 +78,8 @@ def test_random_operations_never_leak_or_double_free(tiny_model, operations):
         elif op[0] in ("abort", "timeout", "race") and ids:
             req = engine.get_request(ids[op[1] % len(ids)])
             reserved_before = engine.kv.reserved_total
-            held = engine.kv._reserved.get(req.request_id, 0)
+            entry = engine.kv._entries.get(req.request_id)
+            held = entry.reserved if entry else 0
             if op[0] in ("timeout", "race"):
                 req.deadline_ns = 0
             if op[0] in ("abort", "race"):

@@ -51,7 +51,8 @@ def test_max_num_seqs_caps_running_and_freed_slots_refill_next_tick(tiny_model):
 
 
 def test_fcfs_head_waiting_for_kv_is_not_overtaken(tiny_model):
-    engine = _engine(tiny_model, num_kv_blocks=6, max_num_seqs=4, max_batched_tokens=64)
+    engine = _engine(tiny_model, num_kv_blocks=6, max_num_seqs=4, max_batched_tokens=64,
+                     preemption="off")  # admission reserves prompt + max_tokens
     engine.add_request("big1", list(range(3, 15)), SamplingParams(max_tokens=4))  # 4 blocks
     big2 = engine.add_request("big2", list(range(3, 15)), SamplingParams(max_tokens=4))
     small = engine.add_request("small", [5], SamplingParams(max_tokens=1))  # 1 block: fits

@@ -43,8 +43,9 @@ def test_terminal_states_have_no_way_out():
 
 @pytest.fixture
 def engine(tiny_model):
+    # preemption "off": admission reserves prompt + max_tokens, which these tests rely on
     eng = Engine(tiny_model, EngineConfig(block_size=4, num_kv_blocks=8, max_batched_tokens=8,
-                                          max_num_seqs=2, dtype="float64"))
+                                          max_num_seqs=2, dtype="float64", preemption="off"))
     eng.reclaimed = []
     eng.on_reclaim = lambda r: eng.reclaimed.append(r.request_id)
     return eng
