@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import subprocess
@@ -99,6 +100,7 @@ class Route:
     replica: Replica
     prefix_hit_tokens: int
     reason: str
+    sent_ns: int = 0  # monotonic time just before the AddRequest went out
 
 
 @dataclass(slots=True)
@@ -295,6 +297,7 @@ class ReplicaPool:
         work = _Work(replica, len(prompt), params.max_tokens)
         self.work[request_id] = work
         replica.pending_tokens += work.prompt_pending + work.output_pending
+        route = dataclasses.replace(route, sent_ns=time.monotonic_ns())
         try:
             replica.socket.send(encode(AddRequest(request_id, prompt, params,
                                                   queue_timeout_s=queue_timeout_s,

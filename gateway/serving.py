@@ -197,6 +197,7 @@ class Service:
                 raise APIError(503, str(exc), "server_error", code=code,
                                headers={"Retry-After": "1"}) from None
             if i == 0:
+                first_sent = route.sent_ns
                 r = trace.record
                 r.replica, r.route_reason = route.replica.id, route.reason
                 r.prefix_hit_tokens = route.prefix_hit_tokens
@@ -206,7 +207,10 @@ class Service:
                                   queue, route.replica.id, p, prompt,
                                   logprobs=[] if params.logprobs else None,
                                   cache_salt=cache_salt))
-        trace.mark("ROUTED")
+        # the moment the first sample was sent: the replica's event offsets are placed from it,
+        # and the engine cannot have seen the request earlier (a mark taken after the sends
+        # could be late by a descheduled moment, placing engine events after END)
+        trace.mark("ROUTED", first_sent)
         return choices
 
     async def _retry(self, c: Choice, failure: ReplicaFailed) -> bool:

@@ -57,8 +57,8 @@ class RequestTrace:
         self.engine_events: list[tuple[str, float, str]] = []
         self.engine_stats: dict[str, float] | None = None
 
-    def mark(self, stage: str) -> None:
-        self.marks[stage] = time.monotonic_ns()
+    def mark(self, stage: str, at_ns: int | None = None) -> None:
+        self.marks[stage] = time.monotonic_ns() if at_ns is None else at_ns
 
     def flush(self) -> None:
         """A chunk carrying content was handed to the server (the client can read it)."""
