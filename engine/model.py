@@ -96,6 +96,9 @@ class LlamaModel:
         self.cos = emb.cos().to(dtype)
         half = c.head_dim // 2
         self.sin_signed = torch.cat([-emb[:, :half].sin(), emb[:, half:].sin()], -1).to(dtype)
+        # [max_pos, D/2] tables for kernels.rotary (the Triton path)
+        self.cos_half = freqs.cos().to(dtype).contiguous()
+        self.sin_half = freqs.sin().to(dtype).contiguous()
 
     @property
     def num_parameters(self) -> int:
@@ -117,19 +120,33 @@ class LlamaModel:
         ``rope(x) = x * cos + roll(x, half) * sin_signed`` equals HF's rotate_half form."""
         return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
 
-    def _qkv(self, lw: LayerWeights, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+    def _qkv(self, lw: LayerWeights, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+             positions: torch.Tensor):
         c = self.config
-        x = F.rms_norm(h, (c.hidden_size,), lw.attn_norm, c.rms_norm_eps)
+        triton = kernels.use_triton(h)
+        if triton:
+            x = kernels.rms_norm(h, lw.attn_norm, c.rms_norm_eps)
+        else:
+            x = F.rms_norm(h, (c.hidden_size,), lw.attn_norm, c.rms_norm_eps)
         qkv = lw.qkv(x)
         nqk = (c.num_heads + c.num_kv_heads) * c.head_dim
         qk = qkv[:, :nqk].view(-1, c.num_heads + c.num_kv_heads, c.head_dim)
-        cos, sin = rope
-        qk = qk * cos + qk.roll(c.head_dim // 2, dims=-1) * sin  # Q and K rotated in one pass
+        if triton:  # in place, Q and K heads in one launch
+            qk = qk.contiguous()
+            kernels.rotary(qk, positions, self.cos_half, self.sin_half)
+        else:
+            cos, sin = rope
+            qk = qk * cos + qk.roll(c.head_dim // 2, dims=-1) * sin  # Q and K in one pass
         v = qkv[:, nqk:].view(-1, c.num_kv_heads, c.head_dim)
         return qk[:, :c.num_heads], qk[:, c.num_heads:], v
 
     def _mlp_residual(self, lw: LayerWeights, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         c = self.config
+        if kernels.use_triton(h):
+            x, h = kernels.add_rms_norm(lw.o(attn.reshape(attn.shape[0], -1)), h, lw.ffn_norm,
+                                        c.rms_norm_eps)
+            gate, up = lw.gate_up(x).chunk(2, dim=-1)
+            return h + lw.down(kernels.silu_and_mul(gate, up))
         h = h + lw.o(attn.reshape(attn.shape[0], -1))
         x = F.rms_norm(h, (c.hidden_size,), lw.ffn_norm, c.rms_norm_eps)
         gate, up = lw.gate_up(x).chunk(2, dim=-1)
@@ -137,6 +154,8 @@ class LlamaModel:
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         c = self.config
+        if kernels.use_triton(h):
+            return self.lm_head(kernels.rms_norm(h, self.final_norm, c.rms_norm_eps)).float()
         return self.lm_head(F.rms_norm(h, (c.hidden_size,), self.final_norm, c.rms_norm_eps)
                             ).float()
 
@@ -150,8 +169,9 @@ class LlamaModel:
         h = self.embed[input_ids]
         nd = meta.num_decodes
         rope = self._rope_tables(positions)
+        triton = kernels.use_triton(h)
         for lw, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            q, k, v = self._qkv(lw, h, rope)
+            q, k, v = self._qkv(lw, h, rope, positions)
             kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = torch.empty_like(q)
             if nd:
@@ -161,7 +181,7 @@ class LlamaModel:
                 )
             for p in meta.prefills:
                 n = p.end - p.start
-                if p.context_len == n:  # nothing cached before this chunk: attend to it directly
+                if p.context_len == n and not triton:  # nothing cached before: dense causal
                     attn[p.start:p.end] = kernels.causal_attention(
                         q[p.start:p.end], k[p.start:p.end], v[p.start:p.end], self.scale
                     )
@@ -176,9 +196,10 @@ class LlamaModel:
     @torch.inference_mode()
     def dense_forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """No cache, full recompute: logits ``[n, vocab]`` for every position of one sequence."""
-        rope = self._rope_tables(torch.arange(input_ids.shape[0]))
+        positions = torch.arange(input_ids.shape[0])
+        rope = self._rope_tables(positions)
         h = self.embed[input_ids]
         for lw in self.layers:
-            q, k, v = self._qkv(lw, h, rope)
+            q, k, v = self._qkv(lw, h, rope, positions)
             h = self._mlp_residual(lw, h, kernels.causal_attention(q, k, v, self.scale))
         return self._logits(h)

@@ -1,17 +1,29 @@
 """Kernel dispatch: the engine calls these names and never an implementation directly.
 
-``TAILSCOPE_KERNELS`` selects the backend: ``auto`` (default: Triton on CUDA tensors once the
-Triton kernels land, the torch reference otherwise) or ``torch``. Until the Triton kernels exist,
-``triton`` is refused with a clear error rather than silently running something else.
+``TAILSCOPE_KERNELS`` selects the backend:
+
+- ``auto`` (default): the Triton kernels (``kernels.triton_kernels``) on CUDA tensors when
+  ``triton`` is installed, the torch reference (``kernels.reference``) otherwise;
+- ``torch``: always the reference;
+- ``triton``: always Triton. On CPU tensors that needs Triton's interpreter
+  (``TRITON_INTERPRET=1`` set before anything imports triton): how the tests check every kernel
+  against its reference on a machine without a GPU. Slow; never a serving setting on CPU.
+
+``causal_attention`` (a whole uncached prompt) has no Triton kernel of its own on the paged
+path: under Triton it runs as paged prefill attention over the cache the prompt was just
+written to, so the engine's prefill takes the Triton path too.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+
+import torch
 
 from kernels import reference
 
-_BACKENDS = ("auto", "torch")
+_BACKENDS = ("auto", "torch", "triton")
 
 
 def kernel_backend() -> str:
@@ -20,10 +32,58 @@ def kernel_backend() -> str:
         raise ValueError(
             f"TAILSCOPE_KERNELS={choice!r} is not available; choose one of {', '.join(_BACKENDS)}"
         )
-    return "torch"
+    if choice == "triton":
+        _triton()  # a clear error now rather than at the first forward
+    return choice
 
 
-write_kv = reference.write_kv
-paged_decode_attention = reference.paged_decode_attention
-paged_prefill_attention = reference.paged_prefill_attention
+@functools.cache
+def _triton():
+    try:
+        from kernels import triton_kernels
+    except ImportError as exc:
+        raise ValueError(f"TAILSCOPE_KERNELS=triton needs the triton package ({exc}); "
+                         "pip install 'tailscope[gpu]'") from None
+    return triton_kernels
+
+
+@functools.cache
+def _triton_available() -> bool:
+    try:
+        _triton()
+        return True
+    except ValueError:
+        return False
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    choice = kernel_backend()
+    if choice == "triton":
+        if not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("TAILSCOPE_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 "
+                             "(set before triton is imported)")
+        return True
+    return choice == "auto" and t.is_cuda and _triton_available()
+
+
+def _pick(name: str):
+    ref = getattr(reference, name)
+
+    def call(*args, **kwargs):
+        impl = getattr(_triton(), name) if use_triton(args[0]) else ref
+        return impl(*args, **kwargs)
+
+    call.__name__ = name
+    call.__doc__ = ref.__doc__
+    return call
+
+
+write_kv = _pick("write_kv")
+paged_decode_attention = _pick("paged_decode_attention")
+paged_prefill_attention = _pick("paged_prefill_attention")
+paged_prefill_attention_varlen = _pick("paged_prefill_attention_varlen")
+rms_norm = _pick("rms_norm")
+add_rms_norm = _pick("add_rms_norm")
+rotary = _pick("rotary")
+silu_and_mul = _pick("silu_and_mul")
 causal_attention = reference.causal_attention

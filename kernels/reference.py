@@ -1,4 +1,4 @@
-"""Torch reference kernels for attention over a paged KV cache.
+"""Torch reference kernels: attention over a paged KV cache, norms, rotary, activation.
 
 Cache layout: ``k_cache``/``v_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``;
 a sequence's token at position ``p`` lives in block ``block_table[p // block_size]`` at offset
@@ -78,3 +78,53 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         is_causal=True, scale=scale, enable_gqa=True,
     )
     return out[0].transpose(0, 1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual + x`` normalised, and that sum (the next residual)."""
+    h = residual + x
+    return F.rms_norm(h, (h.shape[-1],), weight, eps), h
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           interleaved: bool = False) -> None:
+    """Rotate ``x [T, heads, D]`` in place; ``cos``/``sin`` are ``[max_pos, D/2]`` tables.
+    Pairs are ``(i, i + D/2)`` (half-split, Llama/NeoX) or ``(2i, 2i + 1)`` (interleaved,
+    GPT-J)."""
+    half = x.shape[-1] // 2
+    c = cos[positions].unsqueeze(1).to(torch.float32)
+    s = sin[positions].unsqueeze(1).to(torch.float32)
+    xf = x.to(torch.float32)
+    if interleaved:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    else:
+        x1, x2 = xf[..., :half], xf[..., half:]
+    o1, o2 = x1 * c - x2 * s, x2 * c + x1 * s
+    if interleaved:
+        x[..., 0::2], x[..., 1::2] = o1.to(x.dtype), o2.to(x.dtype)
+    else:
+        x[..., :half], x[..., half:] = o1.to(x.dtype), o2.to(x.dtype)
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def paged_prefill_attention_varlen(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    query_starts: torch.Tensor, context_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """Chunks of several sequences back to back in ``q [T, H, D]`` (``query_starts [S+1]``);
+    sequence ``s``'s chunk is the last of its ``context_lens[s]`` positions."""
+    out = torch.empty_like(q)
+    for s in range(block_tables.shape[0]):
+        a, b = int(query_starts[s]), int(query_starts[s + 1])
+        if b > a:
+            out[a:b] = paged_prefill_attention(q[a:b], k_cache, v_cache, block_tables[s],
+                                               int(context_lens[s]), scale)
+    return out

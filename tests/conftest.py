@@ -6,6 +6,8 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Triton kernels run on CPU tensors in Triton's interpreter (must be set before triton loads)
+os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 

@@ -101,6 +101,6 @@ def test_prepared_linear_gives_the_values_of_f_linear(dtype, m):
 def test_engine_refuses_unknown_kernel_backend(monkeypatch, tiny_model):
     from engine import Engine, EngineConfig
 
-    monkeypatch.setenv("TAILSCOPE_KERNELS", "triton")  # not available until the Triton issue
-    with pytest.raises(ValueError, match="TAILSCOPE_KERNELS='triton'"):
+    monkeypatch.setenv("TAILSCOPE_KERNELS", "cuda-magic")
+    with pytest.raises(ValueError, match="TAILSCOPE_KERNELS='cuda-magic'"):
         Engine(tiny_model, EngineConfig(num_kv_blocks=4, dtype="float64"))
