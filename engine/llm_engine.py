@@ -278,7 +278,11 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         start = time.monotonic_ns()
         wall = time.time_ns()
-        for req in [*self.scheduler.running, *self.scheduler.waiting]:
+        live = [*self.scheduler.running, *self.scheduler.waiting]
+        live += [b for r in live for b in r.pending_branches]  # n > 1 samples not forked yet
+        for req in live:
+            if req.is_finished:  # ended earlier in this loop
+                continue
             if req.deadline_ns is not None and start >= req.deadline_ns:
                 self._end(req, S.TIMED_OUT, "timeout", error="request deadline exceeded")
             elif (req.queue_deadline_ns is not None and start >= req.queue_deadline_ns

@@ -176,3 +176,16 @@ def test_a_branch_whose_parent_is_cancelled_runs_on_its_own(tiny_model):
         engine.step()
     assert child.state == S.FINISHED and len(child.output_token_ids) == 6
     assert all_free(engine)
+
+
+def test_a_branch_waiting_for_its_parent_still_times_out(tiny_model):
+    engine = make(tiny_model, max_batched_tokens=4)  # the parent prefills 4 tokens a tick
+    parent = engine.add_request("p", BASE[:20], GREEDY)
+    child = engine.add_request("c", BASE[:20], GREEDY, branch_of="p")
+    child.deadline_ns = 0  # already past
+    engine.step()
+    assert child.state == S.TIMED_OUT and child.reclaim_count == 1
+    assert parent.pending_branches == []
+    while engine.has_unfinished():
+        engine.step()
+    assert parent.state == S.FINISHED and all_free(engine)
