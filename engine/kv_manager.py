@@ -80,11 +80,6 @@ class KVCacheManager:
         return int.from_bytes(digest[:8], "little")
 
     # ---- admission -------------------------------------------------------------------------
-    def reserve(self, request_id: str, num_tokens: int) -> bool:
-        """Reserve capacity for ``num_tokens`` with no prefix reuse (kept for callers that
-        manage their own tables); False (and nothing changes) if it does not fit."""
-        return self.admit(request_id, [], num_tokens, use_cache=False) is not None
-
     def admit(self, request_id: str, token_ids: list[int], reserve_tokens: int,
               cache_salt: str = "", use_cache: bool = True, headroom: int = 0) -> int | None:
         """Reserve for a request whose first ``len(token_ids)`` tokens need KV, taking the

@@ -121,9 +121,9 @@ class LlamaModel:
         return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
 
     def _qkv(self, lw: LayerWeights, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-             positions: torch.Tensor):
+             positions: torch.Tensor, triton: bool):
+        """``triton``: the forward's one ``kernels.use_triton`` decision for every layer."""
         c = self.config
-        triton = kernels.use_triton(h)
         if triton:
             x = kernels.rms_norm(h, lw.attn_norm, c.rms_norm_eps)
         else:
@@ -140,9 +140,10 @@ class LlamaModel:
         v = qkv[:, nqk:].view(-1, c.num_kv_heads, c.head_dim)
         return qk[:, :c.num_heads], qk[:, c.num_heads:], v
 
-    def _mlp_residual(self, lw: LayerWeights, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def _mlp_residual(self, lw: LayerWeights, h: torch.Tensor, attn: torch.Tensor,
+                      triton: bool) -> torch.Tensor:
         c = self.config
-        if kernels.use_triton(h):
+        if triton:
             x, h = kernels.add_rms_norm(lw.o(attn.reshape(attn.shape[0], -1)), h, lw.ffn_norm,
                                         c.rms_norm_eps)
             gate, up = lw.gate_up(x).chunk(2, dim=-1)
@@ -152,9 +153,9 @@ class LlamaModel:
         gate, up = lw.gate_up(x).chunk(2, dim=-1)
         return h + lw.down(F.silu(gate) * up)
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+    def _logits(self, h: torch.Tensor, triton: bool) -> torch.Tensor:
         c = self.config
-        if kernels.use_triton(h):
+        if triton:
             return self.lm_head(kernels.rms_norm(h, self.final_norm, c.rms_norm_eps)).float()
         return self.lm_head(F.rms_norm(h, (c.hidden_size,), self.final_norm, c.rms_norm_eps)
                             ).float()
@@ -171,7 +172,7 @@ class LlamaModel:
         rope = self._rope_tables(positions)
         triton = kernels.use_triton(h)
         for lw, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            q, k, v = self._qkv(lw, h, rope, positions)
+            q, k, v = self._qkv(lw, h, rope, positions, triton)
             kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = torch.empty_like(q)
             if nd:
@@ -190,8 +191,8 @@ class LlamaModel:
                         q[p.start:p.end], k_cache, v_cache, p.block_table, p.context_len,
                         self.scale,
                     )
-            h = self._mlp_residual(lw, h, attn)
-        return self._logits(h[logits_indices])
+            h = self._mlp_residual(lw, h, attn, triton)
+        return self._logits(h[logits_indices], triton)
 
     @torch.inference_mode()
     def dense_forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -199,7 +200,9 @@ class LlamaModel:
         positions = torch.arange(input_ids.shape[0])
         rope = self._rope_tables(positions)
         h = self.embed[input_ids]
+        triton = kernels.use_triton(h)
         for lw in self.layers:
-            q, k, v = self._qkv(lw, h, rope, positions)
-            h = self._mlp_residual(lw, h, kernels.causal_attention(q, k, v, self.scale))
-        return self._logits(h)
+            q, k, v = self._qkv(lw, h, rope, positions, triton)
+            h = self._mlp_residual(lw, h, kernels.causal_attention(q, k, v, self.scale),
+                                   triton)
+        return self._logits(h, triton)

@@ -152,8 +152,7 @@ def judge(case: Case, attempts: list[Attempt]) -> CaseResult:
     first = attempts[0]
     output = first.choices[0] if first.choices else ""
     failed = [a.error for a in attempts if a.error]
-    if failed:
-        s = score(case, output, first.finish_reason)  # for the record; the case fails anyway
+    if failed:  # an HTTP or stream error fails the case whatever the text says
         return CaseResult(case.id, first.trace_id, 0.0, False, "; ".join(failed[:2]),
                           list(case.tags), output, first.finish_reason or "", case.weight)
     s = score(case, output, first.finish_reason, choices=first.choices,

@@ -252,10 +252,10 @@ class ReplicaPool:
         open_ = [r for r in ready if len(r.inflight) < self.max_inflight]
         if not open_:
             raise Overloaded(f"all {len(ready)} replicas hold {self.max_inflight} requests")
-        hashes = prefix_hashes(prompt, self.config.block_size, salt)
         pinned = [r for r in open_ if r.id == prefer]
         if pinned:
             return Route(pinned[0], 0, f"branch of a sample on {prefer}")
+        hashes = prefix_hashes(prompt, self.config.block_size, salt)
 
         def hit(r: Replica) -> int:
             n = 0
