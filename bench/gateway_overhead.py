@@ -218,7 +218,7 @@ async def run_gateway(rates: list[float], duration: float, model: str, tokenizer
             deadline = time.monotonic() + 180
             while True:
                 try:
-                    if (await http.get(f"{url}/ready")).status_code == 200:
+                    if (await http.get(f"{url}/ready")).json().get("all_ready"):
                         break
                 except httpx.HTTPError:
                     pass

@@ -55,7 +55,7 @@ def start_gateway(store: str | None) -> tuple[subprocess.Popen, str]:
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+            if httpx.get(f"{url}/ready", timeout=2).json().get("all_ready"):
                 return proc, url
         except httpx.HTTPError:
             pass

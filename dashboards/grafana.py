@@ -38,6 +38,12 @@ REQ_FILTER = ("$__timeFilter(arrival_ts) AND replica IN (${replica:singlequote})
               "(${model:singlequote}) AND config_id IN (${config_id:singlequote}) AND tenant "
               "IN (${tenant:singlequote})")
 STEP_FILTER = "$__timeFilter(ts) AND replica IN (${replica:singlequote})"
+# The SLO text boxes take anything a viewer types. Grafana's ``sqlstring`` format doubles quotes
+# but leaves backslashes, which ClickHouse reads as escapes, so it cannot fence a value in;
+# ``percentencode`` leaves nothing but [A-Za-z0-9._~%-] inside the quotes, and the number is
+# parsed from there (text that is not a number reads as 0).
+TTFT_SLO = "toFloat64OrZero('${ttft_slo:percentencode}')"
+TPOT_SLO = "toFloat64OrZero('${tpot_slo:percentencode}')"
 
 
 class ClickHouseQuery(cogvariants.Dataquery):
@@ -114,12 +120,12 @@ PANELS: list[Panel] = [
           f"WHERE {REQ_FILTER} GROUP BY time ORDER BY time", unit="percentunit"),
     Panel("SLO attainment (TTFT <= $ttft_slo ms, TPOT <= $tpot_slo ms)",
           "SELECT $__timeInterval(arrival_ts) AS time, countIf(final_state = 'FINISHED' AND "
-          "ttft_ms <= $ttft_slo AND (tpot_ms IS NULL OR tpot_ms <= $tpot_slo)) / count() AS "
+          f"ttft_ms <= {TTFT_SLO} AND (tpot_ms IS NULL OR tpot_ms <= {TPOT_SLO})) / count() AS "
           f"attainment FROM tailscope.requests WHERE {REQ_FILTER} GROUP BY time ORDER BY "
           "time", unit="percentunit"),
     Panel("Goodput (req/s within the SLO)",
           "SELECT $__timeInterval(arrival_ts) AS time, countIf(final_state = 'FINISHED' AND "
-          "ttft_ms <= $ttft_slo AND (tpot_ms IS NULL OR tpot_ms <= $tpot_slo)) / "
+          f"ttft_ms <= {TTFT_SLO} AND (tpot_ms IS NULL OR tpot_ms <= {TPOT_SLO})) / "
           f"$__interval_s AS goodput FROM tailscope.requests WHERE {REQ_FILTER} GROUP BY time "
           "ORDER BY time", unit="reqps"),
     Panel("Errors and rejections by tenant",
@@ -174,7 +180,9 @@ def build() -> dict:
 
 
 def datasource_provisioning() -> str:
-    return """# Grafana provisioning: the Tailscope ClickHouse data source (docker compose stack)
+    return """# Grafana provisioning: the Tailscope ClickHouse data source (docker compose stack).
+# It signs in as `viewer`, a read-only ClickHouse user (deploy/clickhouse/users.d/viewer.xml)
+# whose password Grafana takes from its environment.
 apiVersion: 1
 datasources:
   - name: ClickHouse
@@ -186,9 +194,9 @@ datasources:
       port: 9000
       protocol: native
       defaultDatabase: tailscope
-      username: default
+      username: viewer
     secureJsonData:
-      password: $CLICKHOUSE_PASSWORD
+      password: $CLICKHOUSE_VIEWER_PASSWORD
 """
 
 

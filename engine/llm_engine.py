@@ -309,6 +309,8 @@ class Engine:
             self.kv.commit(req.request_id, req.all_token_ids, req.num_computed_tokens)
             if req.pending_branches and req.num_computed_tokens == req.num_tokens:
                 self._fork_branches(req, t_tok)
+        for req, error in result.failed:  # only its own request fails
+            self._end(req, S.FAILED, "error", error=error)
         outputs = []
         for req, token, logprobs in result.sampled:
             if req.is_finished:  # a branch cancelled while its parent's forward ran

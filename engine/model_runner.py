@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,8 +14,10 @@ import kernels
 from engine.kv_manager import KVCacheManager
 from engine.model import AttentionMetadata, LlamaModel, PrefillSeq
 from engine.request import Request
-from engine.sampler import Sampler, SamplerOutput, TokenLogprobs
+from engine.sampler import Sampler, TokenLogprobs
 from engine.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +26,7 @@ class RunnerResult:
     host_ms: float
     forward_ms: float
     sample_ms: float
+    failed: list[tuple[Request, str]] = field(default_factory=list)  # rows that could not sample
 
 
 def _tune_allocator() -> None:
@@ -141,7 +145,29 @@ class ModelRunner:
         t1 = time.perf_counter_ns()
         logits = self.model.forward(ids, positions, meta, self.kv_caches, logits_idx)
         t2 = time.perf_counter_ns()
-        out = self.sampler.sample(logits, samplers) if samplers else SamplerOutput([], [])
+        sampled, failed = self._sample(logits, samplers)
         t3 = time.perf_counter_ns()
-        return RunnerResult(list(zip(samplers, out.token_ids, out.logprobs, strict=True)),
-                            (t1 - t0) / 1e6, (t2 - t1) / 1e6, (t3 - t2) / 1e6)
+        return RunnerResult(sampled, (t1 - t0) / 1e6, (t2 - t1) / 1e6, (t3 - t2) / 1e6, failed)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]):
+        """Sample the batch; if that fails, sample each row alone from the untouched logits
+        (the sampler edits them in place), so one request's bad state fails only itself."""
+        if not reqs:
+            return [], []
+        original = logits.clone() if len(reqs) > 1 else logits
+        try:
+            out = self.sampler.sample(logits, reqs)
+            return list(zip(reqs, out.token_ids, out.logprobs, strict=True)), []
+        except Exception as exc:
+            if len(reqs) == 1:
+                log.exception("sampling failed for %s", reqs[0].request_id)
+                return [], [(reqs[0], f"sampling failed: {type(exc).__name__}: {exc}")]
+        sampled, failed = [], []
+        for i, req in enumerate(reqs):
+            try:
+                out = self.sampler.sample(original[i:i + 1].clone(), [req])
+                sampled.append((req, out.token_ids[0], out.logprobs[0]))
+            except Exception as exc:
+                log.exception("sampling failed for %s", req.request_id)
+                failed.append((req, f"sampling failed: {type(exc).__name__}: {exc}"))
+        return sampled, failed

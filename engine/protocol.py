@@ -84,8 +84,16 @@ class Health(msgspec.Struct, tag="health"):
     detail: str = ""
 
 
+class Heartbeat(msgspec.Struct, tag="beat"):
+    """Sent from the step loop when nothing else was sent for a while: the replica's loop is
+    alive (a stopped or wedged process stops sending; the gateway then drains and restarts it)."""
+
+    replica: str
+    steps: int = 0
+
+
 ToReplica = AddRequest | AbortRequest | StopRequest | PauseRequest | ResumeRequest | Shutdown
-FromReplica = StepReport | Health
+FromReplica = StepReport | Health | Heartbeat
 
 _encoder = msgspec.msgpack.Encoder()
 _to_replica = msgspec.msgpack.Decoder(ToReplica)

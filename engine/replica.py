@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 import sys
+import time
 
 import msgspec
 import zmq
@@ -26,6 +27,7 @@ from engine.protocol import (
     AbortRequest,
     AddRequest,
     Health,
+    Heartbeat,
     PauseRequest,
     ResumeRequest,
     Shutdown,
@@ -39,6 +41,7 @@ from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("engine.replica")
 IDLE_POLL_MS = 100
+HEARTBEAT_S = 0.5  # at least one message this often while the loop runs
 
 
 def _delta(out: RequestOutput, engine: Engine) -> TokenDelta:
@@ -66,6 +69,7 @@ class Replica:
         self.outbox = self.ctx.socket(zmq.PUSH)
         self.outbox.connect(outbox)
         self.running = True
+        self.last_sent = 0.0
 
     def warm_up(self) -> None:
         self.engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
@@ -99,10 +103,16 @@ class Replica:
         elif isinstance(msg, Shutdown):
             self.running = False
 
+    def send(self, msg) -> None:
+        self.outbox.send(encode(msg))
+        self.last_sent = time.monotonic()
+
     def serve(self) -> None:
-        self.outbox.send(encode(self.health()))
+        self.send(self.health())
         parent = os.getppid()
         while self.running:
+            if time.monotonic() - self.last_sent >= HEARTBEAT_S:
+                self.send(Heartbeat(self.id, self.engine.step_count))
             if os.getppid() != parent:  # the gateway died without telling us: do not linger
                 log.error("replica %s: parent process is gone; exiting", self.id)
                 break
@@ -122,7 +132,7 @@ class Replica:
             if outputs or ran:  # every tick is reported: the store keeps engine_steps
                 stats = dataclasses.asdict(step) if step is not None else None
                 usage = self.engine.kv.usage()
-                self.outbox.send(encode(StepReport(
+                self.send(StepReport(
                     self.id, [_delta(o, self.engine) for o in outputs],
                     {k: float(v) for k, v in stats.items()} if stats else None,
                     running=len(self.engine.scheduler.running),
@@ -132,7 +142,7 @@ class Replica:
                               "reserved": usage.blocks_reserved,
                               "cached": usage.blocks_cached,
                               "swaps": self.engine.swaps,
-                              "preemptions": self.engine.preemptions})))
+                              "preemptions": self.engine.preemptions}))
         self.inbox.close(linger=0)
         self.outbox.close(linger=1000)
         self.ctx.term()

@@ -117,6 +117,9 @@ class SamplingParams:
         return self.top_k != -1 or self.top_p < 1.0 or self.typical_p < 1.0
 
     def check_vocab(self, vocab_size: int) -> None:
+        _check(self.top_k <= vocab_size, "top_k",
+               f"top_k must be -1 (disabled) or at most the vocabulary size {vocab_size}, "
+               f"got {self.top_k}")
         bad = [t for t in self.logit_bias if t >= vocab_size]
         _check(not bad, "logit_bias",
                f"logit_bias has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")

@@ -257,7 +257,7 @@ class GatewayProcess:
                                 f"{self.proc.returncode}" + (f"; see {self.log_path}"
                                                              if self.log_path else ""))
             try:
-                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}/ready", timeout=2).json().get("all_ready"):
                     return self
             except httpx.HTTPError:
                 pass

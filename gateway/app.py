@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import hmac
 import json
 import logging
 from contextlib import asynccontextmanager
@@ -23,6 +24,7 @@ from engine.text import load_tokenizer
 from gateway import __version__ as gateway_version
 from gateway import store_api
 from gateway.errors import APIError, api_error_handler
+from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics
 from gateway.replicas import ReplicaConfig, ReplicaPool
 from gateway.serving import Service
@@ -31,8 +33,11 @@ from gateway.tenants import TenantRegistry
 from gateway.trace import TraceMiddleware
 from tracing.record import RequestRecord
 from tracing.sinks import FanoutSink, JsonlSink, MemorySink, RecordSink
+from tracing.store import QueryLimits
 
 log = logging.getLogger("tailscope.gateway")
+LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
+API_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})  # traced: one record each
 
 
 @dataclass
@@ -63,6 +68,12 @@ class GatewayConfig:
     sampling_defaults: dict = dataclasses.field(default_factory=dict)
     sampling_overrides: dict = dataclasses.field(default_factory=dict)
     config_name: str = ""  # a label (an engine config file's name); not part of config_id
+    limits: RequestLimits = dataclasses.field(default_factory=RequestLimits)
+    query_limits: QueryLimits = dataclasses.field(default_factory=QueryLimits)
+    request_timeout_s: float | None = 600.0  # gateway-side deadline of every request (504)
+    heartbeat_timeout_s: float = 30.0  # a replica silent this long is stalled: restarted
+    max_queue_mb: int = 256  # the record writer's queue, in estimated bytes
+    key_id_secret: str | None = None  # keys api_key_id (default: .tailscope/key-id-secret)
 
 
 def resolved_config(config: GatewayConfig, replica: ReplicaConfig) -> dict:
@@ -90,8 +101,9 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
     if replica_config.tokenizer is None:  # a copy: the caller's config stays as it was
         replica_config = dataclasses.replace(replica_config, tokenizer=str(tok_path))
     pool = ReplicaPool(replica_config, config.replicas, config.max_inflight_per_replica,
-                       config.max_buffered_deltas, config.slow_client_timeout_s)
-    registry = TenantRegistry.from_file(config.tenants_file)
+                       config.max_buffered_deltas, config.slow_client_timeout_s,
+                       config.heartbeat_timeout_s)
+    registry = TenantRegistry.from_file(config.tenants_file, config.key_id_secret)
     if registry.open:
         log.warning("no API keys configured: open local mode, every request is tenant 'local'")
     versions = {"engine": engine_version, "gateway": gateway_version,
@@ -103,10 +115,11 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
     sinks: list[RecordSink] = [memory]
     if config.records_jsonl:
         sinks.append(JsonlSink(config.records_jsonl))
-    handle = None
+    handle = writer = None
     if config.store_dsn:
         handle, writer = open_store(config.store_dsn, config.spool_dir,
-                                    config.fault_store_down_file, config.store_flush_s)
+                                    config.fault_store_down_file, config.store_flush_s,
+                                    config.query_limits, config.max_queue_mb << 20)
         sinks.append(writer)
         pool.on_step = lambda replica, msg: writer.emit_step(
             step_row(replica, msg, config.store_ttl_days))
@@ -142,16 +155,23 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
     app.state.pool, app.state.tokenizer, app.state.records = pool, tokenizer, memory
     app.add_exception_handler(APIError, api_error_handler)
     app.add_middleware(TraceMiddleware, max_body_bytes=config.max_body_bytes,
-                       on_record=on_record)
+                       on_record=on_record, traced_paths=API_PATHS)
 
     def require_admin(request: Request) -> None:
-        """/debug/*: the admin key or an admin tenant's key; open local mode without an admin
-        key lets everyone in (it is a local, single-user setup)."""
+        """/debug/*: the admin key or an admin tenant's key. Open local mode without an admin
+        key serves them to loopback clients only (a local, single-user setup); anyone else
+        needs ``TAILSCOPE_ADMIN_KEY``."""
         auth = request.headers.get("authorization") or ""
-        if config.admin_key and auth == f"Bearer {config.admin_key}":
+        if config.admin_key and hmac.compare_digest(auth.encode(),
+                                                    f"Bearer {config.admin_key}".encode()):
             return
         if registry.open and not config.admin_key:
-            return
+            host = request.client.host if request.client else ""
+            if host in LOOPBACK:
+                return
+            raise APIError(403, "debug endpoints are served only to loopback clients when no "
+                           "admin key is set (TAILSCOPE_ADMIN_KEY)", "permission_error",
+                           code="forbidden")
         if registry.open:
             raise APIError(401, "this endpoint needs the admin key", "authentication_error",
                            code="invalid_api_key")
@@ -166,9 +186,17 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        states = {r.id: r.ready for r in pool.replicas}
-        return JSONResponse({"ready": pool.ready, "replicas": states},
-                            status_code=200 if pool.ready else 503)
+        """200 while at least one replica can serve (and the record writer, when there is one,
+        is alive); ``all_ready`` says every replica is up (what a benchmark waits for), and
+        ``replicas`` each one's state."""
+        states = {r.id: r.state for r in pool.replicas}
+        body = {"ready": pool.ready, "all_ready": all(r.ready for r in pool.replicas),
+                "replicas": states}
+        if writer is not None:
+            body["record_writer"] = "alive" if writer.alive else "dead"
+            body["ready"] = pool.ready and writer.alive
+        return JSONResponse(body,
+                            status_code=200 if body["ready"] else 503)
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
@@ -187,7 +215,7 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
         require_admin(request)
         return pool.describe()
 
-    store_api.register(app, handle, memory, require_admin)
+    store_api.register(app, handle, memory, require_admin, writer)
 
     @app.get("/v1/models")
     async def models() -> dict:

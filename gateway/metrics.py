@@ -76,7 +76,14 @@ class _WriterCollector:
                          ("written", "Records inserted into the store (replays included)"),
                          ("spooled", "Records spooled to disk after a failed insert"),
                          ("replayed", "Spooled records inserted later"),
-                         ("dropped", "Records dropped (queue full); each one is logged")):
+                         ("dropped", "Records dropped (queue full); each one is logged"),
+                         ("dead_lettered", "Records that could not be converted, set aside "
+                          "in the dead-letter file"),
+                         ("spool_errors", "Spool writes that failed (the batch stays in "
+                          "memory and is retried)"),
+                         ("quarantined", "Spool files moved aside because they fail while "
+                          "the store is up"),
+                         ("writer_errors", "Unexpected errors the writer thread survived")):
             c = CounterMetricFamily(f"tailscope:records_{key}", doc)
             c.add_metric([], st[key])
             yield c
@@ -84,9 +91,21 @@ class _WriterCollector:
                                   "writer's queue")
         depth.add_metric([], self.writer.queue_depth)
         yield depth
+        size = GaugeMetricFamily("tailscope:records_queue_bytes", "Estimated bytes of the "
+                                 "items waiting in the writer's queue")
+        size.add_metric([], self.writer.queued_bytes)
+        yield size
         files = GaugeMetricFamily("tailscope:records_spool_files", "Batches waiting on disk")
         files.add_metric([], len(self.writer.spool_files()))
         yield files
+        alive = GaugeMetricFamily("tailscope:record_writer_alive",
+                                  "1 while the record writer's thread runs")
+        alive.add_metric([], 1.0 if self.writer.alive else 0.0)
+        yield alive
+        last = GaugeMetricFamily("tailscope:record_writer_last_success_timestamp_seconds",
+                                 "Wall clock of the writer's latest successful insert (0: none)")
+        last.add_metric([], self.writer.last_success_ts or 0.0)
+        yield last
 
 
 class GatewayMetrics:

@@ -2,8 +2,13 @@
 
 Each replica is ``python -m engine.replica`` with its own ZeroMQ inbox; all replicas push to one
 gateway outbox, read by one asyncio task that hands each token delta to the queue of the request
-it belongs to. A watchdog notices a dead replica, fails its in-flight requests with a clear
-error, and starts it again.
+it belongs to. Requests go to any ready replica; one that is starting, dead or stalled is
+skipped. A watchdog notices a dead replica (its process exited) or a stalled one (no message,
+not even a heartbeat, for ``heartbeat_timeout_s``: stopped, wedged or swapping), fails its
+in-flight requests with a clear error (a sample with no token yet is retried elsewhere), kills
+what is left of it and starts it again after an exponential backoff (``RestartPolicy``); a
+replica that keeps failing soon after its start is in ``crash_loop`` and is retried at the
+longest backoff. ``describe()`` (``/debug/replicas``) shows each replica's state.
 
 Routing (``choose``): the replica with the least expected completion time for the new request,
 estimated in tokens: the work already sent to it and not yet done (unprefilled prompt tokens +
@@ -25,13 +30,17 @@ import contextlib
 import dataclasses
 import logging
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 
 from engine.protocol import (
@@ -66,11 +75,33 @@ class ReplicaConfig:
     preemption: str = "recompute"  # recompute | swap | auto | off
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    """Restart delays: ``base_s * 2**(failures - 1)`` up to ``max_s``, where ``failures``
+    counts exits (or stalls) in a row that came less than ``stable_s`` after the replica was
+    ready (or before it ever was). From ``crash_loop_after`` such failures on, the replica is
+    reported in ``crash_loop``."""
+
+    base_s: float = 0.5
+    max_s: float = 30.0
+    stable_s: float = 60.0
+    crash_loop_after: int = 5
+
+    def delay(self, failures: int) -> float:
+        return min(self.max_s, self.base_s * 2 ** max(0, failures - 1))
+
+
 @dataclass
 class Replica:
     id: str
     inbox_addr: str
     proc: subprocess.Popen | None = None
+    state: str = "starting"  # starting | ready | stalled | restarting | crash_loop | stopped
+    failures: int = 0  # failures in a row (see RestartPolicy)
+    ready_at: float | None = None  # monotonic seconds when it last became ready
+    restart_at: float | None = None  # monotonic seconds when the next start is due
+    last_seen: float = 0.0  # monotonic seconds of its latest message (heartbeats included)
+    last_failure: str = ""
     socket: zmq.Socket | None = None
     health: Health | None = None
     inflight: set[str] = field(default_factory=set)
@@ -84,11 +115,19 @@ class Replica:
 
     @property
     def ready(self) -> bool:
-        return self.health is not None and self.proc is not None and self.proc.poll() is None
+        return self.state == "ready" and self.proc is not None and self.proc.poll() is None
 
 
 class ReplicaFailed(RuntimeError):
     pass
+
+
+class DeadlineExceeded(RuntimeError):
+    """The gateway's deadline for the request passed (its engine request is aborted)."""
+
+
+class Unencodable(ValueError):
+    """The request cannot be carried to a replica (a value out of the wire's range)."""
 
 
 class Overloaded(RuntimeError):
@@ -112,6 +151,7 @@ class _Work:
     output_pending: int  # output tokens still allowed
     paused_since: float | None = None  # monotonic seconds, while BACKPRESSURED
     slow_cancelled: bool = False  # cancelled because its client stopped reading
+    deadline: float | None = None  # monotonic seconds: the gateway gives up on it then
 
 
 PREFIX_LRU_BLOCKS = 8192
@@ -137,13 +177,19 @@ def prefix_hashes(prompt: list[int], block_size: int, salt: str = "") -> list[in
 class ReplicaPool:
     def __init__(self, config: ReplicaConfig, num_replicas: int = 1,
                  max_inflight: int | None = None, max_buffered_deltas: int = 256,
-                 slow_client_timeout_s: float = 30.0) -> None:
+                 slow_client_timeout_s: float = 30.0, heartbeat_timeout_s: float = 30.0,
+                 restart: RestartPolicy | None = None) -> None:
         self.config = config
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.restart = restart or RestartPolicy()
         self.max_buffered_deltas = max_buffered_deltas
         self.slow_client_timeout_s = slow_client_timeout_s
         self.work: dict[str, _Work] = {}
         # called with (replica, StepReport) for every engine tick (the store's engine_steps)
         self.on_step = None
+        # called with a request id when a request cancelled for a slow client has ended in its
+        # replica: its slot here is freed at once, and the owner can free its own
+        self.on_abandoned: Callable[[str], None] | None = None
         self.slow_client_cancels = 0
         # past this many in-flight requests on every replica, new ones are shed (503)
         self.max_inflight = max_inflight or 4 * config.max_num_seqs
@@ -175,7 +221,7 @@ class ReplicaPool:
             cmd += ["--num-kv-blocks", str(c.num_kv_blocks)]
         if c.tokenizer:
             cmd += ["--tokenizer", c.tokenizer]
-        r.health = None
+        r.health, r.state, r.ready_at, r.restart_at = None, "starting", None, None
         r.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         if r.socket is None:
             r.socket = self.ctx.socket(zmq.PUSH)
@@ -193,21 +239,28 @@ class ReplicaPool:
 
     async def wait_ready(self, timeout_s: float = 300.0) -> None:
         deadline = asyncio.get_running_loop().time() + timeout_s
-        while not all(r.ready for r in self.replicas):
+        while not all(r.ready for r in self.replicas):  # start-up: every replica loaded
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError("replicas did not become ready in time")
             await asyncio.sleep(0.05)
 
     @property
     def ready(self) -> bool:
-        return all(r.ready for r in self.replicas)
+        """At least one replica can take requests."""
+        return any(r.ready for r in self.replicas)
 
     def describe(self) -> dict[str, dict]:
         out = {}
         for r in self.replicas:
             rep = r.last_report
+            now = time.monotonic()
             out[r.id] = {
-                "ready": r.ready, "pid": r.proc.pid if r.proc else None, "restarts": r.restarts,
+                "ready": r.ready, "state": r.state, "failures": r.failures,
+                "last_failure": r.last_failure,
+                "restart_in_s": round(max(0.0, r.restart_at - now), 3)
+                if r.restart_at is not None else None,
+                "last_seen_s_ago": round(now - r.last_seen, 3) if r.last_seen else None,
+                "pid": r.proc.pid if r.proc else None, "restarts": r.restarts,
                 "inflight": len(r.inflight), "pending_tokens": r.pending_tokens,
                 "paused": sum(1 for rid in r.inflight
                               if (w := self.work.get(rid)) and w.paused_since is not None),
@@ -239,6 +292,7 @@ class ReplicaPool:
                 r.socket.close(linger=0)
         self.outbox.close(linger=0)
         self.ctx.term()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     # ---- requests ------------------------------------------------------------------------------
     def choose(self, prompt: list[int], exclude: frozenset[str] = frozenset(),
@@ -280,29 +334,34 @@ class ReplicaPool:
     async def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
                      queue_timeout_s: float | None = None,
                      exclude: frozenset[str] = frozenset(), cache_salt: str = "",
-                     branch_of: str | None = None,
+                     branch_of: str | None = None, deadline: float | None = None,
                      ) -> tuple[Route, asyncio.Queue[TokenDelta | ReplicaFailed]]:
         """Send a request to a replica. ``branch_of`` (another sample of the same request)
-        routes it to that sample's replica, where the engine forks it from the sample."""
+        routes it to that sample's replica, where the engine forks it from the sample. At
+        ``deadline`` (monotonic seconds) the queue gets a ``DeadlineExceeded`` and the engine
+        request is aborted, whatever state the replica is in."""
         parent = self.owner.get(branch_of) if branch_of else None
         route = self.choose(prompt, exclude, cache_salt,
                             prefer=parent.id if parent is not None else None)
         if parent is None or route.replica is not parent:
             branch_of = None
         replica = route.replica
+        try:  # before anything is registered: a request that cannot be sent takes no slot
+            message = encode(AddRequest(request_id, prompt, params,
+                                        queue_timeout_s=queue_timeout_s, cache_salt=cache_salt,
+                                        branch_of=branch_of))
+        except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as exc:
+            raise Unencodable(f"the request cannot be sent to a replica: {exc}") from None
         queue: asyncio.Queue[TokenDelta | ReplicaFailed] = asyncio.Queue()
         self.queues[request_id] = queue
         self.owner[request_id] = replica
         replica.inflight.add(request_id)
-        work = _Work(replica, len(prompt), params.max_tokens)
+        work = _Work(replica, len(prompt), params.max_tokens, deadline=deadline)
         self.work[request_id] = work
         replica.pending_tokens += work.prompt_pending + work.output_pending
         route = dataclasses.replace(route, sent_ns=time.monotonic_ns())
         try:
-            replica.socket.send(encode(AddRequest(request_id, prompt, params,
-                                                  queue_timeout_s=queue_timeout_s,
-                                                  cache_salt=cache_salt, branch_of=branch_of)),
-                                zmq.NOBLOCK)
+            replica.socket.send(message, zmq.NOBLOCK)
         except zmq.Again:  # 100k messages queued for it: the replica is not taking any
             self.release(request_id)
             raise ReplicaFailed(f"replica {replica.id} is not accepting requests") from None
@@ -390,13 +449,19 @@ class ReplicaPool:
             except Exception:  # one bad message must not stop the reader
                 log.exception("bad message from a replica")
 
+    def _replica(self, replica_id: str) -> Replica | None:
+        return next((r for r in self.replicas if r.id == replica_id), None)
+
     def _handle(self, msg) -> None:
+        replica = self._replica(msg.replica)
+        if replica is not None:
+            replica.last_seen = time.monotonic()
         if isinstance(msg, Health):
-            replica = next(r for r in self.replicas if r.id == msg.replica)
-            replica.health = msg
-            log.info("replica %s ready (%s)", msg.replica, msg.model)
+            if replica is not None and replica.state == "starting":
+                replica.health, replica.state = msg, "ready"
+                replica.ready_at = replica.last_seen
+                log.info("replica %s ready (%s)", msg.replica, msg.model)
         elif isinstance(msg, StepReport):
-            replica = next((r for r in self.replicas if r.id == msg.replica), None)
             if replica is not None:
                 replica.last_report = msg
                 if msg.stats is not None:
@@ -413,30 +478,67 @@ class ReplicaPool:
                     queue.put_nowait(delta)
                     if delta.finish_reason is None:
                         self._buffer_check(delta.request_id, queue)
+                    elif (w := self.work.get(delta.request_id)) and w.slow_cancelled:
+                        self.release(delta.request_id)  # its reader holds the queue
+                        if self.on_abandoned is not None:
+                            self.on_abandoned(delta.request_id)
 
     async def _watchdog(self) -> None:
         while True:
             await asyncio.sleep(0.2)
-            now = time.monotonic()
-            for rid, work in list(self.work.items()):
-                if (work.paused_since is not None and not work.slow_cancelled
-                        and now - work.paused_since > self.slow_client_timeout_s):
-                    self._cancel_slow(rid, work,
-                                      f"paused for over {self.slow_client_timeout_s:g} s")
-            for r in self.replicas:
-                if r.proc is not None and r.proc.poll() is not None:
-                    code = r.proc.returncode
-                    log.error("replica %s exited with %s; restarting", r.id, code)
-                    for rid in list(r.inflight):
-                        queue = self.queues.get(rid)
-                        if queue is not None:
-                            queue.put_nowait(ReplicaFailed(
-                                f"replica {r.id} exited (code {code}) while serving the request"))
-                    r.inflight.clear()
-                    r.pending_tokens = 0
-                    r.prefixes.clear()
-                    for work in self.work.values():
-                        if work.replica is r:
-                            work.prompt_pending = work.output_pending = 0
+            try:
+                self._supervise(time.monotonic())
+            except Exception:  # the watchdog must outlive any one bad tick
+                log.exception("replica watchdog tick failed")
+
+    def _supervise(self, now: float) -> None:
+        self._drain_outbox()  # a late tick must judge heartbeats that already arrived
+        now = max(now, time.monotonic())
+        for rid, work in list(self.work.items()):
+            if (work.paused_since is not None and not work.slow_cancelled
+                    and now - work.paused_since > self.slow_client_timeout_s):
+                self._cancel_slow(rid, work, f"paused for over {self.slow_client_timeout_s:g} s")
+            if work.deadline is not None and now >= work.deadline:
+                work.deadline = None  # once
+                queue = self.queues.get(rid)
+                if queue is not None:
+                    queue.put_nowait(DeadlineExceeded("the request passed the gateway's "
+                                                      "deadline (TAILSCOPE_REQUEST_TIMEOUT_S)"))
+                self._send_nowait(work.replica, AbortRequest(rid))
+        for r in self.replicas:
+            if r.proc is None:
+                if r.restart_at is not None and now >= r.restart_at:
+                    log.info("replica %s: starting again (failure %d in a row)", r.id,
+                             r.failures)
                     r.restarts += 1
                     self._spawn(r)
+            elif r.proc.poll() is not None:
+                self._failed(r, now, f"exited with code {r.proc.returncode}")
+            elif r.state == "ready" and now - r.last_seen > self.heartbeat_timeout_s:
+                self._failed(r, now, f"sent nothing for {now - r.last_seen:.1f} s (heartbeat "
+                             f"timeout {self.heartbeat_timeout_s:g} s): stalled")
+
+    def _failed(self, r: Replica, now: float, why: str) -> None:
+        """The replica died or stalled: fail what it holds, kill it, schedule its restart."""
+        log.error("replica %s %s; restarting it", r.id, why)
+        for rid in list(r.inflight):
+            queue = self.queues.get(rid)
+            if queue is not None:
+                queue.put_nowait(ReplicaFailed(f"replica {r.id} {why} while serving the request"))
+        r.inflight.clear()
+        r.pending_tokens = 0
+        r.prefixes.clear()
+        for work in self.work.values():
+            if work.replica is r:
+                work.prompt_pending = work.output_pending = 0
+        if r.proc is not None and r.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                r.proc.send_signal(signal.SIGKILL)  # works on a SIGSTOPped process too
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                r.proc.wait(timeout=5)
+        stable = r.ready_at is not None and now - r.ready_at >= self.restart.stable_s
+        r.failures = 1 if stable else r.failures + 1
+        r.last_failure = why
+        r.proc, r.health = None, None
+        r.restart_at = now + self.restart.delay(r.failures)
+        r.state = "crash_loop" if r.failures >= self.restart.crash_loop_after else "restarting"

@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import pydantic
@@ -26,12 +28,32 @@ from engine.protocol import TokenDelta
 from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutput
 from engine.text import TextStream
 from gateway.errors import APIError, bad_request
-from gateway.replicas import Overloaded, ReplicaFailed, ReplicaPool
+from gateway.limits import RequestLimits, check_body, check_counts
+from gateway.replicas import (
+    DeadlineExceeded,
+    Overloaded,
+    ReplicaFailed,
+    ReplicaPool,
+    Unencodable,
+)
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.tenants import Tenant, TenantRegistry
 from gateway.trace import RequestTrace
 
 DEFAULT_MAX_TOKENS = 512
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
+
+
+MIN_LOGPROB = -9999.0  # what a masked token (-inf) is reported as, like vLLM: JSON has no -inf
+
+
+def _finite_logprob(x: float) -> float:
+    return x if x >= MIN_LOGPROB else MIN_LOGPROB  # NaN compares False: reported as the floor
+
+
+def _wrap_int64(x: int) -> int:
+    """Sample i of n is seeded ``seed + i``, wrapped so it stays an int64 like ``seed``."""
+    return (x + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
 @dataclass
@@ -53,6 +75,7 @@ class Choice:
     events: list | None = None
     retries: int = 0
     cache_salt: str = ""
+    deadline: float | None = None  # monotonic seconds (the gateway's request timeout)
 
 
 class Service:
@@ -65,21 +88,39 @@ class Service:
         self.pool = pool
         self.registry = registry
         self.versions = versions
+        self.limits: RequestLimits = config.limits
+        # engine id -> frees its request's tenant slot; the pool calls it when the request was
+        # cancelled because its client stopped reading (its socket may stay open for long)
+        self._abandon: dict[str, Callable[[], None]] = {}
+        pool.on_abandoned = lambda engine_id: self._abandon.pop(engine_id, lambda: None)()
         self._grammar: GrammarCompiler | None = None  # built on first use (~1 s)
+        self._grammar_lock = threading.Lock()
 
     # ---- parsing and validation (nothing here reaches a replica) ---------------------------
-    async def parse(self, request: Request, model: type[SamplingFields]) -> SamplingFields:
+    async def read_body(self, request: Request) -> bytes:
+        """The body, read no further than the size limit: a chunked body carries no
+        content-length to check up front, so it is counted as it arrives."""
         limit = self.config.max_body_bytes
-        body = await request.body()
-        if len(body) > limit:  # chunked bodies carry no content-length to check up front
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes",
-                           code="body_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"request body exceeds the limit of {limit} bytes",
+                               code="body_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def parse(self, request: Request, model: type[SamplingFields]) -> SamplingFields:
+        body = await self.read_body(request)
         try:
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise bad_request(f"request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise bad_request("request body nests too deep to parse") from None
         if not isinstance(data, dict):
             raise bad_request("request body must be a JSON object")
+        check_body(data, body, self.limits)
         if self.config.sampling_defaults or self.config.sampling_overrides:
             data = {**self.config.sampling_defaults, **data, **self.config.sampling_overrides}
         try:
@@ -92,10 +133,11 @@ class Service:
             raise APIError(404, f"model {parsed.model!r} does not exist; this gateway serves "
                            f"{self.config.served_model_name!r}", param="model",
                            code="model_not_found")
+        check_counts(parsed, self.limits)
         return parsed
 
-    def sampling(self, req: SamplingFields, prompt_len: int, max_tokens: int | None,
-                 logprobs: bool, top_logprobs: int, response_format) -> SamplingParams:
+    async def sampling(self, req: SamplingFields, prompt_len: int, max_tokens: int | None,
+                       logprobs: bool, top_logprobs: int, response_format) -> SamplingParams:
         limit = next((r.health.max_model_len for r in self.pool.replicas if r.health), 0)
         if max_tokens is None:
             max_tokens = max(1, min(DEFAULT_MAX_TOKENS, limit - prompt_len))
@@ -103,9 +145,13 @@ class Service:
             raise bad_request(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = "
                               f"{prompt_len + max_tokens} exceeds the context length {limit}",
                               "max_tokens")
+        vocab = self.tokenizer.vocab_size
+        if req.top_k > vocab:
+            raise bad_request(f"top_k must be -1 (disabled) or at most the vocabulary size "
+                              f"{vocab}, got {req.top_k}", "top_k")
         bias = {}
         for k, v in (req.logit_bias or {}).items():
-            if not k.lstrip("-").isdigit():
+            if not _TOKEN_ID.fullmatch(k):  # ASCII digits only: int() also takes '²', ' 1_0'
                 raise bad_request(f"logit_bias key {k!r} is not a token id", "logit_bias")
             bias[int(k)] = v
         try:
@@ -118,18 +164,28 @@ class Service:
                 stop_token_ids=tuple(req.stop_token_ids or ()), logprobs=logprobs,
                 top_logprobs=top_logprobs,
                 structured=StructuredOutput.from_response_format(response_format))
-            params.check_vocab(self.tokenizer.vocab_size)
+            params.check_vocab(vocab)
         except SamplingParamsError as exc:
             raise bad_request(str(exc), exc.param) from None
         if params.structured is not None:  # an invalid schema is the caller's 400
-            if self._grammar is None:
-                self._grammar = GrammarCompiler.from_tokenizer(self.tokenizer,
-                                                               self.tokenizer.vocab_size)
+            if len(params.structured.schema) > self.limits.max_schema_bytes:
+                raise bad_request(f"response_format's schema is {len(params.structured.schema)}"
+                                  f" bytes; at most {self.limits.max_schema_bytes} are accepted",
+                                  "response_format")
+            # compiled in a worker thread: a large schema takes a second, and the event loop
+            # serves every other stream meanwhile
             try:
-                self._grammar.compile(params.structured)
+                await asyncio.to_thread(self._compile, params.structured)
             except ValueError as exc:
                 raise bad_request(f"invalid response_format: {exc}", "response_format") from None
         return params
+
+    def _compile(self, structured: StructuredOutput) -> None:
+        with self._grammar_lock:
+            if self._grammar is None:
+                self._grammar = GrammarCompiler.from_tokenizer(self.tokenizer,
+                                                               self.tokenizer.vocab_size)
+        self._grammar.compile(structured)
 
     @staticmethod
     def stops(req: SamplingFields) -> list[str]:
@@ -152,7 +208,7 @@ class Service:
         prompt = self.tokenizer.encode(text, add_special_tokens=False)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
-        params = self.sampling(req, len(prompt), max_tokens, req.logprobs,
+        params = await self.sampling(req, len(prompt), max_tokens, req.logprobs,
                                req.top_logprobs or 0, req.response_format)
         return await self.run(request, req, prompt, params, chat=True, tenant=tenant)
 
@@ -169,7 +225,7 @@ class Service:
                 raise bad_request("prompt has token ids outside the vocabulary", "prompt")
         if not prompt:
             raise bad_request("prompt is empty", "prompt")
-        params = self.sampling(req, len(prompt), req.max_tokens, req.logprobs is not None,
+        params = await self.sampling(req, len(prompt), req.max_tokens, req.logprobs is not None,
                                req.logprobs or 0, req.response_format)
         return await self.run(request, req, prompt, params, chat=False, tenant=tenant)
 
@@ -183,14 +239,19 @@ class Service:
             raise APIError(503, "no replica is ready yet", "server_error",
                            code="not_ready", headers={"Retry-After": "1"})
         choices: list[Choice] = []
+        timeout = self.config.request_timeout_s
+        deadline = time.monotonic() + timeout if timeout else None
         for i in range(n):
             p = params if n == 1 or params.seed is None else \
-                dataclasses.replace(params, seed=params.seed + i)
+                dataclasses.replace(params, seed=_wrap_int64(params.seed + i))
             engine_id = f"{request_id}-{i}"
             try:
                 route, queue = await self.pool.submit(
                     engine_id, prompt, p, self.config.queue_timeout_s, cache_salt=cache_salt,
-                    branch_of=choices[0].engine_id if choices else None)
+                    branch_of=choices[0].engine_id if choices else None, deadline=deadline)
+            except Unencodable as exc:
+                await self.abort_all(choices)
+                raise bad_request(str(exc)) from None
             except (ReplicaFailed, Overloaded) as exc:
                 await self.abort_all(choices)  # n > 1: do not leave earlier samples running
                 code = "overloaded" if isinstance(exc, Overloaded) else "replica_unavailable"
@@ -206,7 +267,7 @@ class Service:
             choices.append(Choice(i, engine_id, TextStream(self.tokenizer, stop, include_stop),
                                   queue, route.replica.id, p, prompt,
                                   logprobs=[] if params.logprobs else None,
-                                  cache_salt=cache_salt))
+                                  cache_salt=cache_salt, deadline=deadline))
         # the moment the first sample was sent: the replica's event offsets are placed from it,
         # and the engine cannot have seen the request earlier (a mark taken after the sends
         # could be late by a descheduled moment, placing engine events after END)
@@ -222,8 +283,8 @@ class Service:
             route, queue = await self.pool.submit(c.engine_id, c.prompt, c.params,
                                                   self.config.queue_timeout_s,
                                                   exclude=frozenset({c.replica}),
-                                                  cache_salt=c.cache_salt)
-        except (ReplicaFailed, Overloaded):
+                                                  cache_salt=c.cache_salt, deadline=c.deadline)
+        except (ReplicaFailed, Overloaded, Unencodable):
             return False
         c.retries, c.queue, c.replica = 1, queue, route.replica.id
         return True
@@ -232,6 +293,10 @@ class Service:
         """Wait for the choice's next delta; returns (text, finished)."""
         while True:
             item = await self.pool.next_delta(c.engine_id, c.queue)
+            if isinstance(item, DeadlineExceeded):
+                c.finish_reason, c.final_state, c.error = "timeout", "TIMED_OUT", str(item)
+                self.pool.release(c.engine_id)
+                return "", True
             if not isinstance(item, ReplicaFailed):
                 break
             if not await self._retry(c, item):
@@ -277,16 +342,16 @@ class Service:
         return self.tokenizer.decode([tok], skip_special_tokens=False)
 
     def logprobs_body(self, entries: list, chat: bool) -> dict:
-        t = self._token_text
+        t, v = self._token_text, _finite_logprob
         if chat:
             return {"content": [
-                {"token": t(tok), "logprob": lp, "bytes": list(t(tok).encode()),
-                 "top_logprobs": [{"token": t(i), "logprob": v, "bytes": list(t(i).encode())}
-                                  for i, v in top]}
+                {"token": t(tok), "logprob": v(lp), "bytes": list(t(tok).encode()),
+                 "top_logprobs": [{"token": t(i), "logprob": v(x), "bytes": list(t(i).encode())}
+                                  for i, x in top]}
                 for tok, lp, top in entries]}
         return {"tokens": [t(tok) for tok, _, _ in entries],
-                "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [{t(i): v for i, v in top} for _, _, top in entries]}
+                "token_logprobs": [v(lp) for _, lp, _ in entries],
+                "top_logprobs": [{t(i): v(x) for i, x in top} for _, _, top in entries]}
 
     def new_logprobs(self, c: Choice) -> list:
         """Entries for tokens emitted since the last call (a stop string's tokens never are)."""
@@ -367,31 +432,62 @@ class Service:
             registry.give_back_tokens(tenant, params.max_tokens * req.n)
             raise
 
+        held = [True]
+
+        def free_slot() -> None:  # the tenant's slot and unused token budget, once
+            if held[0]:
+                held[0] = False
+                unused = sum(params.max_tokens - c.stream.generated_tokens for c in choices)
+                registry.finish(tenant, unused)
+                for c in choices:
+                    self._abandon.pop(c.engine_id, None)
+
         def settle(client_gone: bool) -> None:  # tenant slot, unused token budget, record
-            unused = sum(params.max_tokens - c.stream.generated_tokens for c in choices)
-            registry.finish(tenant, unused)
+            free_slot()
             self.fill_record(trace, req, prompt, params, choices, client_gone, tenant)
 
+        for c in choices:  # a client cancelled for not reading frees its slot at once
+            self._abandon[c.engine_id] = free_slot
         request.state.settled_by_run = True  # from here on, settle() releases the slot
         if not req.stream:
-            return await self._complete(req, prompt, choices, chat, rid, obj, created, settle)
+            return await self._complete(request, req, prompt, choices, chat, rid, obj, created,
+                                        settle)
         return StreamingResponse(
             self._events(req, prompt, choices, chat, rid, obj, created, settle, trace),
             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def _complete(self, req, prompt, choices, chat, rid, obj, created, settle) -> Response:
+    @staticmethod
+    async def _client_gone(request: Request) -> None:
+        """Returns when the client disconnects (the body is read: only that can arrive)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    async def _complete(self, request, req, prompt, choices, chat, rid, obj, created, settle
+                        ) -> Response:
         texts = ["" for _ in choices]
-        done_all = False
-        try:
+
+        async def collect() -> None:
             for c in choices:
                 done = False
                 while not done:
                     text, done = await self.next_text(c)
                     texts[c.index] += text
-            done_all = True
+
+        work = asyncio.ensure_future(collect())
+        gone = asyncio.ensure_future(self._client_gone(request))
+        done_all = False
+        try:  # a client that leaves has its engine requests aborted, as a stream's would
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if work.done():
+                work.result()
+                done_all = True
         finally:
+            for task in (work, gone):
+                task.cancel()
             await self.abort_all(choices)
             settle(client_gone=not done_all)
+        if not done_all:
+            raise APIError(499, "the client closed the request", code="client_closed")
         for c in choices:
             if c.finish_reason == "rejected":  # the replica's admission refused it
                 raise bad_request(c.error or "rejected")

@@ -14,6 +14,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -21,7 +22,14 @@ from fastapi.responses import JSONResponse, Response
 
 from gateway.errors import APIError, bad_request
 from tracing.schema import BenchRunRow, EngineStepRow, EvalResultRow, EvalRunRow
-from tracing.store import QueryRefused, Store, StoreError, is_embedded, normalise_dsn
+from tracing.store import (
+    QueryLimits,
+    QueryRefused,
+    Store,
+    StoreError,
+    is_embedded,
+    normalise_dsn,
+)
 from tracing.writer import RecordWriter
 
 log = logging.getLogger("tailscope.store")
@@ -30,15 +38,16 @@ log = logging.getLogger("tailscope.store")
 class StoreHandle:
     """Opens (and migrates) the store on first use; a server that is down is retried later."""
 
-    def __init__(self, dsn: str) -> None:
+    def __init__(self, dsn: str, limits: QueryLimits | None = None) -> None:
         self.dsn = normalise_dsn(dsn)
+        self.limits = limits
         self._store: Store | None = None
         self._lock = threading.Lock()
 
     def get(self) -> Store:
         with self._lock:
             if self._store is None:
-                store = Store(self.dsn)
+                store = Store(self.dsn, self.limits)
                 store.migrate()
                 self._store = store
             return self._store
@@ -56,15 +65,17 @@ def default_spool_dir(dsn: str) -> Path:
 
 
 def open_store(dsn: str, spool_dir: str | None, fault_file: str | None,
-               flush_s: float = 1.0) -> tuple[StoreHandle, RecordWriter]:
-    handle = StoreHandle(dsn)
+               flush_s: float = 1.0, limits: QueryLimits | None = None,
+               max_queue_bytes: int = 256 << 20) -> tuple[StoreHandle, RecordWriter]:
+    handle = StoreHandle(dsn, limits)
     if is_embedded(handle.dsn):  # fail fast: e.g. another gateway already owns the directory
         try:
             handle.get()
         except StoreError as exc:
             raise SystemExit(f"tailscope: {exc}") from None
     spool = Path(spool_dir) if spool_dir else default_spool_dir(dsn)
-    writer = RecordWriter(handle.get, spool, max_age_s=flush_s, fault_file=fault_file)
+    writer = RecordWriter(handle.get, spool, max_age_s=flush_s, fault_file=fault_file,
+                          max_queue_bytes=max_queue_bytes)
     log.info("trace store: %s (spool %s)", handle.dsn, spool)
     return handle, writer
 
@@ -95,7 +106,8 @@ def _jsonable(v):
     return v
 
 
-def register(app: FastAPI, handle: StoreHandle | None, memory, require_admin) -> None:
+def register(app: FastAPI, handle: StoreHandle | None, memory, require_admin,
+             writer: RecordWriter | None = None) -> None:
     async def in_thread(fn, *args):
         if handle is None:
             raise APIError(503, "no trace store is configured (TAILSCOPE_STORE_DSN)",
@@ -109,14 +121,38 @@ def register(app: FastAPI, handle: StoreHandle | None, memory, require_admin) ->
         except Exception as exc:  # ClickHouse's own errors: bad SQL, unknown column, ...
             raise bad_request(f"query failed: {str(exc).splitlines()[0][:500]}", "sql") from None
 
+    async def json_body(request: Request):
+        """A debug POST's JSON body. Only ``application/json`` is taken: a browser sends that
+        type cross-site only after a CORS preflight this gateway never grants, so a page the
+        operator visits cannot post here (a ``text/plain`` form post is refused)."""
+        ctype = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if ctype != "application/json":
+            raise APIError(415, f"content-type must be application/json, not {ctype!r}",
+                           code="unsupported_media_type")
+        try:
+            return await request.json()
+        except (ValueError, RecursionError):
+            raise bad_request("request body is not valid JSON") from None
+
+    async def read_until_gone(request: Request, fn):
+        """Run the read ``fn(query_id)`` in a thread; if the client leaves first, stop the
+        query in the store (KILL QUERY) instead of letting it run to its time limit."""
+        query_id = uuid.uuid4().hex
+        task = asyncio.ensure_future(in_thread(fn, query_id))
+        while not (await asyncio.wait({task}, timeout=0.2))[0]:
+            if await request.is_disconnected():
+                log.info("client left; cancelling read query %s", query_id)
+                await asyncio.to_thread(handle.get().cancel, query_id)
+                await asyncio.wait({task})
+                task.exception()  # retrieved: the cancelled query's error is expected
+                raise APIError(499, "the client closed the request", code="client_closed")
+        return task.result()
+
     @app.post("/debug/query")
     async def debug_query(request: Request) -> Response:
         """A read-only SELECT: {"sql": ..., "params": {...}, "format": "json" | "arrow"}."""
         require_admin(request)
-        try:
-            body = await request.json()
-        except ValueError:
-            raise bad_request("request body is not valid JSON") from None
+        body = await json_body(request)
         if not isinstance(body, dict) or not isinstance(body.get("sql"), str):
             raise bad_request("body must be a JSON object with a string 'sql'", "sql")
         params = body.get("params") or {}
@@ -126,14 +162,16 @@ def register(app: FastAPI, handle: StoreHandle | None, memory, require_admin) ->
         if fmt == "arrow":
             import pyarrow.ipc as ipc
 
-            table = await in_thread(lambda: handle.get().select_arrow(body["sql"], params))
+            table = await read_until_gone(
+                request, lambda qid: handle.get().select_arrow(body["sql"], params, qid))
             sink = io.BytesIO()
             with ipc.new_stream(sink, table.schema) as w:
                 w.write_table(table)
             return Response(sink.getvalue(), media_type="application/vnd.apache.arrow.stream")
         if fmt != "json":
             raise bad_request("format must be 'json' or 'arrow'", "format")
-        cols, rows = await in_thread(lambda: handle.get().select(body["sql"], params))
+        cols, rows = await read_until_gone(
+            request, lambda qid: handle.get().select(body["sql"], params, qid))
         return JSONResponse({"columns": cols, "rows": _jsonable([list(r) for r in rows])})
 
     def _lookup(trace_id: str) -> dict:
@@ -187,8 +225,8 @@ def register(app: FastAPI, handle: StoreHandle | None, memory, require_admin) ->
     async def record_bench_run(request: Request) -> dict:
         """Store a load-generator run (``tailscope bench`` posts its results here)."""
         require_admin(request)
+        body = await json_body(request)
         try:
-            body = await request.json()
             row = BenchRunRow(run_id=str(body["run_id"])[:64], ts_us=int(time.time() * 1e6),
                               mode=str(body["mode"]), target=str(body.get("target", "")),
                               config_id=str(body.get("config_id", "")),
@@ -206,8 +244,8 @@ def register(app: FastAPI, handle: StoreHandle | None, memory, require_admin) ->
         score, passed, detail, tags, output, finish_reason, weight}, ...]}``."""
         require_admin(request)
         now = int(time.time() * 1e6)
+        body = await json_body(request)
         try:
-            body = await request.json()
             run, items = body["run"], body["results"]
             run_id = str(run["run_id"])[:64]
             results = [EvalResultRow(
@@ -234,10 +272,17 @@ def register(app: FastAPI, handle: StoreHandle | None, memory, require_admin) ->
 
     @app.delete("/debug/tenants/{tenant}/records")
     async def delete_tenant(tenant: str, request: Request) -> dict:
-        """Remove every stored row of a tenant (requests and their events)."""
+        """Remove every stored row of a tenant (requests and their events). Rows still in the
+        writer's queue or spool are written first, so none of them lands after the delete."""
         require_admin(request)
 
         def run() -> int:
+            if writer is not None and not writer.flush():
+                raise StoreError("the record writer could not write its queue and spool; "
+                                 "nothing was deleted (is the store down?)")
+            if writer is not None and writer.spool_files():
+                raise StoreError(f"{len(writer.spool_files())} spooled batches are not in the "
+                                 "store yet; nothing was deleted (is the store down?)")
             return handle.get().delete_tenant(tenant)
 
         return {"tenant": tenant, "deleted_requests": await in_thread(run)}

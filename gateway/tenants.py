@@ -17,14 +17,19 @@ Configured in a TOML file (``tailscope serve --config FILE`` or ``TAILSCOPE_CONF
                                     # same namespace (default: its own, never shared)
 
 No tenants configured = open local mode (every request is tenant "local", no limits); the
-gateway logs a warning at start. Keys are never logged or stored; records carry a key id (a
-short hash).
+gateway logs a warning at start. Keys are never logged or stored; records carry a key id: an
+HMAC-SHA256 of the key under a secret of the deployment (``TAILSCOPE_KEY_ID_SECRET``, or one
+generated once and kept in ``.tailscope/key-id-secret``), so a weak key cannot be recovered
+from the records by hashing guesses.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import math
+import os
+import secrets
 import time
 import tomllib
 from dataclasses import dataclass, field
@@ -100,15 +105,31 @@ def _too_many(message: str, wait_s: float) -> APIError:
                     headers={"Retry-After": retry})
 
 
+def key_id_secret(configured: str | None, path: str | Path = ".tailscope/key-id-secret"
+                  ) -> bytes:
+    """The configured secret, or the one kept in ``path`` (created on first use, mode 0600)."""
+    if configured:
+        return configured.encode()
+    p = Path(path)
+    if not p.exists():
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    return p.read_text().strip().encode()
+
+
 class TenantRegistry:
-    def __init__(self, tenants: list[Tenant], keys: dict[str, Tenant]) -> None:
+    def __init__(self, tenants: list[Tenant], keys: dict[str, Tenant],
+                 secret: bytes = b"") -> None:
         self.tenants = tenants
         self._keys = keys
+        self._secret = secret
         self.open = not keys
         self.local = Tenant("local")
 
     @classmethod
-    def from_file(cls, path: str | Path | None) -> TenantRegistry:
+    def from_file(cls, path: str | Path | None, secret: str | None = None) -> TenantRegistry:
         if not path:
             return cls([], {})
         data = tomllib.loads(Path(path).read_text())
@@ -129,11 +150,10 @@ class TenantRegistry:
                 if key in keys:
                     raise ValueError(f"{path}: an API key is listed for two tenants")
                 keys[key] = tenant
-        return cls(tenants, keys)
+        return cls(tenants, keys, key_id_secret(secret) if keys else b"")
 
-    @staticmethod
-    def key_id(key: str) -> str:
-        return hashlib.sha256(key.encode()).hexdigest()[:12]
+    def key_id(self, key: str) -> str:
+        return hmac.new(self._secret, key.encode(), hashlib.sha256).hexdigest()[:16]
 
     def authenticate(self, authorization: str | None) -> tuple[Tenant, str]:
         """(tenant, key id) for the request's ``Authorization: Bearer`` key; 401 otherwise."""
@@ -143,6 +163,8 @@ class TenantRegistry:
             raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'",
                            "authentication_error", code="invalid_api_key")
         key = authorization[7:].strip()
+        # the dict lookup hashes the key; its timing says nothing a caller can use to guess a
+        # key byte by byte (unlike a character-wise ==)
         tenant = self._keys.get(key)
         if tenant is None:
             raise APIError(401, "invalid API key", "authentication_error",

@@ -7,7 +7,8 @@ and able to see the end of a streamed body). For every request it
 - assigns ``x-request-id`` (or keeps the caller's), a trace id (continuing the caller's
   ``traceparent`` when valid) and a new span id, and puts them on every response, errors too;
 - refuses a body whose ``content-length`` is over the limit with 413 before anything is read;
-- for API calls (``POST /v1/...``) hands a ``RequestTrace`` to the endpoint through
+- for API calls (``POST`` to one of the served ``/v1`` endpoints; any other path is a plain 404
+  with no record and no metric label of its own) hands a ``RequestTrace`` to the endpoint through
   ``scope["state"]``, stamps the end of the response, and emits exactly one ``RequestRecord``
   when the exchange is over, whatever happened (success, error, disconnect, crash).
 
@@ -133,8 +134,10 @@ class RequestTrace:
 
 class TraceMiddleware:
     def __init__(self, app, *, max_body_bytes: int,
-                 on_record: Callable[[RequestRecord], None]) -> None:
+                 on_record: Callable[[RequestRecord], None],
+                 traced_paths: frozenset[str] = frozenset()) -> None:
         self.app = app
+        self.traced_paths = traced_paths
         self.max_body_bytes = max_body_bytes
         self.on_record = on_record
 
@@ -148,7 +151,7 @@ class TraceMiddleware:
         parent = parse_traceparent(headers.get(b"traceparent", b"").decode("latin-1"))
         trace_id, parent_span, flags = parent or (secrets.token_hex(16), "", "01")
         span_id = secrets.token_hex(8)
-        traced = scope["method"] == "POST" and scope["path"].startswith("/v1/")
+        traced = scope["method"] == "POST" and scope["path"] in self.traced_paths
         trace = RequestTrace(request_id, trace_id, span_id, parent_span, scope["path"]) \
             if traced else None
         if trace is not None:

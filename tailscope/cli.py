@@ -85,8 +85,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import GatewayConfig, create_app
+    from gateway.limits import RequestLimits
     from gateway.replicas import ReplicaConfig
+    from tracing.store import QueryLimits
 
+    os.umask(0o077)  # the store, spool, records and key-id secret are readable by us alone
     s = Settings.from_env()
     file = None
     if args.engine_config:
@@ -138,7 +141,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                    otlp_protocol=s.otlp_protocol,
                                    sampling_defaults=file.sampling_defaults if file else {},
                                    sampling_overrides=file.sampling_overrides if file else {},
-                                   config_name=file.name if file else ""))
+                                   config_name=file.name if file else "",
+                                   max_body_bytes=s.max_body_bytes,
+                                   limits=RequestLimits(
+                                       max_messages=s.max_messages,
+                                       max_stop_strings=s.max_stop_strings,
+                                       max_stop_chars=s.max_stop_chars,
+                                       max_logit_bias=s.max_logit_bias,
+                                       max_stop_token_ids=s.max_stop_token_ids,
+                                       max_json_depth=s.max_json_depth,
+                                       max_schema_bytes=s.max_schema_bytes),
+                                   query_limits=QueryLimits(
+                                       max_execution_s=s.query_max_execution_s,
+                                       max_result_rows=s.query_max_result_rows,
+                                       max_rows_to_read=s.query_max_rows_to_read,
+                                       max_memory_mb=s.query_max_memory_mb),
+                                   request_timeout_s=s.request_timeout_s or None,
+                                   heartbeat_timeout_s=s.heartbeat_timeout_s,
+                                   max_queue_mb=s.store_max_queue_mb,
+                                   key_id_secret=s.key_id_secret or None))
     uvicorn.run(app, host=args.host, port=args.port, log_level="info",
                 access_log=args.access_log)
     return 0

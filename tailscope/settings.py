@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
-
-
-def _env(name: str, default: str) -> str:
-    return os.environ.get(f"TAILSCOPE_{name}", default)
 
 
 @dataclass(frozen=True)
@@ -36,31 +33,41 @@ class Settings:
     otlp_endpoint: str = ""  # TAILSCOPE_OTLP_ENDPOINT: OTLP collector (spans off when empty)
     otlp_protocol: str = "http/protobuf"  # TAILSCOPE_OTLP_PROTOCOL: http/protobuf | grpc
 
+    # limits (README "Security and limits")
+    request_timeout_s: float = 600.0  # TAILSCOPE_REQUEST_TIMEOUT_S: gateway deadline -> 504
+    heartbeat_timeout_s: float = 30.0  # TAILSCOPE_HEARTBEAT_TIMEOUT_S: silent replica restarted
+    max_body_bytes: int = 1 << 20  # TAILSCOPE_MAX_BODY_BYTES: request body -> 413
+    max_messages: int = 2048  # TAILSCOPE_MAX_MESSAGES
+    max_stop_strings: int = 16  # TAILSCOPE_MAX_STOP_STRINGS
+    max_stop_chars: int = 256  # TAILSCOPE_MAX_STOP_CHARS: per stop string
+    max_logit_bias: int = 1024  # TAILSCOPE_MAX_LOGIT_BIAS: entries
+    max_stop_token_ids: int = 1024  # TAILSCOPE_MAX_STOP_TOKEN_IDS
+    max_json_depth: int = 64  # TAILSCOPE_MAX_JSON_DEPTH: nesting of a request body
+    max_schema_bytes: int = 65536  # TAILSCOPE_MAX_SCHEMA_BYTES: response_format schema
+    query_max_execution_s: float = 30.0  # TAILSCOPE_QUERY_MAX_EXECUTION_S: /debug/query
+    query_max_result_rows: int = 500_000  # TAILSCOPE_QUERY_MAX_RESULT_ROWS
+    query_max_rows_to_read: int = 2_000_000_000  # TAILSCOPE_QUERY_MAX_ROWS_TO_READ
+    query_max_memory_mb: int = 2048  # TAILSCOPE_QUERY_MAX_MEMORY_MB
+    store_max_queue_mb: int = 256  # TAILSCOPE_STORE_MAX_QUEUE_MB: record writer queue
+    key_id_secret: str = ""  # TAILSCOPE_KEY_ID_SECRET: keys the api_key_id hash
+
     @classmethod
     def from_env(cls) -> Settings:
-        return cls(
-            model=_env("MODEL", cls.model),
-            dtype=_env("DTYPE", cls.dtype),
-            kv_cache_mb=int(_env("KV_CACHE_MB", str(cls.kv_cache_mb))),
-            block_size=int(_env("BLOCK_SIZE", str(cls.block_size))),
-            max_num_seqs=int(_env("MAX_NUM_SEQS", str(cls.max_num_seqs))),
-            max_batched_tokens=int(_env("MAX_BATCHED_TOKENS", str(cls.max_batched_tokens))),
-            prefix_caching=_env("PREFIX_CACHING", "1").lower() not in ("0", "false", "no"),
-            preemption=_env("PREEMPTION", cls.preemption),
-            threads=int(_env("THREADS", str(cls.threads))),
-            config=_env("CONFIG", cls.config),
-            queue_timeout_s=float(_env("QUEUE_TIMEOUT_S", str(cls.queue_timeout_s))),
-            max_buffered_deltas=int(_env("MAX_BUFFERED_DELTAS", str(cls.max_buffered_deltas))),
-            slow_client_timeout_s=float(_env("SLOW_CLIENT_TIMEOUT_S",
-                                             str(cls.slow_client_timeout_s))),
-            records_jsonl=_env("RECORDS_JSONL", cls.records_jsonl),
-            record_token_ids=_env("RECORD_TOKEN_IDS", "1").lower() not in ("0", "false", "no"),
-            store_dsn=_env("STORE_DSN", cls.store_dsn),
-            spool_dir=_env("SPOOL_DIR", cls.spool_dir),
-            store_ttl_days=int(_env("STORE_TTL_DAYS", str(cls.store_ttl_days))),
-            store_flush_s=float(_env("STORE_FLUSH_S", str(cls.store_flush_s))),
-            admin_key=_env("ADMIN_KEY", cls.admin_key),
-            gateway_url=_env("GATEWAY_URL", cls.gateway_url),
-            otlp_endpoint=_env("OTLP_ENDPOINT", cls.otlp_endpoint),
-            otlp_protocol=_env("OTLP_PROTOCOL", cls.otlp_protocol),
-        )
+        """Each field from ``TAILSCOPE_<FIELD NAME>``, parsed by its type; booleans are false
+        for 0, false, no."""
+        values = {}
+        for f in dataclasses.fields(cls):
+            raw = os.environ.get(f"TAILSCOPE_{f.name.upper()}")
+            if raw is None:
+                continue
+            if f.type == "bool":
+                values[f.name] = raw.strip().lower() not in ("0", "false", "no")
+            elif f.type in ("int", "float"):
+                try:
+                    values[f.name] = (int if f.type == "int" else float)(raw)
+                except ValueError:
+                    raise ValueError(f"TAILSCOPE_{f.name.upper()}={raw!r} is not a number") \
+                        from None
+            else:
+                values[f.name] = raw
+        return cls(**values)

@@ -59,6 +59,7 @@ class EventRow:
     detail: str = ""
     seq: int = 0  # order within the request (timestamps can tie)
     ttl_days: int = 30
+    tenant: str = ""  # the request's tenant: a tenant delete never keys on trace ids alone
 
 
 @dataclass(slots=True)
@@ -187,6 +188,9 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
     (4, "engine_steps prefix cache and preemption counters", [
         f"ALTER TABLE {DATABASE}.engine_steps ADD COLUMN IF NOT EXISTS {c} Int64 "
         "AFTER waiting" for c in ("preemptions", "evictions", "prefix_hits", "prefix_queries")]),
+    (5, "request_events.tenant", [
+        f"ALTER TABLE {DATABASE}.request_events ADD COLUMN IF NOT EXISTS tenant "
+        "LowCardinality(String)"]),
 ]
 
 __all__ = ["DATABASE", "TABLES", "MIGRATIONS", "EngineStepRow", "EventRow", "EvalRunRow",

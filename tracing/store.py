@@ -5,16 +5,26 @@ DSNs: ``chdb:///abs/path`` or ``chdb://./rel/path`` (embedded; the default is
 calls work on both; chDB locks its directory, so in embedded mode one process (the gateway)
 owns it and other tools read through the gateway's ``/debug/query``.
 
-``Store.select`` is the read-only path used by ``/debug/query`` and the CLI: one SELECT (or
-WITH ... SELECT) statement, run with ClickHouse's ``readonly`` setting, parameters bound by the
-server (``{name:Type}`` placeholders), never interpolated into the SQL.
+``Store.select`` is the read-only path used by ``/debug/query`` and the CLI, read-only by
+construction rather than by pattern matching:
+
+- it runs on its own client whose session is ``readonly = 1`` for its whole life (set once, after
+  the resource limits of ``QueryLimits``, so no query can lift either);
+- the statement is checked by ClickHouse's own parser: ``formatQuerySingleLine`` refuses more
+  than one statement, and ``EXPLAIN AST`` of the canonical text must be one SELECT with no
+  ``INTO OUTFILE``, ``FORMAT`` or ``SETTINGS`` clause, no table function outside a short list of
+  generators and no function that reads files (``check_ast``); the canonical text is what runs;
+- parameters are bound by the server (``{name:Type}`` placeholders), never pasted into SQL;
+- every read is tagged with an id, so ``cancel`` can stop it (``KILL QUERY``) when its caller
+  goes away.
 """
 
 from __future__ import annotations
 
 import operator
-import re
 import threading
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +37,10 @@ DEFAULT_DSN = "chdb://./.tailscope/store"
 
 class StoreError(RuntimeError):
     pass
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:500]
 
 
 class QueryRefused(ValueError):
@@ -47,20 +61,62 @@ def is_embedded(dsn: str) -> bool:
     return dsn.startswith("chdb://")
 
 
-_COMMENTS = re.compile(r"--[^\n]*|/\*.*?\*/", re.S)
+@dataclass(frozen=True)
+class QueryLimits:
+    """ClickHouse resource limits on every read (``TAILSCOPE_QUERY_*``; README "Security and
+    limits"). Past a limit the query fails with ClickHouse's error, which ``/debug/query``
+    returns as a 400."""
+
+    max_execution_s: float = 30.0
+    max_result_rows: int = 500_000
+    max_rows_to_read: int = 2_000_000_000
+    max_memory_mb: int = 2048
+
+    def settings(self) -> dict[str, object]:
+        # readonly goes last: once it is set, the session can change no setting at all
+        return {"max_execution_time": self.max_execution_s,
+                "timeout_overflow_mode": "throw",
+                "max_result_rows": self.max_result_rows, "result_overflow_mode": "throw",
+                "max_rows_to_read": self.max_rows_to_read, "read_overflow_mode": "throw",
+                "max_memory_usage": self.max_memory_mb << 20, "readonly": 1}
 
 
-def check_select(sql: str) -> str:
-    """The statement without comments and a trailing ';', or QueryRefused."""
-    body = _COMMENTS.sub(" ", sql).strip().rstrip(";").strip()
-    if not re.match(r"(?is)^(select|with)\b", body):
+# Table functions that only generate values; every other one (file, url, s3, remote, mysql, ...)
+# reaches outside the store and is refused.
+ALLOWED_TABLE_FUNCTIONS = frozenset({"numbers", "numbers_mt", "zeros", "zeros_mt", "values",
+                                     "generateSeries", "generate_series"})
+# Ordinary functions that read local files.
+DENIED_FUNCTIONS = frozenset({"file"})
+_READ_TAG = "tailscope-read:"
+
+
+def check_ast(lines: list[str]) -> None:
+    """Refuse (QueryRefused) an ``EXPLAIN AST`` tree that is not one plain SELECT. Each line is
+    a node, indented one space per level: ``Kind [name] [(alias x)] [(children n)]``."""
+    nodes = []
+    for line in lines:
+        if line.strip():
+            kind, _, rest = line.strip().partition(" ")
+            nodes.append((len(line) - len(line.lstrip(" ")), kind, rest.partition(" ")[0]))
+    if not nodes or nodes[0][1] not in ("SelectWithUnionQuery", "SelectIntersectExceptQuery"):
         raise QueryRefused("only SELECT queries are allowed")
-    # a ';' outside string literals means a second statement
-    if ";" in re.sub(r"'(?:[^'\\]|\\.)*'", "''", body):
-        raise QueryRefused("one statement only")
-    if re.search(r"(?is)\bsettings\b", re.sub(r"'(?:[^'\\]|\\.)*'", "''", body)):
-        raise QueryRefused("SETTINGS clauses are not allowed in read queries")
-    return body
+    parents: list[str] = []  # the kind of the latest node at each depth
+    for depth, kind, name in nodes:
+        del parents[depth:]
+        parent = parents[-1] if parents else ""
+        parents.append(kind)
+        if kind == "Set":
+            raise QueryRefused("SETTINGS clauses are not allowed in read queries")
+        if depth == 1 and kind == "Literal":
+            raise QueryRefused("INTO OUTFILE is not allowed in read queries")
+        if depth == 1 and kind == "Identifier" and name != "Native":
+            raise QueryRefused("FORMAT clauses are not allowed: ask for format json or arrow")
+        if kind == "Function" and parent == "TableExpression" \
+                and name not in ALLOWED_TABLE_FUNCTIONS:
+            raise QueryRefused(f"table function {name}() is not allowed in read queries (allowed: "
+                               f"{', '.join(sorted(ALLOWED_TABLE_FUNCTIONS))})")
+        if kind == "Function" and name in DENIED_FUNCTIONS:
+            raise QueryRefused(f"function {name}() is not allowed in read queries")
 
 
 def arrow_type(ch_type: str) -> pa.DataType:
@@ -83,7 +139,7 @@ def to_arrow(table: Table, rows: list) -> pa.Table:
 
 
 class Store:
-    def __init__(self, dsn: str = DEFAULT_DSN) -> None:
+    def __init__(self, dsn: str = DEFAULT_DSN, limits: QueryLimits | None = None) -> None:
         import clickhouse_connect
 
         self.dsn = normalise_dsn(dsn)
@@ -91,12 +147,19 @@ class Store:
             Path(self.dsn[len("chdb://"):]).mkdir(parents=True, exist_ok=True)
         try:
             self.client = clickhouse_connect.get_client(dsn=self.dsn)
-            # Reads get their own client: on chDB a query's ``readonly`` setting can stick to
-            # the session (seen with query_arrow), and it must never reach the writer's inserts.
-            self.reader = clickhouse_connect.get_client(dsn=self.dsn)
+            # Reads get their own client, read-only with resource limits for its whole life
+            # (on chDB the settings are SET on its own session; over HTTP they go with every
+            # query), so nothing it runs can write and nothing can make the writer read-only.
+            self.limits = limits or QueryLimits()
+            self.reader = clickhouse_connect.get_client(dsn=self.dsn,
+                                                        settings=self.limits.settings())
         except Exception as exc:
-            raise StoreError(f"cannot open the store at {self.dsn}: {exc}") from exc
-        self.lock = threading.Lock()  # one statement at a time on these clients
+            raise StoreError(f"cannot open the store at {self.dsn}: {_first_line(exc)}"
+                             ) from exc
+        # One statement at a time per client; the reader has its own lock, so a long read never
+        # holds up the writer's inserts.
+        self.lock = threading.Lock()
+        self.read_lock = threading.Lock()
 
     # ---- schema -------------------------------------------------------------------------------
     def migrate(self) -> list[int]:
@@ -136,27 +199,55 @@ class Store:
             return self.client.command(sql, parameters=parameters)
 
     def delete_tenant(self, tenant: str) -> int:
-        """Remove a tenant's request rows and their events; returns the requests removed."""
+        """Remove a tenant's request rows and their events; returns the requests removed.
+        Events are matched by their own tenant column (a trace id can come from a caller's
+        traceparent, so two tenants' requests may share one); events stored before that column
+        existed (tenant '') are matched through their request's trace id."""
         n = self.select("SELECT count() FROM tailscope.requests WHERE tenant = {t:String}",
                         {"t": tenant})[1][0][0]
-        self.command("DELETE FROM tailscope.request_events WHERE trace_id IN (SELECT trace_id "
-                     "FROM tailscope.requests WHERE tenant = {t:String})", {"t": tenant})
+        self.command("DELETE FROM tailscope.request_events WHERE tenant = {t:String} OR "
+                     "(tenant = '' AND trace_id IN (SELECT trace_id FROM tailscope.requests "
+                     "WHERE tenant = {t:String}))", {"t": tenant})
         self.command("DELETE FROM tailscope.requests WHERE tenant = {t:String}", {"t": tenant})
         return int(n)
 
     # ---- reads --------------------------------------------------------------------------------
-    def select(self, sql: str, parameters: dict | None = None) -> tuple[list[str], list[tuple]]:
-        body = check_select(sql)
-        with self.lock:
-            res = self.reader.query(body, parameters=parameters or None,
-                                    settings={"readonly": 1})
+    def check_select(self, sql: str, parameters: dict | None = None) -> str:
+        """The canonical text of ``sql`` if it is one plain SELECT (see the module doc), else
+        QueryRefused. Parsing runs on the read-only client and executes nothing."""
+        try:
+            body = self.reader.query("SELECT formatQuerySingleLine({q:String})",
+                                     parameters={"q": sql}).result_rows[0][0]
+        except Exception as exc:
+            raise QueryRefused(f"not one valid statement: {_first_line(exc)}") from None
+        try:
+            ast = self.reader.query(f"EXPLAIN AST {body}", parameters=parameters or None)
+        except Exception as exc:
+            raise QueryRefused(f"not a valid query: {_first_line(exc)}") from None
+        check_ast([row[0] for row in ast.result_rows])
+        return body
+
+    def _read(self, method: str, sql: str, parameters: dict | None, query_id: str | None):
+        with self.read_lock:
+            body = self.check_select(sql, parameters)
+            tagged = f"/* {_READ_TAG}{query_id or uuid.uuid4().hex} */ {body}"
+            return getattr(self.reader, method)(tagged, parameters=parameters or None)
+
+    def select(self, sql: str, parameters: dict | None = None, query_id: str | None = None
+               ) -> tuple[list[str], list[tuple]]:
+        res = self._read("query", sql, parameters, query_id)
         return list(res.column_names), [tuple(r) for r in res.result_rows]
 
-    def select_arrow(self, sql: str, parameters: dict | None = None) -> pa.Table:
-        body = check_select(sql)
+    def select_arrow(self, sql: str, parameters: dict | None = None,
+                     query_id: str | None = None) -> pa.Table:
+        return self._read("query_arrow", sql, parameters, query_id)
+
+    def cancel(self, query_id: str | None = None) -> None:
+        """Stop the read tagged ``query_id`` (every tagged read when None), if it still runs."""
+        tag = f"/* {_READ_TAG}{query_id or ''}"
         with self.lock:
-            return self.reader.query_arrow(body, parameters=parameters or None,
-                                           settings={"readonly": 1})
+            self.client.command("KILL QUERY WHERE startsWith(query, {tag:String}) ASYNC",
+                                parameters={"tag": tag})
 
     def close(self) -> None:
         with self.lock:

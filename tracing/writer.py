@@ -1,23 +1,36 @@
 """``RecordWriter``: request records and engine steps into the store, batched, never blocking the
 request path, and never losing or duplicating a row when the store goes away for a while.
 
-- ``emit`` / ``emit_step`` append to a bounded in-memory queue (O(1), no I/O; called from the
-  event loop). Past ``max_queue`` items a record is dropped, counted and logged with the reason.
+- ``emit`` / ``emit_step`` append to an in-memory queue bounded in bytes (O(1), no I/O; called
+  from the event loop; a record's size is estimated from its token ids and events). Past
+  ``max_queue_bytes`` (or ``max_queue`` items) a record is dropped, counted and logged.
 - A background thread takes batches (by size, or when the oldest waiting item is ``max_age_s``
   old), turns them into Arrow tables (``requests``, ``request_events``, ``engine_steps``) and
   inserts each with an ``insert_deduplication_token`` derived from the batch's id.
+- A row that cannot be converted (a value its column cannot hold) is set aside in
+  ``spool_dir/dead-letter.jsonl`` (counted, logged with its trace id); the rest of its batch is
+  written.
 - An insert that fails spools the batch's tables to Arrow IPC files under ``spool_dir``
-  (written to a temporary name, then renamed); every ``replay_interval_s`` the thread replays
-  spooled files with the same tokens, so a batch that did land before the error is not inserted
-  twice, and deletes each file once its insert succeeded. Spool files left by an earlier
-  process are replayed too.
-- ``close`` (graceful shutdown) drains the queue: every item is inserted or spooled.
+  (written to a temporary name, fsynced, then renamed into place); every ``replay_interval_s``
+  the thread replays spooled files with the same tokens, so a batch that did land before the
+  error is not inserted twice, and deletes each file once its insert succeeded. Spool files
+  left by an earlier process are replayed too. A file whose insert fails while the store
+  answers a ping is poison: it moves to ``spool_dir/quarantine/`` (counted) instead of blocking
+  every later file. A spool write that fails (disk full) is counted and the batch stays in
+  memory, retried at each replay.
+- The thread never dies of an error: each failure is logged and counted and the loop goes on;
+  ``alive`` and ``last_success_ts`` are exported in ``/metrics`` and ``/ready``.
+- ``close`` (graceful shutdown) drains the queue: every item is inserted or spooled. A process
+  killed without one (SIGKILL, power loss) loses what was still queued: at most the records of
+  the last ``max_age_s`` seconds plus one batch (spooled files are on disk already).
 
 Fault injection for tests: when ``fault_file`` exists, inserts fail as if the store were down.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import threading
@@ -34,13 +47,25 @@ from tracing.record import RequestRecord
 from tracing.schema import TABLES, EngineStepRow
 from tracing.store import Store, StoreError, arrow_type, to_arrow
 
+DEAD_LETTER = "dead-letter.jsonl"
+QUARANTINE = "quarantine"
+
+
+def item_bytes(kind: str, item) -> int:
+    """An estimate of an item's memory (token ids dominate a record)."""
+    if kind != "requests":
+        return 400
+    return 1500 + 32 * (len(item.input_token_ids) + len(item.output_token_ids)
+                        + len(item.itl_ms)) + 120 * len(item.events)
+
 log = logging.getLogger("tailscope.writer")
 
 
 class RecordWriter:
     def __init__(self, store: Store | Callable[[], Store], spool_dir: str | Path,
                  batch_size: int = 2000, max_age_s: float = 1.0, max_queue: int = 200_000,
-                 replay_interval_s: float = 1.0, fault_file: str | None = None) -> None:
+                 replay_interval_s: float = 1.0, fault_file: str | None = None,
+                 max_queue_bytes: int = 256 << 20) -> None:
         self._store_factory = store if callable(store) else (lambda: store)
         self._store: Store | None = None
         self.spool_dir = Path(spool_dir)
@@ -48,13 +73,20 @@ class RecordWriter:
         self.batch_size = batch_size
         self.max_age_s = max_age_s
         self.max_queue = max_queue
+        self.max_queue_bytes = max_queue_bytes
+        self.queued_bytes = 0
         self.replay_interval_s = replay_interval_s
         self.fault_file = fault_file
-        self._queue: deque[tuple[str, object, float]] = deque()
+        self._queue: deque[tuple[str, object, float, int]] = deque()
         self._cond = threading.Condition()
         self._closing = False
+        self._unsaved: list[tuple[str, str, pa.Table]] = []  # (token, table, data) not on disk
+        self._flush_asked = self._flush_done = 0  # ``flush()`` requests and completions
+        self.last_success_ts: float | None = None  # wall clock of the latest insert
         self.stats = {"queued": 0, "written": 0, "spooled": 0, "replayed": 0, "dropped": 0,
-                      "steps_written": 0, "steps_dropped": 0, "insert_errors": 0}
+                      "steps_written": 0, "steps_dropped": 0, "insert_errors": 0,
+                      "dead_lettered": 0, "spool_errors": 0, "quarantined": 0,
+                      "writer_errors": 0}
         self._thread = threading.Thread(target=self._run, name="record-writer", daemon=True)
         self._thread.start()
 
@@ -66,20 +98,28 @@ class RecordWriter:
         self._put("engine_steps", row)
 
     def _put(self, kind: str, item: object) -> None:
-        if len(self._queue) >= self.max_queue or self._closing:
-            why = "writer is closed" if self._closing else f"queue full ({self.max_queue})"
+        size = item_bytes(kind, item)
+        if (len(self._queue) >= self.max_queue or self.queued_bytes + size > self.max_queue_bytes
+                or self._closing):
+            why = "writer is closed" if self._closing else \
+                f"queue full ({len(self._queue)} items, {self.queued_bytes >> 20} MiB)"
             if kind == "requests":
                 self.stats["dropped"] += 1
                 log.warning("dropped the record of trace %s: %s", item.trace_id, why)
             else:
                 self.stats["steps_dropped"] += 1
             return
-        self._queue.append((kind, item, time.monotonic()))
+        self._queue.append((kind, item, time.monotonic(), size))
+        self.queued_bytes += size
         if kind == "requests":
             self.stats["queued"] += 1
         if len(self._queue) >= self.batch_size:
             with self._cond:
                 self._cond.notify()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     @property
     def queue_depth(self) -> int:
@@ -92,40 +132,96 @@ class RecordWriter:
     def _run(self) -> None:
         last_replay = 0.0
         while True:
-            with self._cond:  # wake for a full batch, or to check ages and the spool
-                if not self._closing and not self._due():
+            with self._cond:  # wake for a full batch, a flush, or to check ages and the spool
+                if not self._closing and not self._due() and not self._flush_wanted():
                     self._cond.wait(timeout=min(self.max_age_s, self.replay_interval_s) / 4)
-            closing = self._closing
-            while self._queue and (closing or self._due()):
-                self._flush(self._take())
-            now = time.monotonic()
-            if now - last_replay >= self.replay_interval_s or closing:
-                last_replay = now
-                self._replay()
+            closing, asked = self._closing, self._flush_asked
+            try:
+                force = closing or asked > self._flush_done
+                while self._queue and (force or self._due()):
+                    self._flush(self._take())
+                now = time.monotonic()
+                if now - last_replay >= self.replay_interval_s or force:
+                    last_replay = now
+                    self._retry_unsaved()
+                    self._replay()
+            except Exception:  # a bug or an unexpected error: logged, counted, never fatal
+                self.stats["writer_errors"] += 1
+                log.exception("record writer: unexpected error; carrying on")
+                time.sleep(0.1)
+            with self._cond:
+                if asked > self._flush_done:
+                    self._flush_done = asked
+                    self._cond.notify_all()
             if closing and not self._queue:
                 return
+
+    def _flush_wanted(self) -> bool:
+        return self._flush_asked > self._flush_done
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Insert (or spool) everything queued now and replay the spool; True once done."""
+        with self._cond:
+            self._flush_asked += 1
+            target = self._flush_asked
+            self._cond.notify_all()
+            return self._cond.wait_for(lambda: self._flush_done >= target or not self.alive,
+                                       timeout=timeout_s) and self._flush_done >= target
 
     def _due(self) -> bool:
         q = self._queue
         return bool(q) and (len(q) >= self.batch_size
                             or time.monotonic() - q[0][2] >= self.max_age_s)
 
-    def _take(self) -> list[tuple[str, object, float]]:
+    def _take(self) -> list[tuple[str, object, float, int]]:
         out = []
         while self._queue and len(out) < self.batch_size:
-            out.append(self._queue.popleft())
+            item = self._queue.popleft()
+            self.queued_bytes -= item[3]
+            out.append(item)
         return out
 
     def _tables(self, items) -> dict[str, pa.Table]:
-        records = [it for kind, it, _ in items if kind == "requests"]
-        steps = [it for kind, it, _ in items if kind == "engine_steps"]
-        out = {}
+        records = [it for kind, it, *_ in items if kind == "requests"]
+        steps = [it for kind, it, *_ in items if kind == "engine_steps"]
+        out, dead = {}, set()
         for name, rows in (("requests", records), ("engine_steps", steps)):
             if rows:
-                out[name] = to_arrow(TABLES[name], rows)
+                out[name] = self._convert(name, rows, dead)
+        records = [r for r in records if id(r) not in dead]  # their events stay out too
         if any(r.events for r in records):
             out["request_events"] = self._events_table(records)
-        return out
+        return {name: data for name, data in out.items() if data.num_rows}
+
+    def _convert(self, name: str, rows: list, dead: set[int]) -> pa.Table:
+        """The rows as Arrow; when that fails, row by row: the ones that cannot be converted
+        go to the dead-letter file and the rest are kept."""
+        try:
+            return to_arrow(TABLES[name], rows)
+        except Exception:
+            pass
+        good = []
+        for row in rows:
+            try:
+                to_arrow(TABLES[name], [row])
+                good.append(row)
+            except Exception as exc:
+                dead.add(id(row))
+                self._dead_letter(name, row, exc)
+        return to_arrow(TABLES[name], good)
+
+    def _dead_letter(self, name: str, row, exc: Exception) -> None:
+        trace_id = getattr(row, "trace_id", "")
+        self.stats["dead_lettered"] += 1
+        log.error("record of trace %s cannot be stored (%s: %s); set aside in %s", trace_id,
+                  type(exc).__name__, exc, self.spool_dir / DEAD_LETTER)
+        try:
+            line = json.dumps({"table": name, "trace_id": trace_id, "error": str(exc),
+                               "row": dataclasses.asdict(row)}, default=str)
+            with open(self.spool_dir / DEAD_LETTER, "a") as f:
+                f.write(line + "\n")
+        except Exception:
+            log.exception("could not write the dead-letter file")
 
     @staticmethod
     def _events_table(records: list[RequestRecord]) -> pa.Table:
@@ -139,6 +235,7 @@ class RecordWriter:
             cols["detail"] += [e.detail for e in r.events]
             cols["seq"] += range(n)
             cols["ttl_days"] += [r.ttl_days] * n
+            cols["tenant"] += [r.tenant] * n
         return pa.table({c: pa.array(cols[c], type=arrow_type(t))
                          for c, t, _ in TABLES["request_events"].columns})
 
@@ -156,6 +253,15 @@ class RecordWriter:
             raise
         except Exception as exc:
             raise StoreError(f"insert into {name} failed: {exc}") from exc
+        self.last_success_ts = time.time()
+
+    def _store_answers(self) -> bool:
+        """The store is up (so a failing insert is the data's fault, not the store's)."""
+        try:
+            self._store_or_raise().command("SELECT 1")
+            return True
+        except Exception:
+            return False
 
     def _flush(self, items) -> None:
         token = f"{time.time_ns()}-{uuid.uuid4().hex[:12]}"
@@ -170,7 +276,7 @@ class RecordWriter:
             log.warning("store insert failed (%s); spooling %d table(s) to %s", exc,
                         len(pending), self.spool_dir)
             for name, data in pending.items():
-                self._spool(name, data, token)
+                self._save(token, name, data)
         n_req = tables["requests"].num_rows if "requests" in tables else 0
         n_steps = tables["engine_steps"].num_rows if "engine_steps" in tables else 0
         if "requests" in pending:
@@ -180,12 +286,51 @@ class RecordWriter:
         if "engine_steps" not in pending:
             self.stats["steps_written"] += n_steps
 
+    def _save(self, token: str, name: str, data: pa.Table) -> None:
+        """Spool a table; if the disk refuses, keep it in memory for the next replay."""
+        try:
+            self._spool(name, data, token)
+        except OSError as exc:
+            self.stats["spool_errors"] += 1
+            log.error("cannot spool %d %s rows to %s (%s); kept in memory and retried",
+                      data.num_rows, name, self.spool_dir, exc)
+            self._unsaved.append((token, name, data))
+
     def _spool(self, name: str, data: pa.Table, token: str) -> None:
+        """Write, fsync, rename into place, fsync the directory: a file that exists under its
+        final name is complete and survives a crash."""
         path = self.spool_dir / f"{token}.{name}.arrow"
         tmp = path.with_suffix(".tmp")
-        with pa.OSFile(str(tmp), "wb") as sink, ipc.new_file(sink, data.schema) as w:
-            w.write_table(data)
-        os.replace(tmp, path)
+        try:
+            with pa.OSFile(str(tmp), "wb") as sink, ipc.new_file(sink, data.schema) as w:
+                w.write_table(data)
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except (OSError, pa.ArrowException) as exc:
+            tmp.unlink(missing_ok=True)
+            raise OSError(str(exc)) from exc
+        dir_fd = os.open(self.spool_dir, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def _retry_unsaved(self) -> None:
+        """Batches the disk refused: insert them now, or spool them if the disk has room."""
+        unsaved, self._unsaved = self._unsaved, []
+        for token, name, data in unsaved:
+            try:
+                self._insert(name, data, f"{token}-{name}")
+            except StoreError:
+                self._save(token, name, data)
+                continue
+            if name == "requests":
+                self.stats["written"] += data.num_rows
+                self.stats["replayed"] += data.num_rows
 
     def _replay(self) -> None:
         for path in self.spool_files():
@@ -194,18 +339,29 @@ class RecordWriter:
                 with pa.memory_map(str(path)) as src:
                     data = ipc.open_file(src).read_all()
             except (OSError, pa.ArrowInvalid) as exc:
-                log.error("unreadable spool file %s (%s); moved aside", path, exc)
-                os.replace(path, path.with_suffix(".bad"))
+                log.error("unreadable spool file %s (%s); quarantined", path, exc)
+                self._quarantine(path)
                 continue
             try:
                 self._insert(name, data, f"{token}-{name}")
-            except StoreError:
+            except StoreError as exc:
+                if self._store_answers():  # the store is up: this file is the problem
+                    log.error("spool file %s fails while the store is up (%s); quarantined",
+                              path.name, exc)
+                    self._quarantine(path)
+                    continue
                 return  # still down: keep the files, try again later
             path.unlink()
             if name == "requests":
                 self.stats["replayed"] += data.num_rows
                 self.stats["written"] += data.num_rows
             log.info("replayed %d %s rows from %s", data.num_rows, name, path.name)
+
+    def _quarantine(self, path: Path) -> None:
+        self.stats["quarantined"] += 1
+        qdir = self.spool_dir / QUARANTINE
+        qdir.mkdir(exist_ok=True)
+        os.replace(path, qdir / path.name)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Drain: every queued item is inserted or spooled before this returns."""

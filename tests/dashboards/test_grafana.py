@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import re
+import urllib.parse
 
 import pytest
 
@@ -28,7 +29,8 @@ def seeded(store):
     return store, recs
 
 
-def expand(sql: str, values: dict[str, list[str]], interval_s: int = 60) -> str:
+def expand(sql: str, values: dict[str, list[str]], interval_s: int = 60,
+           slo: tuple[str, str] = ("500", "50")) -> str:
     """What the ClickHouse plugin sends for a time range, an interval and the variables."""
     frm, to = FROM.strftime("%Y-%m-%d %H:%M:%S"), TO.strftime("%Y-%m-%d %H:%M:%S")
     sql = re.sub(r"\$__timeFilter\((\w+)\)",
@@ -39,7 +41,8 @@ def expand(sql: str, values: dict[str, list[str]], interval_s: int = 60) -> str:
     sql = sql.replace("$__interval_s", str(interval_s))
     sql = re.sub(r"\$\{(\w+):singlequote\}",
                  lambda m: ",".join(f"'{v}'" for v in values[m[1]]), sql)
-    sql = sql.replace("$ttft_slo", "500").replace("$tpot_slo", "50")
+    for name, typed in zip(("ttft_slo", "tpot_slo"), slo, strict=True):  # Grafana's encoding
+        sql = sql.replace(f"${{{name}:percentencode}}", urllib.parse.quote(typed, safe=""))
     assert "$" not in sql, sql
     return sql
 
@@ -77,3 +80,14 @@ def test_every_panel_query_runs_and_fits_its_panel(seeded, panel):
         assert len(cols) >= 2
     if panel.link_trace:
         assert cols[0] == "trace_id" and rows[0][0] in {r.trace_id for r in recs}
+
+
+def test_slo_text_boxes_cannot_inject_sql(seeded):
+    store, _ = seeded
+    panel = next(p for p in grafana.PANELS if p.title.startswith("SLO attainment"))
+    values = {"replica": ["g0", "g1"], "model": ["SmolLM2-135M-Instruct"],
+              "config_id": ["cfg-g"], "tenant": ["acme", "globex"]}
+    honest = store.select(expand(panel.sql, values, slo=("0", "0")))[1]
+    for evil in ("0') OR 1=1 OR ('", "0\\') OR 1=1 --", "1e9 OR 1=1"):
+        # the typed text stays one string literal: not a number, so the SLO reads as 0
+        assert store.select(expand(panel.sql, values, slo=(evil, evil)))[1] == honest

@@ -155,6 +155,38 @@ def test_forward_failure_fails_the_batch_and_engine_survives(engine):
     assert ok.state == S.FINISHED and engine.kv.pool.num_free == engine.kv.pool.num_blocks
 
 
+class _ExplodingConstraint:
+    """Fault injector: a grammar whose mask raises, standing in for any one request's bad
+    sampling state."""
+
+    def allowed_tokens(self, vocab_size):
+        raise RuntimeError("injected sampling fault")
+
+    def accept(self, token):
+        pass
+
+
+def test_a_failing_sample_fails_only_its_own_request(engine, tiny_model):
+    alone = engine.generate([[8, 9, 10]], _params(6))[0].output_token_ids
+    bad = engine.add_request("bad", [5, 6, 7], _params(6))
+    good = engine.add_request("good", [8, 9, 10], _params(6))
+    bad.constraint = _ExplodingConstraint()
+    while engine.has_unfinished():
+        engine.step()
+    _assert_reclaimed_once(engine, bad, S.FAILED, "error")
+    assert "injected sampling fault" in bad.error
+    assert good.state == S.FINISHED and good.output_token_ids == alone
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
+
+
+def test_top_k_past_the_vocabulary_is_rejected_at_admission(engine, tiny_model):
+    vocab = tiny_model.config.vocab_size
+    req = engine.add_request("k", [5, 6], SamplingParams(max_tokens=2, top_k=vocab + 1,
+                                                         temperature=1.0))
+    _assert_reclaimed_once(engine, req, S.REJECTED, "rejected")
+    assert "top_k" in req.error
+
+
 def test_rejections_name_the_reason_and_reclaim_once(engine, tiny_model):
     cases = {
         "empty": ([], "empty"),

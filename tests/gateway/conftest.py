@@ -39,7 +39,7 @@ def start_server(*args: str, timeout_s: float = 240.0, env: dict[str, str] | Non
     while time.monotonic() < deadline:
         assert proc.poll() is None, "gateway exited during start-up"
         try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+            if httpx.get(f"{url}/ready", timeout=2).json().get("all_ready"):
                 return Server(url, proc)
         except httpx.HTTPError:
             pass

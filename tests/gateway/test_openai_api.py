@@ -18,7 +18,7 @@ def test_models_health_ready(tiny_server, client):
     assert [m.id for m in client.models.list().data] == [tiny_server.model]
     assert httpx.get(f"{tiny_server.url}/health").json() == {"status": "ok"}
     ready = httpx.get(f"{tiny_server.url}/ready")
-    assert ready.status_code == 200 and ready.json()["replicas"] == {"r0": True}
+    assert ready.status_code == 200 and ready.json()["replicas"] == {"r0": "ready"}
 
 
 def test_chat_completion_non_streaming(tiny_server, client):

@@ -6,15 +6,17 @@ tells its rows apart by trace id.
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
+from pathlib import Path
 
 import pytest
 
 from tracing.record import RecordEvent, RequestRecord
 from tracing.schema import MIGRATIONS, TABLES, EngineStepRow
-from tracing.store import QueryRefused, check_select
-from tracing.writer import RecordWriter
+from tracing.store import QueryRefused, check_ast
+from tracing.writer import DEAD_LETTER, QUARANTINE, RecordWriter
 
 
 def make_record(**kw) -> RequestRecord:
@@ -67,10 +69,72 @@ def test_insert_round_trips_and_a_replayed_token_inserts_nothing(store):
     "SELECT 1; DROP TABLE tailscope.requests",
     "SELECT 1 SETTINGS readonly = 0",
     "/* SELECT */ ALTER TABLE tailscope.requests DELETE WHERE 1",
+    # the regex check of old let this one through: a quoted identifier hid the ';'s
+    "SELECT 1 AS \"'\" ; CREATE TABLE default.pwn (x Int8) ENGINE=Memory ; SELECT 2 AS \"'\"",
+    "SELECT 1 INTO OUTFILE '/tmp/tailscope-pwn.txt'",
+    "SELECT * FROM file('/etc/passwd', 'LineAsString')",
+    "SELECT file('/etc/hostname')",
+    "SELECT * FROM url('http://127.0.0.1:1/', CSV, 'x Int8')",
+    "SELECT x FROM (SELECT 1 AS x) WHERE x IN (SELECT * FROM s3('http://127.0.0.1:1/x'))",
+    "SELECT 1 FORMAT JSON",
 ])
-def test_only_single_selects_pass(store, sql):
+def test_only_single_plain_selects_pass(store, sql):
     with pytest.raises(QueryRefused):
         store.select(sql)
+    tables = {t for (t,) in store.select("SELECT name FROM system.tables WHERE database "
+                                         "IN ('default', 'tailscope')")[1]}
+    assert "pwn" not in tables and not Path("/tmp/tailscope-pwn.txt").exists()
+
+
+def test_the_reader_session_is_read_only_for_its_life_with_limits(store):
+    cols, rows = store.select("SELECT getSetting('readonly'), getSetting('max_execution_time'),"
+                              " getSetting('max_result_rows')")
+    assert rows == [(1, store.limits.max_execution_s, store.limits.max_result_rows)]
+    with pytest.raises(Exception, match="readonly"):  # even bypassing the statement check
+        store.reader.command("CREATE TABLE default.pwn2 (x Int8) ENGINE = Memory")
+    with pytest.raises(Exception, match="[Ll]imit"):
+        store.select("SELECT count() FROM system.numbers")  # unbounded: refused by the limit
+
+
+def test_a_long_read_is_cancelled_by_its_id_and_never_blocks_the_writer(store):
+    import threading
+
+    out: dict = {}
+
+    def run():
+        t0 = time.monotonic()
+        try:
+            store.select("SELECT sum(sleepEachRow(0.00004)) FROM numbers(1000000)",
+                         query_id="test-long")
+        except Exception as exc:
+            out["error"] = str(exc)
+        out["s"] = time.monotonic() - t0
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    store.insert_rows("requests", [make_record()])  # the writer's client is not held up
+    assert time.monotonic() - t0 < 2.0
+    store.cancel("test-long")
+    t.join(10)
+    assert "cancelled" in out["error"].lower() and out["s"] < 5.0
+
+
+def test_check_ast_reads_clickhouse_trees():
+    ok = ["SelectWithUnionQuery (children 2)", " ExpressionList (children 1)",
+          "  SelectQuery (children 2)", "   ExpressionList (children 1)", "    Asterisk",
+          "   TablesInSelectQuery (children 1)", "    TablesInSelectQueryElement (children 1)",
+          "     TableExpression (children 1)", "      Function numbers (children 1)",
+          "       ExpressionList (children 1)", "        Literal UInt64_3",
+          " Identifier Native"]
+    check_ast(ok)
+    with pytest.raises(QueryRefused, match="table function"):
+        check_ast([line.replace("numbers", "remote") for line in ok])
+    with pytest.raises(QueryRefused, match="OUTFILE"):
+        check_ast([*ok[:-1], " Literal '/tmp/x'", " Identifier Native"])
+    with pytest.raises(QueryRefused, match="only SELECT"):
+        check_ast(["DropQuery  x (children 2)", " Identifier x"])
 
 
 def test_a_read_only_query_never_makes_the_writer_read_only(store):
@@ -88,8 +152,8 @@ def test_parameters_are_values_never_sql(store):
     evil = "x' OR 1=1 --"
     assert store.select("SELECT count() FROM tailscope.requests WHERE trace_id = {t:String}",
                         {"t": evil})[1] == [(0,)]
-    assert check_select("select 1 -- a comment;") == "select 1"
-    assert check_select("WITH 1 AS x SELECT x;") == "WITH 1 AS x SELECT x"
+    assert store.check_select("select 1 -- a comment;") == "SELECT 1"
+    assert store.check_select("WITH 1 AS x SELECT x;") == "WITH 1 AS x SELECT x"
 
 
 def test_writer_batches_records_events_and_steps(store, tmp_path):
@@ -145,3 +209,117 @@ def test_writer_bounds_its_queue_and_counts_drops(store, tmp_path):
     fault.unlink()
     w.close()
     assert w.stats["written"] == 10
+
+
+def test_a_row_that_cannot_be_stored_is_set_aside_and_the_rest_of_its_batch_lands(store,
+                                                                                  tmp_path):
+    good = [make_record() for _ in range(5)]
+    bad = make_record(seed=1 << 63)  # past Int64: Arrow refuses the value
+    w = RecordWriter(store, tmp_path / "spool", batch_size=100, max_age_s=0.1)
+    for r in [*good[:2], bad, *good[2:]]:
+        w.emit(r)
+    w.close()
+    assert w.alive is False and w.stats["writer_errors"] == 0
+    ids = [r.trace_id for r in good + [bad]]
+    rows = store.select("SELECT trace_id FROM tailscope.requests WHERE has({ids:Array(String)},"
+                        " trace_id)", {"ids": ids})[1]
+    assert sorted(t for (t,) in rows) == sorted(r.trace_id for r in good)
+    events = store.select("SELECT count() FROM tailscope.request_events WHERE trace_id = "
+                          "{t:String}", {"t": bad.trace_id})[1]
+    assert events == [(0,)]
+    assert w.stats["dead_lettered"] == 1 and w.stats["written"] == 5
+    lines = (tmp_path / "spool" / DEAD_LETTER).read_text().splitlines()
+    assert [json.loads(x)["trace_id"] for x in lines] == [bad.trace_id]
+    assert json.loads(lines[0])["row"]["seed"] == 1 << 63  # nothing lost
+
+
+def test_writer_keeps_going_after_an_unexpected_error(store, tmp_path):
+    w = RecordWriter(store, tmp_path / "spool", batch_size=100, max_age_s=0.05)
+    real = w._tables
+    calls = []
+
+    def fault_once(items):  # fault injection: the first conversion raises a bug-like error
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected writer fault")
+        return real(items)
+
+    w._tables = fault_once
+    w.emit(make_record())
+    deadline = time.monotonic() + 5
+    while not w.stats["writer_errors"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert w.stats["writer_errors"] == 1 and w.alive
+    later = make_record()
+    w.emit(later)
+    assert w.flush(10)
+    assert store.select("SELECT count() FROM tailscope.requests WHERE trace_id = {t:String}",
+                        {"t": later.trace_id})[1] == [(1,)]
+    assert w.last_success_ts is not None
+    w.close()
+
+
+def test_a_poison_spool_file_is_quarantined_and_later_files_replay(store, tmp_path):
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    (spool / "0000-poison.requests.arrow").write_bytes(b"not an arrow file")
+    import pyarrow as pa
+
+    # readable, but the store refuses it: a column the table does not have
+    bad = pa.table({"no_such_column": pa.array([1], pa.int64())})
+    import pyarrow.ipc as ipc
+
+    with pa.OSFile(str(spool / "0001-bad.requests.arrow"), "wb") as sink, \
+            ipc.new_file(sink, bad.schema) as wr:
+        wr.write_table(bad)
+    w = RecordWriter(store, spool, batch_size=100, max_age_s=0.05, replay_interval_s=0.1)
+    rec = make_record()
+    w.emit(rec)
+    w.close()
+    assert w.stats["quarantined"] == 2 and not w.spool_files()
+    assert sorted(p.name for p in (spool / QUARANTINE).iterdir()) == [
+        "0000-poison.requests.arrow", "0001-bad.requests.arrow"]
+    assert store.select("SELECT count() FROM tailscope.requests WHERE trace_id = {t:String}",
+                        {"t": rec.trace_id})[1] == [(1,)]
+
+
+def test_a_spool_disk_that_refuses_writes_loses_nothing(store, tmp_path):
+    fault = tmp_path / "store-down"
+    fault.touch()
+    spool = tmp_path / "spool"
+    w = RecordWriter(store, spool, batch_size=10, max_age_s=0.05, replay_interval_s=0.1,
+                     fault_file=str(fault))
+    # fault injection that even root meets: a file where the spool directory was, so every
+    # spool write fails with an OSError (as on a full disk)
+    spool.rmdir()
+    spool.write_text("")
+    try:
+        recs = [make_record() for _ in range(12)]
+        for r in recs:
+            w.emit(r)
+        deadline = time.monotonic() + 5
+        while w.stats["spool_errors"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert w.stats["spool_errors"] >= 1 and w.alive and not w.spool_files()
+    finally:
+        spool.unlink()
+        spool.mkdir()
+    fault.unlink()  # the store is back: the batches kept in memory are inserted
+    w.close()
+    ids = [r.trace_id for r in recs]
+    assert store.select("SELECT count(), uniqExact(trace_id) FROM tailscope.requests WHERE "
+                        "has({ids:Array(String)}, trace_id)", {"ids": ids})[1] == [(12, 12)]
+
+
+def test_writer_queue_is_bounded_in_bytes(store, tmp_path):
+    fault = tmp_path / "down"
+    fault.touch()
+    w = RecordWriter(store, tmp_path / "spool", batch_size=1000, max_age_s=60,
+                     max_queue_bytes=1 << 20, fault_file=str(fault))
+    big = [make_record(input_token_ids=list(range(8000))) for _ in range(10)]
+    for r in big:
+        w.emit(r)
+    assert 0 < w.stats["queued"] < 10 and w.stats["dropped"] == 10 - w.stats["queued"]
+    assert w.queued_bytes <= 1 << 20
+    fault.unlink()
+    w.close()
