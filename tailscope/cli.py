@@ -160,6 +160,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                    heartbeat_timeout_s=s.heartbeat_timeout_s,
                                    max_queue_mb=s.store_max_queue_mb,
                                    key_id_secret=s.key_id_secret or None))
+    if args.host not in ("127.0.0.1", "::1", "localhost") and not (args.config or s.config):
+        logging.getLogger("tailscope").warning(
+            "open local mode on %s: anyone who reaches port %d can generate (configure "
+            "tenants with --config); /debug/* answer %s", args.host, args.port,
+            "the admin key" if s.admin_key else "loopback clients only")
     uvicorn.run(app, host=args.host, port=args.port, log_level="info",
                 access_log=args.access_log)
     return 0
@@ -241,7 +246,6 @@ def cmd_store(args: argparse.Namespace) -> int:
 
 def cmd_drill(args: argparse.Namespace) -> int:
     """Serve the Streamlit drill-down on a data source (default: the running gateway)."""
-    import subprocess
     from pathlib import Path
 
     s = Settings.from_env()
@@ -252,7 +256,11 @@ def cmd_drill(args: argparse.Namespace) -> int:
            "--server.address", args.host, "--server.headless", "true",
            "--browser.gatherUsageStats", "false"]
     print(f"drill-down on {source}: http://{args.host}:{args.port}", file=sys.stderr)
-    return subprocess.call(cmd, env=env)
+    sys.stderr.flush()
+    # this process becomes Streamlit: a signal that stops `tailscope drill` stops the server,
+    # with no child left behind
+    os.execve(sys.executable, cmd, env)
+    return 0  # not reached
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

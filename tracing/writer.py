@@ -265,7 +265,14 @@ class RecordWriter:
 
     def _flush(self, items) -> None:
         token = f"{time.time_ns()}-{uuid.uuid4().hex[:12]}"
-        tables = self._tables(items)
+        try:
+            tables = self._tables(items)
+        except Exception as exc:  # a bug in conversion: the rows are set aside, not lost
+            log.exception("record writer: cannot convert a batch of %d items", len(items))
+            self.stats["writer_errors"] += 1
+            for kind, item, *_ in items:
+                self._dead_letter(kind, item, exc)
+            return
         pending = dict(tables)
         try:
             for name, data in tables.items():

@@ -122,3 +122,39 @@ def test_evals_page_compares_two_runs_and_links_failures_to_traces(seeded, store
     assert sorted(failing["case_id"]) == [f"c{i}" for i in range(7)]
     by_case = dict(zip(failing["case_id"], failing["trace"], strict=True))
     assert by_case["c0"] == f"/?page=Requests&trace={recs[10].trace_id}"
+
+
+def test_stopping_tailscope_drill_leaves_no_streamlit_behind():
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    import psutil
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "tailscope.cli", "drill", "--port", str(port),
+                             "--source", "gateway:http://127.0.0.1:9"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/_stcore/health", timeout=1).is_success:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        family = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=20)
+        time.sleep(0.5)
+        alive = [p for p in family if psutil.pid_exists(p)
+                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        assert alive == [], alive
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -77,6 +77,8 @@ def test_client_that_never_reads_is_cancelled_and_its_kv_freed(bp_server):
         assert wait_for(lambda: replicas(bp_server.url)["r0"]["ended"].get("CANCELLED", 0)
                         == cancelled + 16, 10), replicas(bp_server.url)
         assert wait_for(lambda: replicas(bp_server.url)["r0"]["kv_blocks_used"] == 0, 2)
+        # its gateway slots too, while its socket is still open
+        assert wait_for(lambda: replicas(bp_server.url)["r0"]["inflight"] == 0, 2)
         assert httpx.get(f"{bp_server.url}/health").status_code == 200
     finally:
         s.close()

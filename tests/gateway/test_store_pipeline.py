@@ -163,6 +163,38 @@ def test_privacy_counts_only_and_ttl(store_server):
         "rows"] == others["rows"]
 
 
+def test_tenant_delete_keeps_another_tenants_events_under_the_same_trace_id(store_server):
+    s = store_server
+    trace_id = secrets.token_hex(16)  # both callers send the same traceparent
+    headers = {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"}
+    for key in ("sk-private", "sk-alpha"):
+        r = httpx.post(f"{s.url}/v1/completions", timeout=60, json={
+            "model": s.model, "prompt": "Hi", "max_tokens": 2},
+            headers={**headers, "Authorization": f"Bearer {key}"})
+        assert r.status_code == 200
+    # deleted at once: the rows still in the writer's queue are written first, then deleted
+    r = httpx.delete(f"{s.url}/debug/tenants/private/records",
+                     headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60)
+    assert r.status_code == 200
+    time.sleep(1.5)  # past the flush age: nothing of the deleted tenant lands afterwards
+    rows = query(s, "SELECT tenant FROM tailscope.requests WHERE trace_id = {t:String}",
+                 {"t": trace_id})["rows"]
+    assert rows == [["alpha"]]
+    events = query(s, "SELECT tenant, count() FROM tailscope.request_events WHERE trace_id = "
+                      "{t:String} GROUP BY tenant", {"t": trace_id})["rows"]
+    assert len(events) == 1 and events[0][0] == "alpha" and events[0][1] > 3
+
+
+def test_api_key_ids_are_keyed_hashes(store_server):
+    import hashlib
+
+    trace_id, status = send(store_server, "sk-alpha", {"max_tokens": 2})
+    assert status == 200
+    assert wait_for(lambda: len(rows_for(store_server, [trace_id], "trace_id")) == 1, 10)
+    kid = rows_for(store_server, [trace_id], "api_key_id")[0]["api_key_id"]
+    assert len(kid) == 16 and not hashlib.sha256(b"sk-alpha").hexdigest().startswith(kid)
+
+
 def test_query_endpoint_is_admin_only_read_only_and_binds_parameters(store_server):
     s = store_server
     trace_id, status = send(s, "sk-alpha", {"max_tokens": 2})

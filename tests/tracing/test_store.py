@@ -234,22 +234,28 @@ def test_a_row_that_cannot_be_stored_is_set_aside_and_the_rest_of_its_batch_land
 
 
 def test_writer_keeps_going_after_an_unexpected_error(store, tmp_path):
-    w = RecordWriter(store, tmp_path / "spool", batch_size=100, max_age_s=0.05)
-    real = w._tables
-    calls = []
+    w = RecordWriter(store, tmp_path / "spool", batch_size=100, max_age_s=0.05,
+                     replay_interval_s=0.05)
+    real_tables, real_replay = w._tables, w._replay
 
-    def fault_once(items):  # fault injection: the first conversion raises a bug-like error
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("injected writer fault")
-        return real(items)
+    def tables_fault(items):  # fault injection: a conversion bug, once
+        w._tables = real_tables
+        raise RuntimeError("injected conversion fault")
 
-    w._tables = fault_once
-    w.emit(make_record())
+    def replay_fault():  # fault injection: the replay loop raises, once
+        w._replay = real_replay
+        raise RuntimeError("injected replay fault")
+
+    w._tables, w._replay = tables_fault, replay_fault
+    first = make_record()
+    w.emit(first)
     deadline = time.monotonic() + 5
-    while not w.stats["writer_errors"] and time.monotonic() < deadline:
+    while w.stats["writer_errors"] < 2 and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert w.stats["writer_errors"] == 1 and w.alive
+    assert w.stats["writer_errors"] == 2 and w.alive
+    assert w.stats["dead_lettered"] == 1  # the batch hit by the bug is set aside, not lost
+    line = json.loads((tmp_path / "spool" / DEAD_LETTER).read_text().splitlines()[0])
+    assert line["trace_id"] == first.trace_id and "injected" in line["error"]
     later = make_record()
     w.emit(later)
     assert w.flush(10)
