@@ -154,8 +154,14 @@ class Store:
             self.reader = clickhouse_connect.get_client(dsn=self.dsn,
                                                         settings=self.limits.settings())
         except Exception as exc:
-            raise StoreError(f"cannot open the store at {self.dsn}: {_first_line(exc)}"
-                             ) from exc
+            reason = _first_line(exc)
+            if is_embedded(self.dsn) and "EmbeddedServer" in reason:
+                # chDB reports every start-up failure as BAD_ARGUMENTS; its real reason (a
+                # metadata file it cannot parse, a lock, ...) is in the log lines above
+                reason = ("chDB could not start on this directory: it is damaged, from an "
+                          "incompatible chDB version, or held by another process (chDB's "
+                          f"own reason is logged just above; its error: {reason})")
+            raise StoreError(f"cannot open the store at {self.dsn}: {reason}") from exc
         # One statement at a time per client; the reader has its own lock, so a long read never
         # holds up the writer's inserts.
         self.lock = threading.Lock()

@@ -329,3 +329,25 @@ def test_writer_queue_is_bounded_in_bytes(store, tmp_path):
     assert w.queued_bytes <= 1 << 20
     fault.unlink()
     w.close()
+
+
+def test_a_damaged_store_is_reported_as_damaged_not_as_bad_arguments(tmp_path):
+    import subprocess
+    import sys
+
+    # chDB allows one directory per process: open, damage and reopen in a child process
+    code = f"""
+import sys
+from pathlib import Path
+from tracing.store import Store, StoreError
+d = {str(tmp_path / "store")!r}
+s = Store("chdb://" + d); s.migrate(); s.close()
+Path(d, "metadata", "tailscope", "requests.sql").write_text("garbage ((")
+try:
+    Store("chdb://" + d)
+except StoreError as exc:
+    print(exc)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert "damaged" in out.stdout and str(tmp_path) in out.stdout, out.stdout + out.stderr

@@ -6,7 +6,7 @@ memory bandwidth (bytes the kernel must move / time) as a share of the device's 
 ``scaled_dot_product_attention`` over a dense copy of the same keys for the attention kernels,
 which is what the paged kernels compete with). On a machine without CUDA it says so and exits 0.
 
-    python bench/kernels.py [--dtype bfloat16] [--iters 50] [--peak-gbs 4800]
+    python bench/kernel_speed.py [--dtype bfloat16] [--iters 50] [--peak-gbs 4800]
 """
 
 from __future__ import annotations
