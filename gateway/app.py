@@ -13,6 +13,7 @@ import hashlib
 import hmac
 import json
 import logging
+import threading
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -153,6 +154,15 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
 
     app = FastAPI(title="Tailscope gateway", lifespan=lifespan)
     app.state.pool, app.state.tokenizer, app.state.records = pool, tokenizer, memory
+
+    def on_exit_signal() -> None:
+        """SIGTERM/SIGINT: kill the store reads in flight (in a thread: this runs on the
+        event loop, and the kill waits for the writer's client)."""
+        if handle is not None and handle.opened:
+            threading.Thread(target=handle.cancel_reads, name="cancel-reads",
+                             daemon=True).start()
+
+    app.state.on_exit_signal = on_exit_signal
     app.add_exception_handler(APIError, api_error_handler)
     app.add_middleware(TraceMiddleware, max_body_bytes=config.max_body_bytes,
                        on_record=on_record, traced_paths=API_PATHS)

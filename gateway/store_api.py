@@ -52,6 +52,18 @@ class StoreHandle:
                 self._store = store
             return self._store
 
+    @property
+    def opened(self) -> bool:
+        return self._store is not None
+
+    def cancel_reads(self) -> None:
+        """Kill every read in flight (shutdown: nothing should wait on them)."""
+        try:
+            if self._store is not None:
+                self._store.cancel()
+        except Exception:  # the store may be down; shutting down goes on regardless
+            log.exception("could not cancel the reads in flight")
+
     def close(self) -> None:
         if self._store is not None:
             self._store.close()

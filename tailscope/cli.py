@@ -165,8 +165,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "open local mode on %s: anyone who reaches port %d can generate (configure "
             "tenants with --config); /debug/* answer %s", args.host, args.port,
             "the admin key" if s.admin_key else "loopback clients only")
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info",
-                access_log=args.access_log)
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # uvicorn waits for in-flight requests before it stops: stop what only waits on
+            # the store (a long /debug/query) at once instead of up to its time limit
+            app.state.on_exit_signal()
+            super().handle_exit(sig, frame)
+
+    Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                          access_log=args.access_log)).run()
     return 0
 
 

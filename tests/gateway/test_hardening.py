@@ -190,6 +190,21 @@ def test_oversized_lists_are_a_400_and_never_stall_the_loop(hard_server, body, p
     assert slowest < 500
 
 
+def test_a_long_prompt_is_tokenized_without_stalling_other_requests(hard_server):
+    text = "The quick brown fox jumps over the lazy dog. " * 22_000  # ~1 MB, ~0.5 s to tokenize
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(r=post(hard_server, {
+        "prompt": text, "max_tokens": 2})))
+    t.start()
+    slowest = 0.0
+    while t.is_alive():  # for as long as the request is being read and tokenized
+        slowest = max(slowest, health_ms(hard_server))
+    t.join(60)
+    r = result["r"]
+    assert r.status_code == 400 and "context length" in r.json()["error"]["message"]
+    assert slowest < 300
+
+
 def test_too_many_messages_are_a_400(hard_server):
     msgs = [{"role": "user", "content": "hi"}] * 3000
     r = post(hard_server, {"messages": msgs, "max_tokens": 2}, path="/v1/chat/completions")
@@ -307,6 +322,24 @@ def test_a_non_streamed_request_is_cancelled_when_its_client_leaves(hard_server)
     assert wait_for(lambda: replicas(hard_server.url)["r0"]["ended"].get("CANCELLED", 0)
                     == before + 16, 3), replicas(hard_server.url)
     assert wait_for(lambda: replicas(hard_server.url)["r0"]["inflight"] == 0, 2)
+
+
+def test_sigterm_during_a_long_read_stops_the_gateway_at_once(bundled_path):
+    server = start_server("--model", "tiny:49152", "--tokenizer", str(bundled_path))
+    try:
+        t = threading.Thread(target=lambda: httpx.post(
+            f"{server.url}/debug/query", timeout=120,
+            json={"sql": "SELECT sum(sleepEachRow(0.00004)) FROM numbers(1000000)"}))
+        t.start()
+        time.sleep(1.0)  # the read runs (~40 s unless killed; its limit is 30 s)
+        t0 = time.monotonic()
+        server.proc.terminate()
+        server.proc.wait(timeout=30)
+        assert time.monotonic() - t0 < 10
+        t.join(10)
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
 
 
 # ---- supervision ------------------------------------------------------------------------------
