@@ -105,8 +105,8 @@ async def open_loop(rate: float, duration: float, one) -> Result:
 def start_replica(tmp: str, model: str) -> tuple[subprocess.Popen, str, str]:
     inbox, outbox = f"ipc://{tmp}/bench-r0.in", f"ipc://{tmp}/bench.out"
     proc = subprocess.Popen([sys.executable, "-m", "engine.replica", "--id", "r0", "--model",
-                             model, "--kv-cache-mb", "64", "--inbox", inbox, "--outbox",
-                             outbox], cwd=ROOT, env=replica_env())
+                             model, "--engine-config", '{"kv_cache_mb": 64}', "--inbox",
+                             inbox, "--outbox", outbox], cwd=ROOT, env=replica_env())
     return proc, inbox, outbox
 
 

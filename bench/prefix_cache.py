@@ -46,7 +46,7 @@ def prompts(kind: str, n: int, prefix_len: int, seed: int) -> list[list[int]]:
 def run(model, caching: bool, batch: list[list[int]], rate: float | None,
         max_tokens: int) -> dict:
     engine = Engine(model, EngineConfig(prefix_caching=caching, max_num_seqs=32,
-                                        max_batched_tokens=512, kv_cache_bytes=256 << 20))
+                                        max_batched_tokens=512, kv_cache_mb=256))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     start = time.monotonic_ns()
     due = [start + int(i / rate * 1e9) if rate else start for i in range(len(batch))]

@@ -1,10 +1,10 @@
-"""Frozen, validated configuration dataclasses for the model and the engine."""
+"""Frozen, validated configuration dataclasses for the model and the engine (torch-free: the
+gateway and the CLI read them too)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,76 +35,94 @@ class ModelConfig:
                 f"({self.num_kv_heads})"
             )
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+    def kv_bytes_per_token(self, dtype: str) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dtype]
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "float64": torch.float64}
-
-
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(_DTYPES)}") from None
-
-
+# Bytes per element of each dtype an engine runs in (torch names; the torch dtypes themselves
+# live in engine.dtypes, so this module, and every process that reads a config, stays
+# torch-free).
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 PREEMPTION_MODES = ("recompute", "swap", "auto", "off")
+
+
+def _setting(default, help: str):
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Scheduler and KV settings of one engine replica.
+    """Every engine setting, declared once: its type, default and meaning.
 
-    ``kv_cache_bytes`` is the memory budget for the paged KV cache; the number of blocks is
-    derived from it unless ``num_kv_blocks`` pins it (tests use tiny pools).
+    The environment (``TAILSCOPE_<NAME>``), the command-line flags (``--<name>``), the YAML
+    engine config (``engine:``) and the replica process (one encoded payload) are all derived
+    from these fields (``setting_types``); ``config_id`` hashes them. A new setting is a new
+    field here (plus its use), nothing else.
     """
 
-    block_size: int = 16
-    kv_cache_bytes: int = 512 * 1024 * 1024
-    num_kv_blocks: int | None = None
-    max_num_seqs: int = 64
-    max_batched_tokens: int = 512
-    max_model_len: int | None = None  # defaults to the model's context length
-    dtype: str = "float32"
-    # reuse cached full KV blocks of a prompt's prefix (keyed per tenant namespace)
-    prefix_caching: bool = True
-    # when KV runs out mid-decode: "recompute" (free the victim's blocks, prefill it again),
-    # "swap" (copy its blocks to host memory and back), "auto" (the cost rule in
-    # engine.scheduler), or "off" (admission reserves prompt + max_tokens: never preempts)
-    preemption: str = "recompute"
+    dtype: str = _setting("float32", "weight and KV-cache dtype: " + ", ".join(DTYPE_BYTES))
+    kv_cache_mb: int = _setting(512, "paged KV-cache budget in MiB; the block count derives "
+                                     "from it")
+    num_kv_blocks: int | None = _setting(None, "pins the number of KV blocks (tests use tiny "
+                                               "pools)")
+    block_size: int = _setting(16, "tokens per KV block")
+    max_num_seqs: int = _setting(64, "most sequences running in one tick")
+    max_batched_tokens: int = _setting(512, "token budget of one tick (bounds a prefill chunk)")
+    max_model_len: int | None = _setting(None, "context length (default: the model's)")
+    prefix_caching: bool = _setting(True, "reuse cached KV blocks of shared prompt prefixes")
+    preemption: str = _setting("recompute", "when KV runs out mid-decode: "
+                                            + ", ".join(PREEMPTION_MODES))
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_batched_tokens < 1:
-            raise ValueError(f"max_batched_tokens must be >= 1, got {self.max_batched_tokens}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.kv_cache_bytes < 1:
-            raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
-        parse_dtype(self.dtype)
+        for name in ("block_size", "max_num_seqs", "max_batched_tokens", "kv_cache_mb"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_kv_blocks", "max_model_len"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {sorted(DTYPE_BYTES)}")
         if self.preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got "
                              f"{self.preemption!r}")
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return parse_dtype(self.dtype)
+    @classmethod
+    def setting_types(cls) -> dict[str, tuple[type, bool, str]]:
+        """name -> (type, may be None, help) of every setting, for the derived surfaces."""
+        out = {}
+        for f in fields(cls):
+            hint = str(f.type)
+            base = hint.replace(" | None", "")
+            out[f.name] = ({"int": int, "float": float, "str": str, "bool": bool}[base],
+                           hint != base, f.metadata["help"])
+        return out
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any], where: str = "engine config") -> EngineConfig:
+        """A config from a mapping of settings: unknown names and wrong types are errors
+        naming the setting (a typo must never fall back to a default silently)."""
+        types = cls.setting_types()
+        unknown = set(values) - set(types)
+        if unknown:
+            raise ValueError(f"{where}: unknown engine keys {sorted(unknown)}; known: "
+                             f"{', '.join(types)}")
+        for name, value in values.items():
+            kind, optional, _ = types[name]
+            ok = (value is None and optional) or isinstance(value, kind) and not (
+                kind is int and isinstance(value, bool))
+            if not ok:
+                raise ValueError(f"{where}: engine.{name} must be {kind.__name__}, "
+                                 f"got {value!r}")
+        return cls(**values)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def num_blocks_for(self, model: ModelConfig) -> int:
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
-        per_block = model.kv_bytes_per_token(self.torch_dtype) * self.block_size
-        n = self.kv_cache_bytes // per_block
+        per_block = model.kv_bytes_per_token(self.dtype) * self.block_size
+        n = (self.kv_cache_mb << 20) // per_block
         if n < 1:
-            raise ValueError(
-                f"kv_cache_bytes={self.kv_cache_bytes} holds no {per_block}-byte block"
-            )
+            raise ValueError(f"kv_cache_mb={self.kv_cache_mb} holds no {per_block}-byte block")
         return int(n)

@@ -1,6 +1,7 @@
 """An engine replica: one OS process that owns a model and its KV cache.
 
-    python -m engine.replica --id r0 --model bundled --inbox ipc:///tmp/r0.in --outbox ipc:///tmp/r0.out
+    python -m engine.replica --id r0 --model bundled --inbox ipc:///tmp/r0.in \
+        --outbox ipc:///tmp/r0.out [--engine-config '{"max_num_seqs": 8}'] [--tokenizer PATH]
 
 It PULLs ``ToReplica`` messages and PUSHes ``FromReplica`` messages (ZeroMQ; ``ipc://`` here,
 ``tcp://`` works the same across hosts). The loop: apply every waiting message, run one engine
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -152,14 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Tailscope engine replica process")
     p.add_argument("--id", required=True)
     p.add_argument("--model", default="bundled")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--kv-cache-mb", type=int, default=512)
-    p.add_argument("--num-kv-blocks", type=int)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-batched-tokens", type=int, default=512)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--preemption", default="recompute", help="recompute | swap | auto | off")
+    p.add_argument("--engine-config", default="{}",
+                   help="the EngineConfig as JSON (omitted settings keep their defaults)")
     p.add_argument("--tokenizer", help="tokenizer (GGUF/HF dir) enabling response_format")
     p.add_argument("--inbox", required=True)
     p.add_argument("--outbox", required=True)
@@ -169,11 +165,14 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(int(os.environ["TAILSCOPE_THREADS"]))
-    config = EngineConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_mb << 20,
-                          num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-                          max_batched_tokens=args.max_batched_tokens, dtype=args.dtype,
-                          prefix_caching=not args.no_prefix_caching, preemption=args.preemption)
-    model = load_model(args.model, args.dtype)
+    try:
+        values = json.loads(args.engine_config)
+        if not isinstance(values, dict):
+            raise ValueError("--engine-config must be a JSON object")
+        config = EngineConfig.from_mapping(values, "--engine-config")
+    except ValueError as exc:  # json's errors are ValueErrors too
+        p.error(str(exc))
+    model = load_model(args.model, config.dtype)
     grammar = None
     if args.tokenizer:
         from engine.constrained import GrammarCompiler

@@ -21,13 +21,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from engine import __version__ as engine_version
+from engine.config import EngineConfig
 from engine.text import load_tokenizer
 from gateway import __version__ as gateway_version
 from gateway import store_api
 from gateway.errors import APIError, api_error_handler
 from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics
-from gateway.replicas import ReplicaConfig, ReplicaPool
+from gateway.replicas import ReplicaPool
 from gateway.serving import Service
 from gateway.store_api import open_store, step_row
 from gateway.tenants import TenantRegistry
@@ -47,7 +48,7 @@ class GatewayConfig:
     tokenizer: str | None = None  # defaults to the model path
     served_model_name: str = "SmolLM2-135M-Instruct"
     replicas: int = 1
-    replica: ReplicaConfig | None = None
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)  # every replica's
     max_body_bytes: int = 1 << 20
     tenants_file: str | None = None  # TOML with [[tenants]]; none = open local mode
     max_inflight_per_replica: int | None = None  # load shedding threshold (4 x max_num_seqs)
@@ -77,19 +78,17 @@ class GatewayConfig:
     key_id_secret: str | None = None  # keys api_key_id (default: .tailscope/key-id-secret)
 
 
-def resolved_config(config: GatewayConfig, replica: ReplicaConfig) -> dict:
+def resolved_config(config: GatewayConfig) -> dict:
     """What decides the outputs and timings: model, engine settings and sampling policy."""
-    return {"model": replica.model, "served_model_name": config.served_model_name,
-            "replicas": config.replicas,
-            "engine": {k: v for k, v in dataclasses.asdict(replica).items()
-                       if k not in ("model", "tokenizer")},
+    return {"model": config.model, "served_model_name": config.served_model_name,
+            "replicas": config.replicas, "engine": config.engine.as_dict(),
             "sampling": {"defaults": config.sampling_defaults,
                          "overrides": config.sampling_overrides}}
 
 
-def config_id(config: GatewayConfig, replica: ReplicaConfig) -> str:
+def config_id(config: GatewayConfig) -> str:
     """A stable hash of ``resolved_config`` (key order and the config's name do not count)."""
-    data = resolved_config(config, replica)
+    data = resolved_config(config)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -98,18 +97,15 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
 
     tok_path = config.tokenizer or resolve_model_path(config.model)
     tokenizer = load_tokenizer(tok_path)
-    replica_config = config.replica or ReplicaConfig(model=config.model)
-    if replica_config.tokenizer is None:  # a copy: the caller's config stays as it was
-        replica_config = dataclasses.replace(replica_config, tokenizer=str(tok_path))
-    pool = ReplicaPool(replica_config, config.replicas, config.max_inflight_per_replica,
-                       config.max_buffered_deltas, config.slow_client_timeout_s,
-                       config.heartbeat_timeout_s)
+    pool = ReplicaPool(config.model, config.engine, config.replicas,
+                       config.max_inflight_per_replica, config.max_buffered_deltas,
+                       config.slow_client_timeout_s, config.heartbeat_timeout_s,
+                       tokenizer=str(tok_path))
     registry = TenantRegistry.from_file(config.tenants_file, config.key_id_secret)
     if registry.open:
         log.warning("no API keys configured: open local mode, every request is tenant 'local'")
     versions = {"engine": engine_version, "gateway": gateway_version,
-                "tokenizer": tokenizer.revision or "", "config_id": config_id(config,
-                                                                           replica_config)}
+                "tokenizer": tokenizer.revision or "", "config_id": config_id(config)}
     service = Service(config, tokenizer, pool, registry, versions)
     metrics = GatewayMetrics(pool)
     memory = MemorySink(config.memory_records)
@@ -217,7 +213,7 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
         """The gateway's resolved config, its config_id and versions (the eval runner reads
         them to label a run). Open: it holds no secrets."""
         return {"config_id": versions["config_id"], "name": config.config_name,
-                "config": resolved_config(config, replica_config), "versions": versions}
+                "config": resolved_config(config), "versions": versions}
 
     @app.get("/debug/replicas")
     async def debug_replicas(request: Request) -> dict:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -43,6 +44,7 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
+from engine.config import EngineConfig
 from engine.protocol import (
     AbortRequest,
     AddRequest,
@@ -59,20 +61,6 @@ from engine.protocol import (
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("tailscope.replicas")
-
-
-@dataclass
-class ReplicaConfig:
-    model: str = "bundled"
-    dtype: str = "float32"
-    kv_cache_mb: int = 512
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_batched_tokens: int = 512
-    num_kv_blocks: int | None = None
-    tokenizer: str | None = None  # for JSON-constrained output (llguidance needs the vocab)
-    prefix_caching: bool = True
-    preemption: str = "recompute"  # recompute | swap | auto | off
 
 
 @dataclass(frozen=True)
@@ -175,11 +163,13 @@ def prefix_hashes(prompt: list[int], block_size: int, salt: str = "") -> list[in
 
 
 class ReplicaPool:
-    def __init__(self, config: ReplicaConfig, num_replicas: int = 1,
+    def __init__(self, model: str, engine: EngineConfig, num_replicas: int = 1,
                  max_inflight: int | None = None, max_buffered_deltas: int = 256,
                  slow_client_timeout_s: float = 30.0, heartbeat_timeout_s: float = 30.0,
-                 restart: RestartPolicy | None = None) -> None:
-        self.config = config
+                 restart: RestartPolicy | None = None, tokenizer: str | None = None) -> None:
+        """Replicas of ``model`` run ``engine``; ``tokenizer`` (its path) lets them compile
+        response_format grammars."""
+        self.model, self.config, self.tokenizer = model, engine, tokenizer
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.restart = restart or RestartPolicy()
         self.max_buffered_deltas = max_buffered_deltas
@@ -192,7 +182,7 @@ class ReplicaPool:
         self.on_abandoned: Callable[[str], None] | None = None
         self.slow_client_cancels = 0
         # past this many in-flight requests on every replica, new ones are shed (503)
-        self.max_inflight = max_inflight or 4 * config.max_num_seqs
+        self.max_inflight = max_inflight or 4 * engine.max_num_seqs
         # Plain (sync) sockets: sends are non-blocking PUSHes and the outbox is drained from an
         # event-loop reader callback, which costs far less per message than zmq.asyncio futures.
         self.ctx = zmq.Context()
@@ -208,19 +198,11 @@ class ReplicaPool:
 
     # ---- lifecycle -------------------------------------------------------------------------
     def _spawn(self, r: Replica) -> None:
-        c = self.config
-        cmd = [sys.executable, "-m", "engine.replica", "--id", r.id, "--model", c.model,
-               "--dtype", c.dtype, "--kv-cache-mb", str(c.kv_cache_mb),
-               "--block-size", str(c.block_size), "--max-num-seqs", str(c.max_num_seqs),
-               "--max-batched-tokens", str(c.max_batched_tokens),
-               "--preemption", c.preemption,
+        cmd = [sys.executable, "-m", "engine.replica", "--id", r.id, "--model", self.model,
+               "--engine-config", json.dumps(self.config.as_dict()),
                "--inbox", r.inbox_addr, "--outbox", self.outbox_addr]
-        if not c.prefix_caching:
-            cmd.append("--no-prefix-caching")
-        if c.num_kv_blocks:
-            cmd += ["--num-kv-blocks", str(c.num_kv_blocks)]
-        if c.tokenizer:
-            cmd += ["--tokenizer", c.tokenizer]
+        if self.tokenizer:
+            cmd += ["--tokenizer", self.tokenizer]
         r.health, r.state, r.ready_at, r.restart_at = None, "starting", None, None
         r.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         if r.socket is None:

@@ -9,16 +9,33 @@ import sys
 import time
 from dataclasses import replace
 
+from engine.config import EngineConfig
 from tailscope import __version__
-from tailscope.settings import Settings
+from tailscope.settings import Settings, engine_from_env
 
 
-def _engine_config(s: Settings):
-    from engine import EngineConfig
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """One ``--<setting>`` flag per EngineConfig field (its type and help from there)."""
+    for name, (kind, _, help_) in EngineConfig.setting_types().items():
+        flag = "--" + name.replace("_", "-")
+        if kind is bool:
+            p.add_argument(flag, dest=f"engine_{name}", action=argparse.BooleanOptionalAction,
+                           default=None, help=help_)
+        else:
+            p.add_argument(flag, dest=f"engine_{name}", type=kind, default=None, help=help_)
 
-    return EngineConfig(block_size=s.block_size, kv_cache_bytes=s.kv_cache_mb * 1024 * 1024,
-                        max_num_seqs=s.max_num_seqs, max_batched_tokens=s.max_batched_tokens,
-                        dtype=s.dtype, prefix_caching=s.prefix_caching, preemption=s.preemption)
+
+def engine_config(args: argparse.Namespace, *layers: dict) -> EngineConfig:
+    """Defaults < environment < each of ``layers`` (e.g. a config file) < flags."""
+    flags = {name: getattr(args, f"engine_{name}") for name in EngineConfig.setting_types()
+             if getattr(args, f"engine_{name}", None) is not None}
+    merged: dict = engine_from_env()
+    for layer in (*layers, flags):
+        merged.update(layer)
+    try:
+        return EngineConfig(**merged)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -31,7 +48,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from engine.text import generate_text, load_tokenizer
 
     s = Settings.from_env()
-    s = replace(s, model=args.model or s.model, dtype=args.dtype or s.dtype)
+    s = replace(s, model=args.model or s.model)
+    config = engine_config(args)
     if s.threads:
         torch.set_num_threads(s.threads)
     path = resolve_model_path(s.model)
@@ -40,7 +58,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    model = load_model(path, s.dtype)
+    model = load_model(path, config.dtype)
     tokenizer = load_tokenizer(path)
     structured = None
     if args.json_schema is not None:
@@ -50,7 +68,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             else {"type": "json_object"})
     grammar = GrammarCompiler.from_tokenizer(tokenizer, model.config.vocab_size) \
         if structured else None
-    engine = Engine(model, _engine_config(s), grammar=grammar)
+    engine = Engine(model, config, grammar=grammar)
     load_s = time.perf_counter() - t0
     text = args.prompt
     if args.chat:
@@ -86,7 +104,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from gateway.app import GatewayConfig, create_app
     from gateway.limits import RequestLimits
-    from gateway.replicas import ReplicaConfig
     from tracing.store import QueryLimits
 
     os.umask(0o077)  # the store, spool, records and key-id secret are readable by us alone
@@ -100,27 +117,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except ConfigFileError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        e = file.engine  # precedence: command-line flag > config file > environment > default
-        s = replace(s, model=file.model or s.model, dtype=e.get("dtype") or s.dtype,
-                    kv_cache_mb=e.get("kv_cache_mb") or s.kv_cache_mb,
-                    block_size=e.get("block_size") or s.block_size,
-                    max_num_seqs=e.get("max_num_seqs") or s.max_num_seqs,
-                    max_batched_tokens=e.get("max_batched_tokens") or s.max_batched_tokens,
-                    prefix_caching=e.get("prefix_caching", s.prefix_caching),
-                    preemption=e.get("preemption") or s.preemption)
-    s = replace(s, model=args.model or s.model, dtype=args.dtype or s.dtype)
+        s = replace(s, model=file.model or s.model)
+    s = replace(s, model=args.model or s.model)
+    # precedence: command-line flag > config file > environment > default
+    engine = engine_config(args, file.engine if file else {})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    replica = ReplicaConfig(model=s.model, dtype=s.dtype, kv_cache_mb=s.kv_cache_mb,
-                            block_size=s.block_size, max_num_seqs=s.max_num_seqs,
-                            max_batched_tokens=s.max_batched_tokens, tokenizer=args.tokenizer,
-                            num_kv_blocks=file.engine.get("num_kv_blocks") if file else None,
-                            prefix_caching=s.prefix_caching, preemption=s.preemption)
     served = args.served_model_name or (file and file.served_model_name) \
         or "SmolLM2-135M-Instruct"
     app = create_app(GatewayConfig(model=s.model, tokenizer=args.tokenizer,
                                    served_model_name=served,
                                    replicas=args.replicas or (file and file.replicas) or 1,
-                                   replica=replica,
+                                   engine=engine,
                                    tenants_file=args.config or s.config,
                                    max_inflight_per_replica=args.max_inflight,
                                    queue_timeout_s=(args.queue_timeout if args.queue_timeout
@@ -394,7 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("--model", help="'bundled' (default), a .gguf file or an HF directory")
-    g.add_argument("--dtype", help="float32 (default) | bfloat16 | float16")
+    add_engine_flags(g)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
@@ -413,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--replicas", type=int, help="replica processes (default 1)")
     sv.add_argument("--engine-config", metavar="FILE",
                     help="YAML: model, engine settings and sampling policy (evals/configs/)")
-    sv.add_argument("--dtype", help="float32 (default) | bfloat16")
+    add_engine_flags(sv)
     sv.add_argument("--config", help="TOML file with [[tenants]] (API keys and limits)")
     sv.add_argument("--max-inflight", type=int,
                     help="in-flight requests per replica before new ones get 503 "

@@ -5,14 +5,10 @@ policy, so an eval run (or a rollout) is reproducible from the file alone::
     model: bundled                   # 'bundled', 'tiny', a .gguf file or an HF directory
     served_model_name: SmolLM2-135M-Instruct
     replicas: 1
-    engine:                          # any of these; the rest keep their defaults
-      dtype: float32
+    engine:                          # any field of engine.config.EngineConfig; the rest keep
+      dtype: float32                 # their defaults (unknown keys and wrong types are errors)
       kv_cache_mb: 512
-      block_size: 16
       max_num_seqs: 64
-      max_batched_tokens: 512
-      num_kv_blocks: null            # pins the pool size (tests use tiny pools)
-      prefix_caching: true           # reuse cached KV blocks of shared prompt prefixes
       preemption: recompute          # recompute | swap | auto | off
     sampling:
       defaults: {}                   # request fields filled in when a request leaves them out
@@ -29,9 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ENGINE_KEYS = {"dtype": str, "kv_cache_mb": int, "block_size": int, "max_num_seqs": int,
-               "max_batched_tokens": int, "num_kv_blocks": int, "prefix_caching": bool,
-               "preemption": str}
+from engine.config import EngineConfig
+
 TOP_KEYS = {"name", "model", "served_model_name", "replicas", "engine", "sampling"}
 
 
@@ -46,7 +41,7 @@ class EngineConfigFile:
     model: str | None = None
     served_model_name: str | None = None
     replicas: int | None = None
-    engine: dict[str, Any] = field(default_factory=dict)
+    engine: dict[str, Any] = field(default_factory=dict)  # the settings the file gives
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     sampling_overrides: dict[str, Any] = field(default_factory=dict)
 
@@ -66,15 +61,12 @@ def load(path: str | Path) -> EngineConfigFile:
         raise ConfigFileError(f"{path}: unknown keys {sorted(unknown)}; known: "
                               f"{', '.join(sorted(TOP_KEYS))}")
     engine = data.get("engine") or {}
-    bad = set(engine) - set(ENGINE_KEYS)
-    if bad:
-        raise ConfigFileError(f"{path}: unknown engine keys {sorted(bad)}; known: "
-                              f"{', '.join(ENGINE_KEYS)}")
-    for key, kind in ENGINE_KEYS.items():
-        value = engine.get(key)
-        if value is not None and not isinstance(value, kind):
-            raise ConfigFileError(f"{path}: engine.{key} must be {kind.__name__}, "
-                                  f"got {value!r}")
+    if not isinstance(engine, dict):
+        raise ConfigFileError(f"{path}: engine must be a mapping")
+    try:
+        EngineConfig.from_mapping(engine, str(path))  # validated now; merged by the caller
+    except ValueError as exc:
+        raise ConfigFileError(str(exc)) from None
     sampling = data.get("sampling") or {}
     bad = set(sampling) - {"defaults", "overrides"}
     if bad:

@@ -1,4 +1,8 @@
-"""Every TAILSCOPE_* environment variable, in one typed place."""
+"""Every TAILSCOPE_* environment variable, in one typed place.
+
+The engine settings are not repeated here: ``engine`` is an ``EngineConfig`` whose every field
+is read from ``TAILSCOPE_<FIELD NAME>`` (e.g. ``TAILSCOPE_MAX_NUM_SEQS``), like the fields below.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +10,38 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from engine.config import EngineConfig
+
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def parse_env(name: str, raw: str, kind: type, optional: bool = False):
+    """``raw`` (the value of ``TAILSCOPE_<NAME>``) as ``kind``; booleans are false for 0,
+    false, no; an optional setting is None for '' or none."""
+    if optional and raw.strip().lower() in ("", "none"):
+        return None
+    if kind is bool:
+        return raw.strip().lower() not in ("0", "false", "no")
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ValueError(f"TAILSCOPE_{name.upper()}={raw!r} is not a {kind.__name__}") from None
+
+
+def engine_from_env() -> dict:
+    """The engine settings given in the environment (only those)."""
+    out = {}
+    for name, (kind, optional, _) in EngineConfig.setting_types().items():
+        raw = os.environ.get(f"TAILSCOPE_{name.upper()}")
+        if raw is not None:
+            out[name] = parse_env(name, raw, kind, optional)
+    return out
+
 
 @dataclass(frozen=True)
 class Settings:
     model: str = "bundled"  # TAILSCOPE_MODEL: 'bundled', 'tiny', a .gguf file or an HF dir
-    dtype: str = "float32"  # TAILSCOPE_DTYPE: float32 | bfloat16 | float16
-    kv_cache_mb: int = 512  # TAILSCOPE_KV_CACHE_MB: paged KV budget per replica
-    block_size: int = 16  # TAILSCOPE_BLOCK_SIZE: tokens per KV block
-    max_num_seqs: int = 64  # TAILSCOPE_MAX_NUM_SEQS: running sequences per tick
-    max_batched_tokens: int = 512  # TAILSCOPE_MAX_BATCHED_TOKENS: token budget per tick
-    prefix_caching: bool = True  # TAILSCOPE_PREFIX_CACHING: 0 turns the prefix cache off
-    preemption: str = "recompute"  # TAILSCOPE_PREEMPTION: recompute | swap | auto | off
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)  # see the doc
     threads: int = 0  # TAILSCOPE_THREADS: torch intra-op threads (0 = torch's default)
     config: str = ""  # TAILSCOPE_CONFIG: gateway TOML (tenants, API keys, limits)
     queue_timeout_s: float = 60.0  # TAILSCOPE_QUEUE_TIMEOUT_S: engine queue wait -> 504 (0 = none)
@@ -53,21 +78,10 @@ class Settings:
 
     @classmethod
     def from_env(cls) -> Settings:
-        """Each field from ``TAILSCOPE_<FIELD NAME>``, parsed by its type; booleans are false
-        for 0, false, no."""
-        values = {}
+        """Each field from ``TAILSCOPE_<FIELD NAME>``, parsed by its type."""
+        values: dict = {"engine": EngineConfig(**engine_from_env())}
         for f in dataclasses.fields(cls):
             raw = os.environ.get(f"TAILSCOPE_{f.name.upper()}")
-            if raw is None:
-                continue
-            if f.type == "bool":
-                values[f.name] = raw.strip().lower() not in ("0", "false", "no")
-            elif f.type in ("int", "float"):
-                try:
-                    values[f.name] = (int if f.type == "int" else float)(raw)
-                except ValueError:
-                    raise ValueError(f"TAILSCOPE_{f.name.upper()}={raw!r} is not a number") \
-                        from None
-            else:
-                values[f.name] = raw
+            if raw is not None and f.name != "engine":
+                values[f.name] = parse_env(f.name, raw, _TYPES[f.type])
         return cls(**values)

@@ -64,7 +64,7 @@ def load_weights(model: str | Path | None) -> tuple[ModelConfig, dict[str, Weigh
 
 
 def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "float32") -> LlamaModel:
-    from engine.config import parse_dtype
+    from engine.dtypes import parse_dtype
     from engine.model import LlamaModel
 
     config, weights = load_weights(model)

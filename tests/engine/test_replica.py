@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -32,8 +33,9 @@ def replica(tmp_path):
     in_addr = f"ipc://{tmp_path}/in"
     proc = subprocess.Popen(
         [sys.executable, "-m", "engine.replica", "--id", "r0", "--model", "tiny",
-         "--dtype", "float64", "--num-kv-blocks", "64", "--block-size", "4",
-         "--max-batched-tokens", "16", "--inbox", in_addr, "--outbox", out_addr])
+         "--engine-config", json.dumps({"dtype": "float64", "num_kv_blocks": 64,
+                                        "block_size": 4, "max_batched_tokens": 16}),
+         "--inbox", in_addr, "--outbox", out_addr])
     inbox = ctx.socket(zmq.PUSH)
     inbox.connect(in_addr)
     assert outbox.poll(60_000), "replica never reported health"
@@ -101,7 +103,8 @@ def test_replica_exits_when_its_parent_dies(tmp_path):
     script = (
         "import subprocess, sys\n"
         "p = subprocess.Popen([sys.executable, '-m', 'engine.replica', '--id', 'r9', '--model',"
-        f" 'tiny', '--num-kv-blocks', '8', '--inbox', 'ipc://{tmp_path}/i', '--outbox',"
+        " 'tiny', '--engine-config', '{\"num_kv_blocks\": 8}',"
+        f" '--inbox', 'ipc://{tmp_path}/i', '--outbox',"
         f" 'ipc://{tmp_path}/o'])\n"
         "print(p.pid, flush=True)\n"
         "import time; time.sleep(60)\n")

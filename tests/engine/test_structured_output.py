@@ -46,7 +46,7 @@ PROMPTS = {
 @pytest.fixture(scope="module")
 def engine(bundled_model, bundled_tokenizer):
     grammar = GrammarCompiler.from_tokenizer(bundled_tokenizer, bundled_model.config.vocab_size)
-    return Engine(bundled_model, EngineConfig(kv_cache_bytes=64 << 20), grammar=grammar)
+    return Engine(bundled_model, EngineConfig(kv_cache_mb=64), grammar=grammar)
 
 
 def _chat(tok, text):

@@ -101,11 +101,10 @@ def test_engine_config_files(tmp_path):
 
 
 def test_config_id_hashes_the_resolved_config_not_its_name():
+    from engine.config import EngineConfig
     from gateway.app import GatewayConfig, config_id
-    from gateway.replicas import ReplicaConfig
 
-    base = config_id(GatewayConfig(config_name="a"), ReplicaConfig())
-    assert base == config_id(GatewayConfig(config_name="b"), ReplicaConfig())
-    assert base != config_id(GatewayConfig(sampling_overrides={"temperature": 1.5}),
-                             ReplicaConfig())
-    assert base != config_id(GatewayConfig(), ReplicaConfig(max_num_seqs=4))
+    base = config_id(GatewayConfig(config_name="a"))
+    assert base == config_id(GatewayConfig(config_name="b"))
+    assert base != config_id(GatewayConfig(sampling_overrides={"temperature": 1.5}))
+    assert base != config_id(GatewayConfig(engine=EngineConfig(max_num_seqs=4)))

@@ -1,0 +1,84 @@
+"""One declaration per engine setting: every field of ``EngineConfig`` is an environment
+variable, a command-line flag, a YAML engine key, part of ``config_id``, and reaches the replica
+process, with nothing else to edit."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from engine.config import EngineConfig
+from gateway.app import GatewayConfig, config_id
+from tailscope.cli import add_engine_flags, engine_config
+from tailscope.engine_config import ConfigFileError, load
+from tailscope.settings import Settings
+
+# a value other than the default for every setting, by type
+SAMPLE = {"dtype": "bfloat16", "kv_cache_mb": 64, "num_kv_blocks": 40, "block_size": 8,
+          "max_num_seqs": 3, "max_batched_tokens": 128, "max_model_len": 512,
+          "prefix_caching": False, "preemption": "swap"}
+
+
+def test_the_sample_covers_every_setting():
+    assert set(SAMPLE) == set(EngineConfig.setting_types())
+    for name, value in SAMPLE.items():
+        assert getattr(EngineConfig(), name) != value, name
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLE))
+def test_each_setting_is_an_env_var_a_flag_a_yaml_key_and_part_of_config_id(
+        name, monkeypatch, tmp_path):
+    value = SAMPLE[name]
+    monkeypatch.setenv(f"TAILSCOPE_{name.upper()}", "0" if value is False else str(value))
+    assert getattr(Settings.from_env().engine, name) == value
+    monkeypatch.delenv(f"TAILSCOPE_{name.upper()}")
+
+    p = argparse.ArgumentParser()
+    add_engine_flags(p)
+    flag = "--" + name.replace("_", "-")
+    argv = [f"--no-{flag[2:]}"] if value is False else [flag, str(value)]
+    assert getattr(engine_config(p.parse_args(argv)), name) == value
+
+    f = tmp_path / "c.yaml"
+    f.write_text(f"engine: {{{name}: {str(value).lower() if isinstance(value, bool) else value}}}")
+    assert EngineConfig(**load(f).engine) == EngineConfig(**{name: value})
+
+    base = config_id(GatewayConfig())
+    assert config_id(GatewayConfig(engine=EngineConfig(**{name: value}))) != base
+
+
+def test_flags_win_over_the_file_and_the_file_over_the_environment(monkeypatch):
+    monkeypatch.setenv("TAILSCOPE_MAX_NUM_SEQS", "5")
+    monkeypatch.setenv("TAILSCOPE_BLOCK_SIZE", "8")
+    p = argparse.ArgumentParser()
+    add_engine_flags(p)
+    got = engine_config(p.parse_args(["--max-num-seqs", "7"]), {"max_num_seqs": 6,
+                                                                 "kv_cache_mb": 32})
+    assert (got.max_num_seqs, got.block_size, got.kv_cache_mb) == (7, 8, 32)
+
+
+def test_bad_values_are_refused_naming_the_setting(tmp_path):
+    f = tmp_path / "c.yaml"
+    for text, match in (("engine: {max_num_seqs: 0}", "max_num_seqs must be >= 1"),
+                        ("engine: {preemption: sometimes}", "preemption must be one of"),
+                        ("engine: {prefix_caching: 1}", "prefix_caching must be bool")):
+        f.write_text(text)
+        with pytest.raises(ConfigFileError, match=match):
+            load(f)
+
+
+def test_the_replica_receives_the_whole_config(bundled_path):
+    import httpx
+
+    from tests.gateway.conftest import start_server, stop_server
+
+    server = start_server("--model", "tiny:49152", "--tokenizer", str(bundled_path),
+                          "--num-kv-blocks", "40", "--max-num-seqs", "3")
+    try:
+        info = httpx.get(f"{server.url}/debug/replicas").json()["r0"]
+        assert info["kv_blocks_total"] == 40  # only the replica's engine could know this
+        engine = httpx.get(f"{server.url}/debug/config").json()["config"]["engine"]
+        assert engine["max_num_seqs"] == 3 and engine["num_kv_blocks"] == 40
+    finally:
+        stop_server(server)
