@@ -138,8 +138,12 @@ class RecordWriter:
             closing, asked = self._closing, self._flush_asked
             try:
                 force = closing or asked > self._flush_done
-                while self._queue and (force or self._due()):
-                    self._flush(self._take())
+                # a forced flush drains what is queued now, not what keeps arriving meanwhile
+                left = len(self._queue) if force else 0
+                while self._queue and (left > 0 or self._due()):
+                    batch = self._take()
+                    left -= len(batch)
+                    self._flush(batch)
                 now = time.monotonic()
                 if now - last_replay >= self.replay_interval_s or force:
                     last_replay = now
