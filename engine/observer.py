@@ -8,7 +8,8 @@ consumers in another process receive durations, never raw monotonic readings to 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+
+import msgspec
 
 from engine.request import Request, RequestState
 
@@ -21,10 +22,10 @@ _STAGES = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class RequestStats:
+class RequestStats(msgspec.Struct, frozen=True):
     """Stage durations; ``e2e_ms == admit_ms + queue_ms + prefill_ms + decode_ms +
-    preempted_ms`` holds exactly (every interval between events belongs to one stage)."""
+    preempted_ms`` holds exactly (every interval between events belongs to one stage).
+    A msgspec struct: it crosses to the gateway as it is (``TokenDelta.stats``)."""
 
     admit_ms: float  # engine arrival -> admission decision (first event)
     queue_ms: float
@@ -38,8 +39,9 @@ class RequestStats:
     cached_tokens: int = 0  # prompt tokens served by the prefix cache
 
 
-@dataclass(frozen=True, slots=True)
-class StepStats:
+class StepStats(msgspec.Struct, frozen=True):
+    """One engine tick; crosses to the gateway as it is (``StepReport.stats``)."""
+
     step: int
     wall_ns: int  # wall-clock timestamp of the step start (for records)
     duration_ms: float

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
+from engine.observer import RequestStats, StepStats
 from engine.sampling_params import SamplingParams
 
 
@@ -54,7 +55,7 @@ class TokenDelta(msgspec.Struct):
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
-    stats: dict[str, float] | None = None  # RequestStats durations (ms), at the end only
+    stats: RequestStats | None = None  # stage durations (ms), at the end only
     # per token, when requested: (logprob, [(token id, logprob), ...top])
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     # at the end only: the state events as (state, ms since engine arrival, detail)
@@ -64,7 +65,7 @@ class TokenDelta(msgspec.Struct):
 class StepReport(msgspec.Struct, tag="step"):
     replica: str
     deltas: list[TokenDelta]
-    stats: dict[str, float] | None = None  # StepStats of the tick, None for control-only output
+    stats: StepStats | None = None  # the tick's stats, None for control-only output
     running: int = 0
     waiting: int = 0
     kv_blocks_used: int = 0

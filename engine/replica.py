@@ -52,8 +52,7 @@ def _delta(out: RequestOutput, engine: Engine) -> TokenDelta:
         request_id=out.request_id, token_ids=out.new_token_ids, state=out.state.name,
         finish_reason=out.finish_reason, stop_reason=req.stop_reason if req else None,
         error=out.error,
-        stats={k: v for k, v in dataclasses.asdict(out.stats).items()
-               if isinstance(v, float | int)} if out.stats else None,
+        stats=out.stats,
         logprobs=[(lp.logprob, list(lp.top)) for lp in out.new_logprobs if lp is not None]
         if any(lp is not None for lp in out.new_logprobs) else None,
         events=[(e.state.name, (e.ts_ns - req.arrival_ns) / 1e6, e.detail) for e in req.events]
@@ -132,11 +131,9 @@ class Replica:
             ran = self.engine.step_count > steps_before
             step = self.engine.observer.steps[-1] if ran else None
             if outputs or ran:  # every tick is reported: the store keeps engine_steps
-                stats = dataclasses.asdict(step) if step is not None else None
                 usage = self.engine.kv.usage()
                 self.send(StepReport(
-                    self.id, [_delta(o, self.engine) for o in outputs],
-                    {k: float(v) for k, v in stats.items()} if stats else None,
+                    self.id, [_delta(o, self.engine) for o in outputs], step,
                     running=len(self.engine.scheduler.running),
                     waiting=len(self.engine.scheduler.waiting),
                     kv_blocks_used=usage.blocks_used, kv_blocks_total=usage.blocks_total,

@@ -448,7 +448,7 @@ class ReplicaPool:
                 replica.last_report = msg
                 if msg.stats is not None:
                     for key in KV_COUNTERS:
-                        replica.kv_counters[key] += int(msg.stats.get(key, 0))
+                        replica.kv_counters[key] += getattr(msg.stats, key)
                 if msg.stats is not None and self.on_step is not None:
                     self.on_step(replica, msg)
             for delta in msg.deltas:

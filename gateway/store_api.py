@@ -8,6 +8,7 @@ reads through these endpoints; store calls run in a worker thread, never on the 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import io
 import json
@@ -20,6 +21,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from engine.observer import StepStats
 from gateway.errors import APIError, bad_request
 from tracing.schema import BenchRunRow, EngineStepRow, EvalResultRow, EvalRunRow
 from tracing.store import (
@@ -92,18 +94,18 @@ def open_store(dsn: str, spool_dir: str | None, fault_file: str | None,
     return handle, writer
 
 
+# the engine_steps columns that are the replica's StepStats fields of the same name
+_STEP_FIELDS = tuple(f.name for f in dataclasses.fields(EngineStepRow)
+                     if f.name in StepStats.__struct_fields__)
+
+
 def step_row(replica, msg, ttl_days: int) -> EngineStepRow:
+    """The engine_steps row of a StepReport: its StepStats field for field, plus where and
+    when (the replica, its incarnation, the wall clock) and the queue lengths."""
     s = msg.stats
-    return EngineStepRow(
-        replica=replica.id, incarnation=replica.restarts, step=int(s["step"]),
-        ts_us=int(s["wall_ns"]) // 1000, duration_ms=s["duration_ms"],
-        num_seqs=int(s["num_seqs"]), prefill_tokens=int(s["prefill_tokens"]),
-        decode_tokens=int(s["decode_tokens"]), kv_blocks_used=int(s["kv_blocks_used"]),
-        kv_blocks_total=int(s["kv_blocks_total"]), forward_ms=s["forward_ms"],
-        sample_ms=s["sample_ms"], host_ms=s["host_ms"], running=msg.running,
-        waiting=msg.waiting, prefix_queries=int(s.get("prefix_queries", 0)),
-        prefix_hits=int(s.get("prefix_hits", 0)), evictions=int(s.get("evictions", 0)),
-        preemptions=int(s.get("preemptions", 0)), ttl_days=ttl_days)
+    return EngineStepRow(replica=replica.id, incarnation=replica.restarts,
+                         ts_us=s.wall_ns // 1000, running=msg.running, waiting=msg.waiting,
+                         ttl_days=ttl_days, **{f: getattr(s, f) for f in _STEP_FIELDS})
 
 
 def _jsonable(v):

@@ -27,6 +27,7 @@ import time
 import uuid
 from collections.abc import Callable
 
+from engine.observer import RequestStats
 from tracing.record import RecordEvent, RequestRecord
 
 log = logging.getLogger("tailscope.gateway")
@@ -56,7 +57,7 @@ class RequestTrace:
         self.flushes: list[int] = []
         self.end_ns: int | None = None
         self.engine_events: list[tuple[str, float, str]] = []
-        self.engine_stats: dict[str, float] | None = None
+        self.engine_stats: RequestStats | None = None  # the replica's, at the end
 
     def mark(self, stage: str, at_ns: int | None = None) -> None:
         self.marks[stage] = time.monotonic_ns() if at_ns is None else at_ns
@@ -106,13 +107,11 @@ class RequestTrace:
             r.tail_ms = ms(f[-1], end)
         else:
             r.tail_ms = r.e2e_ms
-        s = self.engine_stats or {}
-        r.engine_queue_ms = s.get("queue_ms", 0.0) + s.get("admit_ms", 0.0)
-        r.prefill_ms = s.get("prefill_ms", 0.0)
-        r.decode_ms = s.get("decode_ms", 0.0)
-        r.preempted_ms = s.get("preempted_ms", 0.0)
-        r.preemptions = int(s.get("preemptions", 0))
-        r.cached_tokens = int(s.get("cached_tokens", 0))
+        s = self.engine_stats
+        if s is not None:
+            r.engine_queue_ms = s.queue_ms + s.admit_ms
+            r.prefill_ms, r.decode_ms, r.preempted_ms = s.prefill_ms, s.decode_ms, s.preempted_ms
+            r.preemptions, r.cached_tokens = s.preemptions, s.cached_tokens
         events = [RecordEvent(self.arrival_wall_us, "RECEIVED")]
         events += [RecordEvent(self._wall(ns), stage) for stage, ns in
                    sorted(m.items(), key=lambda kv: kv[1])]

@@ -81,7 +81,9 @@ def test_replica_process_streams_the_same_tokens_as_the_engine(replica, tiny_mod
         assert tokens == expected[rid]
         last = deltas[rid][-1]
         assert last.state == "FINISHED" and last.finish_reason == "length"
-        assert last.stats["e2e_ms"] > 0 and "queue_ms" in last.stats
+        assert last.stats.e2e_ms > 0 and last.stats.queue_ms >= 0
+        offsets = last.stats.token_offsets_ms  # typed, whole: nothing dropped on the wire
+        assert len(offsets) == len(tokens) == 6 and list(offsets) == sorted(offsets)
 
 
 def test_replica_abort_rejection_and_shutdown(replica):
