@@ -70,3 +70,28 @@ def tiny_server(bundled_path, records_file):
                           "--records-jsonl", str(records_file))
     yield server
     stop_server(server)
+
+
+# A load generator in its own process: prints "trace_id wall_time" for every 200.
+LOAD = r"""
+import sys, secrets, threading, time, httpx
+url, model = sys.argv[1], sys.argv[2]
+lock = threading.Lock()
+def worker():
+    with httpx.Client(timeout=30) as http:
+        while True:
+            tid = secrets.token_hex(16)
+            try:
+                r = http.post(url + "/v1/completions", headers={
+                    "traceparent": f"00-{tid}-{secrets.token_hex(8)}-01"}, json={
+                    "model": model, "prompt": "Once upon a time", "max_tokens": 8,
+                    "ignore_eos": True})
+            except httpx.HTTPError:
+                return
+            if r.status_code == 200:
+                with lock:
+                    print(tid, time.time(), flush=True)
+threads = [threading.Thread(target=worker) for _ in range(4)]
+for t in threads: t.start()
+for t in threads: t.join()
+"""

@@ -19,7 +19,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.gateway.conftest import start_server, stop_server
+from tests.gateway.conftest import LOAD, start_server, stop_server
 from tests.gateway.test_faults import replicas, wait_for
 
 
@@ -417,31 +417,6 @@ def test_sigkill_of_the_gateway_under_load_loses_only_the_last_flush_window(bund
         stop_server(server)
     old = [tid for tid, ts in answered if ts < killed_at - flush_s - 1.0]
     assert old and set(old) <= landed, len(set(old) - landed)
-
-
-# A load generator in its own process: prints "trace_id wall_time" for every 200.
-LOAD = r"""
-import sys, secrets, threading, time, httpx
-url, model = sys.argv[1], sys.argv[2]
-lock = threading.Lock()
-def worker():
-    with httpx.Client(timeout=30) as http:
-        while True:
-            tid = secrets.token_hex(16)
-            try:
-                r = http.post(url + "/v1/completions", headers={
-                    "traceparent": f"00-{tid}-{secrets.token_hex(8)}-01"}, json={
-                    "model": model, "prompt": "Once upon a time", "max_tokens": 8,
-                    "ignore_eos": True})
-            except httpx.HTTPError:
-                return
-            if r.status_code == 200:
-                with lock:
-                    print(tid, time.time(), flush=True)
-threads = [threading.Thread(target=worker) for _ in range(4)]
-for t in threads: t.start()
-for t in threads: t.join()
-"""
 
 
 def test_the_store_and_spool_are_private_to_the_gateway_user(hard_server):
