@@ -2,10 +2,11 @@
 
 ``TABLES`` maps each table of database ``tailscope`` to its columns (name, ClickHouse type),
 derived from the dataclass fields by ``_columns`` with a few stated overrides (time columns,
-low-cardinality strings); ``ddl()`` renders ``CREATE TABLE`` statements and ``MIGRATIONS``
-lists the versioned steps applied at start (``tracing.store.migrate``). A new column is a new
-migration (``ALTER TABLE ... ADD COLUMN IF NOT EXISTS``) appended to the list, never an edit of
-an applied one.
+low-cardinality strings); ``Table.create()`` renders a ``CREATE TABLE`` statement and
+``MIGRATIONS`` lists the versioned steps applied at start (``tracing.store.migrate``):
+migration 1 is frozen literal DDL (``tracing.schema_v1``), and a new column is a new migration
+(``ALTER TABLE ... ADD COLUMN IF NOT EXISTS``) appended to the list, never an edit of an
+applied one. A test checks that the chain ends exactly at the declarations here.
 
 All tables are MergeTree, partitioned by day and ordered for the drill-down queries (time,
 then model/replica); rows expire after ``ttl_days`` (a column, so a tenant's privacy setting
@@ -22,6 +23,7 @@ import typing
 from dataclasses import dataclass
 
 from tracing.record import RecordEvent, RequestRecord
+from tracing.schema_v1 import V1
 
 DATABASE = "tailscope"
 DEDUP_WINDOW = 10_000  # recent insert tokens remembered per table
@@ -133,10 +135,13 @@ def _ch_type(name: str, annotation) -> str:
     return f"LowCardinality({base})" if name in _LOW_CARDINALITY else base
 
 
-def _columns(cls, skip: tuple[str, ...] = ()) -> list[tuple[str, str, str]]:
-    """(column name, ClickHouse type, dataclass field name) for each stored field."""
-    hints = typing.get_type_hints(cls)
-    return [(_TIME_COLUMNS.get(f.name, f.name), _ch_type(f.name, hints[f.name]), f.name)
+def _columns(cls, skip: tuple[str, ...] = (), types: dict[str, str] | None = None
+             ) -> list[tuple[str, str, str]]:
+    """(column name, ClickHouse type, dataclass field name) for each stored field; ``types``
+    pins a column's type where this table differs from the shared naming rules."""
+    hints, types = typing.get_type_hints(cls), types or {}
+    return [(_TIME_COLUMNS.get(f.name, f.name),
+             types.get(f.name) or _ch_type(f.name, hints[f.name]), f.name)
             for f in dataclasses.fields(cls) if f.name not in skip]
 
 
@@ -148,9 +153,10 @@ class Table:
     time_column: str
     order_by: str
 
-    def create(self) -> str:
+    def create(self, database: str = DATABASE) -> str:
+        """The table as declared now (for a migration that adds a table, frozen there)."""
         cols = ",\n    ".join(f"`{c}` {t}" for c, t, _ in self.columns)
-        return (f"CREATE TABLE IF NOT EXISTS {DATABASE}.{self.name} (\n    {cols}\n)\n"
+        return (f"CREATE TABLE IF NOT EXISTS {database}.{self.name} (\n    {cols}\n)\n"
                 f"ENGINE = MergeTree\nPARTITION BY toDate({self.time_column})\n"
                 f"ORDER BY ({self.order_by})\n"
                 f"TTL toDateTime({self.time_column}) + toIntervalDay(ttl_days)\n"
@@ -162,21 +168,18 @@ TABLES: dict[str, Table] = {t.name: t for t in [
           _columns(RequestRecord, skip=("events",)),
           "arrival_ts", "toStartOfHour(arrival_ts), model, replica, arrival_ts"),
     Table("request_events", EventRow, _columns(EventRow), "ts", "trace_id, ts, seq"),
-    Table("engine_steps", EngineStepRow, _columns(EngineStepRow), "ts",
-          "replica, ts, incarnation, step"),
+    # migration 4 added engine_steps.preemptions as Int64 (requests.preemptions is UInt32)
+    Table("engine_steps", EngineStepRow, _columns(EngineStepRow, types={"preemptions": "Int64"}),
+          "ts", "replica, ts, incarnation, step"),
     Table("eval_runs", EvalRunRow, _columns(EvalRunRow), "ts", "ts, run_id"),
     Table("eval_results", EvalResultRow, _columns(EvalResultRow), "ts", "run_id, case_id"),
     Table("bench_runs", BenchRunRow, _columns(BenchRunRow), "ts", "ts, run_id"),
 ]}
 
 
-def ddl() -> list[str]:
-    return [f"CREATE DATABASE IF NOT EXISTS {DATABASE}", *(t.create() for t in TABLES.values())]
-
-
 # (version, name, statements). Applied in order, each once; statements are idempotent too.
 MIGRATIONS: list[tuple[int, str, list[str]]] = [
-    (1, "initial tables", [t.create() for t in TABLES.values()]),
+    (1, "initial tables", V1),
     (2, "requests.bench_run", [f"ALTER TABLE {DATABASE}.requests ADD COLUMN IF NOT EXISTS "
                                "bench_run LowCardinality(String) AFTER endpoint"]),
     (3, "eval_results.output, finish_reason, weight", [
@@ -194,4 +197,4 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
 ]
 
 __all__ = ["DATABASE", "TABLES", "MIGRATIONS", "EngineStepRow", "EventRow", "EvalRunRow",
-           "EvalResultRow", "BenchRunRow", "RecordEvent", "ddl"]
+           "EvalResultRow", "BenchRunRow", "RecordEvent"]
