@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from engine.config import EngineConfig
 from tailscope import __version__
-from tailscope.settings import Settings, engine_from_env
+from tailscope.settings import Settings
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -25,11 +25,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, dest=f"engine_{name}", type=kind, default=None, help=help_)
 
 
-def engine_config(args: argparse.Namespace, *layers: dict) -> EngineConfig:
-    """Defaults < environment < each of ``layers`` (e.g. a config file) < flags."""
+def engine_config(args: argparse.Namespace, base: EngineConfig, *layers: dict) -> EngineConfig:
+    """``base`` (the defaults and the environment: ``Settings.engine``) < each of ``layers``
+    (e.g. a config file) < flags."""
     flags = {name: getattr(args, f"engine_{name}") for name in EngineConfig.setting_types()
              if getattr(args, f"engine_{name}", None) is not None}
-    merged: dict = engine_from_env()
+    merged = base.as_dict()
     for layer in (*layers, flags):
         merged.update(layer)
     try:
@@ -49,7 +50,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     s = Settings.from_env()
     s = replace(s, model=args.model or s.model)
-    config = engine_config(args)
+    config = engine_config(args, s.engine)
     if s.threads:
         torch.set_num_threads(s.threads)
     path = resolve_model_path(s.model)
@@ -120,7 +121,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         s = replace(s, model=file.model or s.model)
     s = replace(s, model=args.model or s.model)
     # precedence: command-line flag > config file > environment > default
-    engine = engine_config(args, file.engine if file else {})
+    engine = engine_config(args, s.engine, file.engine if file else {})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     served = args.served_model_name or (file and file.served_model_name) \
         or "SmolLM2-135M-Instruct"

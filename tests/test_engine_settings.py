@@ -38,7 +38,7 @@ def test_each_setting_is_an_env_var_a_flag_a_yaml_key_and_part_of_config_id(
     add_engine_flags(p)
     flag = "--" + name.replace("_", "-")
     argv = [f"--no-{flag[2:]}"] if value is False else [flag, str(value)]
-    assert getattr(engine_config(p.parse_args(argv)), name) == value
+    assert getattr(engine_config(p.parse_args(argv), EngineConfig()), name) == value
 
     f = tmp_path / "c.yaml"
     f.write_text(f"engine: {{{name}: {str(value).lower() if isinstance(value, bool) else value}}}")
@@ -53,8 +53,8 @@ def test_flags_win_over_the_file_and_the_file_over_the_environment(monkeypatch):
     monkeypatch.setenv("TAILSCOPE_BLOCK_SIZE", "8")
     p = argparse.ArgumentParser()
     add_engine_flags(p)
-    got = engine_config(p.parse_args(["--max-num-seqs", "7"]), {"max_num_seqs": 6,
-                                                                 "kv_cache_mb": 32})
+    got = engine_config(p.parse_args(["--max-num-seqs", "7"]), Settings.from_env().engine,
+                        {"max_num_seqs": 6, "kv_cache_mb": 32})
     assert (got.max_num_seqs, got.block_size, got.kv_cache_mb) == (7, 8, 32)
 
 
