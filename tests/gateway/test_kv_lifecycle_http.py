@@ -122,8 +122,11 @@ async def storm(url: str, n: int, seed: int) -> dict[str, int]:
         async with gate:
             try:
                 if kind == "client_timeout":
+                    # only the wait for the answer is short: a connect or write timeout of
+                    # 10 ms could give up before the request reached the gateway at all, and
+                    # a request never received has no record to count
                     await client.post("/v1/completions", json=body, headers=headers,
-                                      timeout=rng.uniform(0.01, 0.3))
+                                      timeout=httpx.Timeout(120, read=rng.uniform(0.01, 0.3)))
                 elif kind == "disconnect":
                     body["stream"] = True
                     async with client.stream("POST", "/v1/completions", json=body,
