@@ -28,6 +28,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tracing import timing
+
 # ---- schedules ------------------------------------------------------------------------------
 
 
@@ -182,11 +184,8 @@ def slo_stats(samples: list[Sample], duration_s: float, ttft_ms: float | None,
               tpot_ms: float | None) -> dict:
     """Attainment: the fraction of all requests (failed ones count as misses) that succeeded
     within both thresholds; goodput: such requests per second of the run."""
-    def good(s: Sample) -> bool:
-        return (s.ok and (ttft_ms is None or (s.ttft_ms is not None and s.ttft_ms <= ttft_ms))
-                and (tpot_ms is None or s.tpot_ms is None or s.tpot_ms <= tpot_ms))
-
-    n_good = sum(good(s) for s in samples)
+    rule = timing.Slo(ttft_ms, tpot_ms)
+    n_good = sum(rule.met(s.ok, s.ttft_ms, s.tpot_ms) for s in samples)
     return {"attainment": n_good / len(samples) if samples else float("nan"),
             "goodput_rps": n_good / duration_s if duration_s > 0 else float("nan"),
             "ttft_ms": ttft_ms, "tpot_ms": tpot_ms}

@@ -28,6 +28,8 @@ from grafana_foundation_sdk.models.dashboard import (
     VariableRefresh,
 )
 
+from tracing import timing
+
 PLUGIN = "grafana-clickhouse-datasource"
 DS = DataSourceRef(type_val=PLUGIN, uid="${ds}")
 OUT = Path(__file__).resolve().parent / "grafana"
@@ -92,12 +94,11 @@ PANELS: list[Panel] = [
           f"ARRAY JOIN itl_ms AS gap WHERE {REQ_FILTER} GROUP BY time, replica ORDER BY time"),
     Panel("E2E percentiles by replica", _pct("e2e_ms", "e2e_ms")),
     Panel("Where the time goes (mean per request, stacked)",
-          "SELECT $__timeInterval(arrival_ts) AS time, avg(ingress_ms + tokenize_ms + "
-          "route_ms) AS gateway, avg(engine_queue_ms) AS engine_queue, avg(prefill_ms) AS "
-          "prefill, avg(decode_ms) AS decode, avg(preempted_ms) AS preempted, "
-          "avg(greatest(0, e2e_ms - ingress_ms - tokenize_ms - route_ms - engine_queue_ms - "
-          "prefill_ms - decode_ms - preempted_ms)) AS streaming FROM tailscope.requests "
-          f"WHERE {REQ_FILTER} GROUP BY time ORDER BY time", stacked=True),
+          "SELECT $__timeInterval(arrival_ts) AS time, "
+          + "".join(f"avg({s.column}) AS `{s.label}`, " for s in timing.STAGES)
+          + f"avg(greatest(0, e2e_ms - {' - '.join(timing.E2E_STAGES)})) AS "
+          f"`{timing.STREAMING.label}` FROM tailscope.requests WHERE {REQ_FILTER} "
+          "GROUP BY time ORDER BY time", stacked=True),
     Panel("Requests by finish reason (req/s)",
           "SELECT $__timeInterval(arrival_ts) AS time, finish_reason, count() / $__interval_s "
           f"AS rps FROM tailscope.requests WHERE {REQ_FILTER} GROUP BY time, finish_reason "
@@ -119,15 +120,14 @@ PANELS: list[Panel] = [
           "sum(cached_tokens) / sum(prompt_tokens)) AS hit_rate FROM tailscope.requests "
           f"WHERE {REQ_FILTER} GROUP BY time ORDER BY time", unit="percentunit"),
     Panel("SLO attainment (TTFT <= $ttft_slo ms, TPOT <= $tpot_slo ms)",
-          "SELECT $__timeInterval(arrival_ts) AS time, countIf(final_state = 'FINISHED' AND "
-          f"ttft_ms <= {TTFT_SLO} AND (tpot_ms IS NULL OR tpot_ms <= {TPOT_SLO})) / count() AS "
-          f"attainment FROM tailscope.requests WHERE {REQ_FILTER} GROUP BY time ORDER BY "
-          "time", unit="percentunit"),
+          "SELECT $__timeInterval(arrival_ts) AS time, "
+          f"countIf({timing.slo_sql(TTFT_SLO, TPOT_SLO)}) / count() AS attainment FROM "
+          f"tailscope.requests WHERE {REQ_FILTER} GROUP BY time ORDER BY time",
+          unit="percentunit"),
     Panel("Goodput (req/s within the SLO)",
-          "SELECT $__timeInterval(arrival_ts) AS time, countIf(final_state = 'FINISHED' AND "
-          f"ttft_ms <= {TTFT_SLO} AND (tpot_ms IS NULL OR tpot_ms <= {TPOT_SLO})) / "
-          f"$__interval_s AS goodput FROM tailscope.requests WHERE {REQ_FILTER} GROUP BY time "
-          "ORDER BY time", unit="reqps"),
+          "SELECT $__timeInterval(arrival_ts) AS time, "
+          f"countIf({timing.slo_sql(TTFT_SLO, TPOT_SLO)}) / $__interval_s AS goodput FROM "
+          f"tailscope.requests WHERE {REQ_FILTER} GROUP BY time ORDER BY time", unit="reqps"),
     Panel("Errors and rejections by tenant",
           "SELECT tenant, countIf(final_state = 'REJECTED') AS rejected, countIf(final_state "
           "IN ('FAILED', 'TIMED_OUT')) AS errors, countIf(final_state = 'CANCELLED') AS "

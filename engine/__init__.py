@@ -16,7 +16,7 @@ _EXPORTS = {
     "UnsupportedModelError": "engine.loader", "default_model_path": "engine.loader",
     "load_model": "engine.loader",
     "OutputObserver": "engine.observer", "RequestStats": "engine.observer",
-    "StepStats": "engine.observer",
+    "TimelineEvent": "engine.observer", "StepStats": "engine.observer",
     "IllegalTransition": "engine.request", "Request": "engine.request",
     "RequestState": "engine.request",
     "SamplingParams": "engine.sampling_params",

@@ -1,8 +1,9 @@
-"""The one place where events become numbers: per-request stage timings and per-step stats.
+"""What the engine reports: a finished request's state timeline and each step's stats.
 
-Request stage timings are derived from the state events alone (time spent in each state), so
-the scheduler never computes a latency. Times are this process's ``time.monotonic_ns()``;
-consumers in another process receive durations, never raw monotonic readings to subtract.
+The scheduler never computes a latency: it records state events, and the gateway's timing
+owner (``tracing.timing``) turns the timeline into stage durations. Times are this process's
+``time.monotonic_ns()``; consumers in another process receive offsets and durations, never raw
+monotonic readings to subtract.
 """
 
 from __future__ import annotations
@@ -11,30 +12,24 @@ from collections import deque
 
 import msgspec
 
-from engine.request import Request, RequestState
+from engine.request import Request
 
-S = RequestState
-_STAGES = {
-    "queue_ms": (S.QUEUED, S.DEGRADED),
-    "prefill_ms": (S.RUNNABLE, S.PREFILLING),
-    "decode_ms": (S.DECODING, S.BACKPRESSURED),
-    "preempted_ms": (S.PREEMPTED, S.SWAPPED, S.RESUMED),
-}
+
+class TimelineEvent(msgspec.Struct, frozen=True, array_like=True):
+    """One state transition of a request, as it crosses to the gateway."""
+
+    state: str  # RequestState name
+    at_ms: float  # since the request's engine arrival
+    detail: str = ""
 
 
 class RequestStats(msgspec.Struct, frozen=True):
-    """Stage durations; ``e2e_ms == admit_ms + queue_ms + prefill_ms + decode_ms +
-    preempted_ms`` holds exactly (every interval between events belongs to one stage).
-    A msgspec struct: it crosses to the gateway as it is (``TokenDelta.stats``)."""
+    """A finished request's timeline and the facts it cannot show. Stage durations are not
+    computed here: the gateway's one timing owner (``tracing.timing``) derives every stage
+    from these events once they are placed on its clock. A msgspec struct: it crosses to the
+    gateway as it is (``TokenDelta.stats``)."""
 
-    admit_ms: float  # engine arrival -> admission decision (first event)
-    queue_ms: float
-    prefill_ms: float
-    decode_ms: float
-    preempted_ms: float
-    preemptions: int
-    ttft_ms: float | None  # engine arrival -> first token sampled
-    e2e_ms: float  # engine arrival -> terminal state
+    events: tuple[TimelineEvent, ...]
     token_offsets_ms: tuple[float, ...]  # each generated token, relative to engine arrival
     cached_tokens: int = 0  # prompt tokens served by the prefix cache
 
@@ -64,24 +59,11 @@ class StepStats(msgspec.Struct, frozen=True):
 def request_stats(req: Request) -> RequestStats:
     if not req.events:
         raise ValueError(f"request {req.request_id} has no events")
-    in_state: dict[RequestState, int] = {}
-    for ev, nxt in zip(req.events, req.events[1:], strict=False):
-        in_state[ev.state] = in_state.get(ev.state, 0) + nxt.ts_ns - ev.ts_ns
-
-    def ms(states: tuple[RequestState, ...]) -> float:
-        return sum(in_state.get(s, 0) for s in states) / 1e6
-
-    end = req.events[-1].ts_ns
-    offsets = tuple((t - req.arrival_ns) / 1e6 for t in req.token_times_ns)
     return RequestStats(
-        admit_ms=(req.events[0].ts_ns - req.arrival_ns) / 1e6,
-        **{name: ms(states) for name, states in _STAGES.items()},
-        preemptions=sum(1 for e in req.events if e.state in (S.PREEMPTED, S.SWAPPED)),
-        ttft_ms=offsets[0] if offsets else None,
-        e2e_ms=(end - req.arrival_ns) / 1e6,
-        token_offsets_ms=offsets,
-        cached_tokens=req.num_cached_tokens,
-    )
+        events=tuple(TimelineEvent(e.state.name, (e.ts_ns - req.arrival_ns) / 1e6, e.detail)
+                     for e in req.events),
+        token_offsets_ms=tuple((t - req.arrival_ns) / 1e6 for t in req.token_times_ns),
+        cached_tokens=req.num_cached_tokens)
 
 
 class OutputObserver:

@@ -55,11 +55,9 @@ class TokenDelta(msgspec.Struct):
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
-    stats: RequestStats | None = None  # stage durations (ms), at the end only
+    stats: RequestStats | None = None  # the state timeline, at the end only
     # per token, when requested: (logprob, [(token id, logprob), ...top])
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
-    # at the end only: the state events as (state, ms since engine arrival, detail)
-    events: list[tuple[str, float, str]] | None = None
 
 
 class StepReport(msgspec.Struct, tag="step"):

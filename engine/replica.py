@@ -55,8 +55,6 @@ def _delta(out: RequestOutput, engine: Engine) -> TokenDelta:
         stats=out.stats,
         logprobs=[(lp.logprob, list(lp.top)) for lp in out.new_logprobs if lp is not None]
         if any(lp is not None for lp in out.new_logprobs) else None,
-        events=[(e.state.name, (e.ts_ns - req.arrival_ns) / 1e6, e.detail) for e in req.events]
-        if out.finished and req is not None else None,
     )
 
 

@@ -24,6 +24,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.constrained import GrammarCompiler
+from engine.observer import RequestStats
 from engine.protocol import TokenDelta
 from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutput
 from engine.text import TextStream
@@ -72,8 +73,7 @@ class Choice:
     logprobs: list | None = None  # (token, logprob, top) per generated token
     logprobs_sent: int = 0  # entries already streamed
     token_ids: list[int] = field(default_factory=list)
-    stats: dict[str, float] | None = None
-    events: list | None = None
+    stats: RequestStats | None = None  # the replica's timeline, at the end
     retries: int = 0
     cache_salt: str = ""
     deadline: float | None = None  # monotonic seconds (the gateway's request timeout)
@@ -325,7 +325,7 @@ class Service:
                 await self.pool.stop(c.engine_id, d.stop_matched)
         if delta.finish_reason is None:
             return text, False
-        c.final_state, c.stats, c.events = delta.state, delta.stats, delta.events
+        c.final_state, c.stats = delta.state, delta.stats
         if delta.state == "FINISHED":
             c.finish_reason = delta.finish_reason
             text += c.stream.finish()
@@ -391,7 +391,7 @@ class Service:
         if choices:
             c0 = choices[0]
             r.replica = c0.replica
-            trace.engine_stats, trace.engine_events = c0.stats, c0.events or []
+            trace.engine_stats = c0.stats
         if r.final_state:
             return
         states = [c.final_state for c in choices]
@@ -428,6 +428,7 @@ class Service:
         trace.record.prompt_tokens, trace.record.stream, trace.record.n = \
             len(prompt), req.stream, req.n
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        trace.record.response_id = rid
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         registry = self.registry

@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Callable
 
 from engine.observer import RequestStats
+from tracing import timing
 from tracing.record import RecordEvent, RequestRecord
 
 log = logging.getLogger("tailscope.gateway")
@@ -56,8 +57,7 @@ class RequestTrace:
         self.marks: dict[str, int] = {}
         self.flushes: list[int] = []
         self.end_ns: int | None = None
-        self.engine_events: list[tuple[str, float, str]] = []
-        self.engine_stats: RequestStats | None = None  # the replica's, at the end
+        self.engine_stats: RequestStats | None = None  # the replica's (its timeline), at the end
 
     def mark(self, stage: str, at_ns: int | None = None) -> None:
         self.marks[stage] = time.monotonic_ns() if at_ns is None else at_ns
@@ -88,47 +88,26 @@ class RequestTrace:
             else:
                 r.final_state, r.finish_reason = "REJECTED", "rejected"
 
-        def ms(a: int, b: int) -> float:
-            return (b - a) / 1e6
-
         m = self.marks
-        admitted = m.get("ADMITTED")
-        tokenized = m.get("TOKENIZED")
-        routed = m.get("ROUTED")
-        r.ingress_ms = ms(self.arrival_ns, admitted) if admitted else ms(self.arrival_ns, end)
-        r.tokenize_ms = ms(admitted, tokenized) if admitted and tokenized else 0.0
-        r.route_ms = ms(tokenized, routed) if tokenized and routed else 0.0
-        r.e2e_ms = ms(self.arrival_ns, end)
-        f = self.flushes
-        if f:
-            r.ttft_ms = ms(self.arrival_ns, f[0])
-            r.itl_ms = [ms(a, b) for a, b in zip(f, f[1:], strict=False)]
-            r.tpot_ms = ms(f[0], f[-1]) / (len(f) - 1) if len(f) > 1 else None
-            r.tail_ms = ms(f[-1], end)
-        else:
-            r.tail_ms = r.e2e_ms
+        c = timing.client_timings(self.arrival_ns, self.flushes, end)
+        r.ttft_ms, r.itl_ms, r.tpot_ms, r.tail_ms, r.e2e_ms = (
+            c.ttft_ms, c.itl_ms, c.tpot_ms, c.tail_ms, c.e2e_ms)
         s = self.engine_stats
         if s is not None:
-            r.engine_queue_ms = s.queue_ms + s.admit_ms
-            r.prefill_ms, r.decode_ms, r.preempted_ms = s.prefill_ms, s.decode_ms, s.preempted_ms
-            r.preemptions, r.cached_tokens = s.preemptions, s.cached_tokens
+            r.cached_tokens = s.cached_tokens
         events = [RecordEvent(self.arrival_wall_us, "RECEIVED")]
         events += [RecordEvent(self._wall(ns), stage) for stage, ns in
                    sorted(m.items(), key=lambda kv: kv[1])]
-        if routed is not None:  # the replica's offsets, anchored at the moment we sent it
-            events += [RecordEvent(self._wall(routed + int(off * 1e6)), state, detail)
-                       for state, off, detail in self.engine_events]
-            prev = None
-            for state, off, _ in self.engine_events:  # time spent paused by a slow client
-                if prev is not None and prev[0] == "BACKPRESSURED":
-                    r.backpressured_ms += off - prev[1]
-                prev = (state, off)
-        if f:
-            events.append(RecordEvent(self._wall(f[0]), "FIRST_FLUSH"))
+        routed = m.get("ROUTED")
+        if routed is not None and s is not None:  # the replica's offsets, anchored at ROUTED
+            events += [RecordEvent(self._wall(routed + int(e.at_ms * 1e6)), e.state, e.detail)
+                       for e in s.events]
+        if self.flushes:
+            events.append(RecordEvent(self._wall(self.flushes[0]), "FIRST_FLUSH"))
         events.append(RecordEvent(self._wall(end), "END", r.final_state))
         events.sort(key=lambda e: e.ts_us)
         r.events = events
-        return r
+        return timing.apply(r)  # every stage column, from the timeline
 
 
 class TraceMiddleware:

@@ -4,9 +4,12 @@
 timestamps, a span named ``{operation} {model}`` (GenAI semantic conventions: ``chat`` or
 ``text_completion``) whose trace id is the record's and whose span id is the record's
 ``span_id`` (the one the gateway returned in ``traceparent``), parented to the caller's span when
-one was sent; and child spans ``queue``, ``prefill`` and ``decode`` from the engine's state
-events. The SDK's batch processor exports them (OTLP over HTTP/protobuf or gRPC) from its own
-thread, so the request path only builds spans.
+one was sent; and one child span per stage window of ``tracing.timing`` (``ingress``,
+``tokenize``, ``route``, ``queue``, ``prefill``, ``decode``, ``preempted``, ``streaming``, and
+``backpressured`` inside decode), so the children named after a stage add up to the record's
+column for it, preempted and backpressured time included. The SDK's batch processor exports
+them (OTLP over HTTP/protobuf or gRPC) from its own thread, so the request path only builds
+spans.
 
 Spans are made after the fact because a record is complete only at the end of the response; the
 ids are forced through a small ``IdGenerator`` so that the span a client sees in ``traceparent``
@@ -31,10 +34,10 @@ from opentelemetry.trace import (
     TraceFlags,
 )
 
+from tracing import timing
 from tracing.record import RequestRecord
 
 OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion"}
-_ENGINE_END = ("FINISHED", "CANCELLED", "TIMED_OUT", "FAILED", "REJECTED")
 
 
 class _ForcedIds(IdGenerator):
@@ -73,24 +76,6 @@ def make_exporter(endpoint: str, protocol: str = "http/protobuf") -> SpanExporte
     return OTLPSpanExporter(endpoint=url)
 
 
-def _stage_windows(record: RequestRecord) -> dict[str, tuple[int, int]]:
-    """(start, end) in µs of queue, prefill and decode, from the record's timeline."""
-    first: dict[str, int] = {}
-    for e in record.events:
-        first.setdefault(e.state, e.ts_us)
-    out = {}
-    end = next((first[s] for s in _ENGINE_END if s in first), None)
-    if "QUEUED" in first and "RUNNABLE" in first:
-        out["queue"] = (first["QUEUED"], first["RUNNABLE"])
-    elif "QUEUED" in first and end is not None:
-        out["queue"] = (first["QUEUED"], end)
-    if "RUNNABLE" in first:
-        out["prefill"] = (first["RUNNABLE"], first.get("DECODING", end or first["RUNNABLE"]))
-    if "DECODING" in first and end is not None:
-        out["decode"] = (first["DECODING"], end)
-    return out
-
-
 class OtelSink:
     def __init__(self, exporter: SpanExporter, service_name: str = "tailscope-gateway") -> None:
         self._ids = _ForcedIds()
@@ -114,7 +99,8 @@ class OtelSink:
             "gen_ai.provider.name": "tailscope",
             "gen_ai.request.model": r.model,
             "gen_ai.response.model": r.model,
-            "gen_ai.response.id": r.request_id,
+            "gen_ai.response.id": r.response_id or r.request_id,
+            "tailscope.request_id": r.request_id,
             "gen_ai.usage.input_tokens": r.prompt_tokens,
             "gen_ai.usage.output_tokens": r.emitted_tokens,
             "gen_ai.response.finish_reasons": [r.finish_reason] if r.finish_reason else [],
@@ -125,13 +111,11 @@ class OtelSink:
             "tailscope.config_id": r.config_id,
             "tailscope.model_revision": r.model_revision,
             "tailscope.stream": r.stream,
-            "tailscope.ingress_ms": r.ingress_ms,
-            "tailscope.tokenize_ms": r.tokenize_ms,
-            "tailscope.route_ms": r.route_ms,
-            "tailscope.engine_queue_ms": r.engine_queue_ms,
-            "tailscope.prefill_ms": r.prefill_ms,
-            "tailscope.decode_ms": r.decode_ms,
             "tailscope.e2e_ms": r.e2e_ms,
+            "tailscope.tail_ms": r.tail_ms,
+            "tailscope.preemptions": r.preemptions,
+            **{f"tailscope.{s.column}": getattr(r, s.column)
+               for s in (*timing.STAGES, *timing.SUBSTAGES)},
         }
         for key, value in (("gen_ai.request.max_tokens", r.max_tokens),
                            ("gen_ai.request.temperature", r.temperature),
@@ -147,10 +131,11 @@ class OtelSink:
         if r.final_state in ("FAILED", "TIMED_OUT") or r.http_status >= 500:
             span.set_status(Status(StatusCode.ERROR, r.error_message or r.final_state))
         ctx = trace.set_span_in_context(span)
-        for name, (a, b) in _stage_windows(r).items():
-            child = self.tracer.start_span(name, context=ctx, kind=SpanKind.INTERNAL,
-                                           start_time=a * 1000)
-            child.end(end_time=max(a, b) * 1000)
+        # one child per stage window (the windows the record's columns are the sums of)
+        for w in (*timing.windows(r.events), *timing.sub_windows(r.events)):
+            child = self.tracer.start_span(w.stage.span, context=ctx, kind=SpanKind.INTERNAL,
+                                           start_time=w.start_us * 1000)
+            child.end(end_time=w.end_us * 1000)
         span.end(end_time=end)
 
     def close(self) -> None:

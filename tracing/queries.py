@@ -19,21 +19,18 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from tracing import timing
+
 # Latency columns of tailscope.requests; "itl_ms" is an array (one value per gap).
 METRICS = ("ttft_ms", "tpot_ms", "e2e_ms", "itl_ms", "tail_ms", "ingress_ms", "tokenize_ms",
            "route_ms", "engine_queue_ms", "prefill_ms", "decode_ms", "preempted_ms")
 DIMENSIONS = ("replica", "model", "model_revision", "engine_version", "config_id", "tenant",
               "final_state", "finish_reason", "endpoint", "prompt_bucket")
-# The stages that add up to each end-to-end metric, in path order. "streaming" is the rest:
-# for e2e, the time between the engine's tokens and the client's flushes (and the tail).
-STAGES = {
-    "e2e_ms": ("ingress_ms", "tokenize_ms", "route_ms", "engine_queue_ms", "prefill_ms",
-               "decode_ms", "preempted_ms"),
-    "ttft_ms": ("ingress_ms", "tokenize_ms", "route_ms", "engine_queue_ms", "prefill_ms"),
-}
-STAGE_NAMES = {"ingress_ms": "ingress", "tokenize_ms": "tokenize", "route_ms": "routing",
-               "engine_queue_ms": "engine queue time", "prefill_ms": "prefill",
-               "decode_ms": "decode", "preempted_ms": "preemption", "other_ms": "streaming"}
+# The stages that add up to each end-to-end metric, in path order (from the timing owner).
+# "streaming" is the rest: for e2e, the time between the engine's tokens and the client's
+# flushes (and the tail).
+STAGES = {"e2e_ms": timing.E2E_STAGES, "ttft_ms": timing.TTFT_STAGES}
+STAGE_NAMES = {**timing.LABELS, "other_ms": timing.STREAMING.label}
 _DIM_SQL = {d: d for d in DIMENSIONS} | {
     "prompt_bucket": "multiIf(prompt_tokens < 128, '<128', prompt_tokens < 512, '128-511', "
                      "prompt_tokens < 2048, '512-2047', '>=2048')"}
@@ -303,8 +300,7 @@ def slo(source, start, end, ttft_ms: float, tpot_ms: float, by: str | None = Non
     window_s = max((params["end"] - params["start"]) / 1e6, 1e-9)
     key = f"{_dim(by)} AS {by}, " if by else ""
     group = f" GROUP BY {by} ORDER BY {by}" if by else ""
-    ok = ("final_state = 'FINISHED' AND ttft_ms <= {ttft:Float64} AND "
-          "(tpot_ms IS NULL OR tpot_ms <= {tpot:Float64})")
+    ok = timing.slo_sql("{ttft:Float64}", "{tpot:Float64}")
     sql = (f"SELECT {key}count() AS n, countIf({ok}) AS good, good / n AS attainment "
            f"FROM tailscope.requests WHERE {_WINDOW}{_filters(filters, params)}{group}")
     df = frame(source, sql, params)

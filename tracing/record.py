@@ -37,6 +37,7 @@ class RequestRecord:
     trace_id: str
     span_id: str
     request_id: str
+    response_id: str = ""  # the id in the response body the client got (chatcmpl-..., cmpl-...)
     parent_span_id: str = ""  # the caller's span when a traceparent was sent
     tenant: str = ""
     api_key_id: str = ""

@@ -194,6 +194,8 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
     (5, "request_events.tenant", [
         f"ALTER TABLE {DATABASE}.request_events ADD COLUMN IF NOT EXISTS tenant "
         "LowCardinality(String)"]),
+    (6, "requests.response_id", [f"ALTER TABLE {DATABASE}.requests ADD COLUMN IF NOT EXISTS "
+                                 "response_id String AFTER request_id"]),
 ]
 
 __all__ = ["DATABASE", "TABLES", "MIGRATIONS", "EngineStepRow", "EventRow", "EvalRunRow",

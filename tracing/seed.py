@@ -1,16 +1,19 @@
 """Synthetic but realistic request records for tests, benchmarks and screenshots.
 
 ``synthetic_records`` draws per-stage times (lognormal, so tails exist) for requests arriving
-uniformly over a window on a few replicas, keeps every record's identities exact
-(``e2e = sum of stages = ttft + sum(itl) + tail``), and can inject a regression: extra engine
-queue time on one replica for a fraction of its requests. The engine steps of the same window
+uniformly over a window on a few replicas, builds each record's timeline and takes every stage
+and client timing from ``tracing.timing`` as the gateway does (so ``e2e = sum of stages +
+streaming = ttft + sum(itl) + tail``), and can inject a regression: extra engine queue time on
+one replica for a fraction of its requests. The engine steps of the same window
 can be drawn too. Nothing here is used on the request path.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 
+from tracing import timing
 from tracing.record import RecordEvent, RequestRecord
 from tracing.schema import EngineStepRow
 
@@ -39,17 +42,25 @@ def synthetic_records(n: int, start_us: int, end_us: int, *, replicas=("r0", "r1
         decode = sum(gaps)
         first_flush_lag = rng.lognormvariate(-1.0, 0.3)
         tail = rng.lognormvariate(-1.5, 0.3)
-        ttft = ingress + tokenize + route + queue + prefill + first_flush_lag
-        e2e = ttft + decode + tail
         state = "FINISHED" if rng.random() > 0.03 else rng.choice(["CANCELLED", "REJECTED"])
         trace_id = f"{ids.getrandbits(128):032x}"
-        events = [RecordEvent(arrival, "RECEIVED"),
-                  RecordEvent(arrival + int((ingress + tokenize + route) * 1000), "ROUTED"),
-                  RecordEvent(arrival + int((ingress + tokenize + route + queue) * 1000),
-                              "RUNNABLE"),
-                  RecordEvent(arrival + int(e2e * 1000), "END", state)]
-        out.append(RequestRecord(
+        # the timeline (µs), then every stage and client timing from it, as the gateway does
+        marks = list(itertools.accumulate(
+            (ingress, tokenize, route, queue, prefill, decode), initial=0.0))
+        at = [arrival + int(m * 1000) for m in marks]
+        first_flush = at[5] + int(first_flush_lag * 1000)
+        flushes = list(itertools.accumulate((int(g * 1000) for g in gaps), initial=first_flush))
+        end = flushes[-1] + int(tail * 1000)
+        events = [RecordEvent(t, st) for t, st in zip(at, (
+            "RECEIVED", "ADMITTED", "TOKENIZED", "ROUTED", "RUNNABLE", "DECODING", state),
+            strict=True)]
+        events[4:4] = [RecordEvent(at[3], "QUEUED")]
+        events += [RecordEvent(first_flush, "FIRST_FLUSH"), RecordEvent(end, "END", state)]
+        events.sort(key=lambda e: e.ts_us)
+        c = timing.client_timings(arrival * 1000, [f * 1000 for f in flushes], end * 1000)
+        rec = RequestRecord(
             trace_id=trace_id, span_id=f"{ids.getrandbits(64):016x}", request_id=f"req-{i}",
+            response_id=f"chatcmpl-{trace_id}",
             tenant=tenants[i % len(tenants)], endpoint="/v1/chat/completions",
             arrival_ts_us=arrival, final_state=state,
             finish_reason={"FINISHED": "length", "CANCELLED": "cancelled",
@@ -63,10 +74,9 @@ def synthetic_records(n: int, start_us: int, end_us: int, *, replicas=("r0", "r1
             output_token_ids=[rng.randrange(49152) for _ in range(out_tokens)]
             if token_ids else [],
             temperature=0.7, top_p=0.95, max_tokens=64, stream=True,
-            ingress_ms=ingress, tokenize_ms=tokenize, route_ms=route, engine_queue_ms=queue,
-            prefill_ms=prefill, decode_ms=decode, ttft_ms=ttft,
-            tpot_ms=decode / len(gaps) if gaps else None, itl_ms=gaps, tail_ms=tail,
-            e2e_ms=e2e, events=events))
+            ttft_ms=c.ttft_ms, tpot_ms=c.tpot_ms, itl_ms=c.itl_ms, tail_ms=c.tail_ms,
+            e2e_ms=c.e2e_ms, events=events)
+        out.append(timing.apply(rec))
     return out
 
 

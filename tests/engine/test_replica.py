@@ -81,7 +81,9 @@ def test_replica_process_streams_the_same_tokens_as_the_engine(replica, tiny_mod
         assert tokens == expected[rid]
         last = deltas[rid][-1]
         assert last.state == "FINISHED" and last.finish_reason == "length"
-        assert last.stats.e2e_ms > 0 and last.stats.queue_ms >= 0
+        timeline = [e.state for e in last.stats.events]
+        assert timeline[0] == "QUEUED" and timeline[-1] == "FINISHED"
+        assert [e.at_ms for e in last.stats.events] == sorted(e.at_ms for e in last.stats.events)
         offsets = last.stats.token_offsets_ms  # typed, whole: nothing dropped on the wire
         assert len(offsets) == len(tokens) == 6 and list(offsets) == sorted(offsets)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.observer import RequestStats, StepStats
+from engine.observer import RequestStats, StepStats, TimelineEvent
 from engine.protocol import StepReport, TokenDelta, decode_from_replica, encode
 from tracing.schema import EngineStepRow
 
@@ -14,14 +14,16 @@ def test_step_and_request_stats_round_trip_as_structs():
                      prefill_tokens=16, decode_tokens=1, kv_blocks_used=4, kv_blocks_total=64,
                      forward_ms=1.0, sample_ms=0.25, host_ms=0.25, prefix_queries=16,
                      prefix_hits=8, evictions=1, preemptions=0)
-    req = RequestStats(admit_ms=0.1, queue_ms=0.2, prefill_ms=3.0, decode_ms=4.0,
-                       preempted_ms=0.0, preemptions=0, ttft_ms=3.3, e2e_ms=7.3,
+    ev = TimelineEvent
+    req = RequestStats(events=(ev("QUEUED", 0.1), ev("RUNNABLE", 0.3), ev("DECODING", 3.3),
+                               ev("FINISHED", 7.3, "length")),
                        token_offsets_ms=(3.3, 5.0, 7.3), cached_tokens=8)
     msg = StepReport("r0", [TokenDelta("a", [5], "FINISHED", "length", stats=req)], step)
     back = decode_from_replica(encode(msg))
     assert back.stats == step and back.deltas[0].stats == req
     assert isinstance(back.stats.step, int) and back.deltas[0].stats.token_offsets_ms == (
         3.3, 5.0, 7.3)
+    assert back.deltas[0].stats.events[-1] == TimelineEvent("FINISHED", 7.3, "length")
 
 
 def test_every_step_stat_has_its_engine_steps_column():

@@ -7,7 +7,9 @@ import time
 
 import pytest
 
+from engine.observer import RequestStats, TimelineEvent
 from gateway.trace import RequestTrace, parse_traceparent
+from tracing import timing
 from tracing.record import RECORD_COLUMNS, RequestRecord
 from tracing.sinks import FanoutSink, JsonlSink, MemorySink
 
@@ -62,14 +64,20 @@ def test_trace_identities_hold_exactly():
         t.flush()
     time.sleep(0.001)
     t.end_ns = time.monotonic_ns()
-    t.engine_events = [("QUEUED", 0.1, ""), ("RUNNABLE", 0.5, ""), ("PREFILLING", 0.6, ""),
-                       ("DECODING", 1.0, ""), ("BACKPRESSURED", 2.0, ""), ("DECODING", 5.0, ""),
-                       ("FINISHED", 6.0, "length")]
+    t.engine_stats = RequestStats(events=tuple(TimelineEvent(*e) for e in (
+        ("QUEUED", 0.1), ("RUNNABLE", 0.5), ("PREFILLING", 0.6), ("DECODING", 1.0),
+        ("BACKPRESSURED", 2.0), ("DECODING", 5.0), ("FINISHED", 6.0, "length"))),
+        token_offsets_ms=(1.0, 5.5))
     r = t.finish(200)
     assert r.final_state == "FINISHED" and r.http_status == 200
     assert r.e2e_ms == pytest.approx(r.ttft_ms + sum(r.itl_ms) + r.tail_ms, abs=1e-9)
     assert len(r.itl_ms) == 3 and r.tpot_ms == pytest.approx(sum(r.itl_ms) / 3)
     assert r.backpressured_ms == pytest.approx(3.0)
+    assert (r.engine_queue_ms, r.prefill_ms, r.decode_ms) == pytest.approx((0.5, 0.5, 5.0))
+    stages = sum(getattr(r, c) for c in timing.E2E_STAGES)
+    finished = next(e for e in r.events if e.state == "FINISHED")
+    streaming = (r.events[-1].ts_us - finished.ts_us) / 1e3  # engine done -> end: the rest
+    assert r.e2e_ms - stages == pytest.approx(streaming, abs=2e-3)
     assert r.ingress_ms > 0 and r.tokenize_ms > 0 and r.route_ms > 0
     assert [e.ts_us for e in r.events] == sorted(e.ts_us for e in r.events)
     states = [e.state for e in r.events]
