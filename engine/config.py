@@ -44,6 +44,7 @@ class ModelConfig:
 # torch-free).
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 PREEMPTION_MODES = ("recompute", "swap", "auto", "off")
+SCHEDULING_POLICIES = ("fcfs",)  # engine.policy.POLICIES (kept torch- and engine-free here)
 
 
 def _setting(default, help: str):
@@ -72,6 +73,9 @@ class EngineConfig:
     prefix_caching: bool = _setting(True, "reuse cached KV blocks of shared prompt prefixes")
     preemption: str = _setting("recompute", "when KV runs out mid-decode: "
                                             + ", ".join(PREEMPTION_MODES))
+    scheduling_policy: str = _setting("fcfs", "which waiting request goes next and which "
+                                              "running one yields: "
+                                      + ", ".join(SCHEDULING_POLICIES))
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_batched_tokens", "kv_cache_mb"):
@@ -82,6 +86,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {sorted(DTYPE_BYTES)}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got "
+                             f"{self.scheduling_policy!r}")
         if self.preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got "
                              f"{self.preemption!r}")

@@ -16,13 +16,20 @@ blocks are registered as soon as their tokens are computed. When the whole promp
 there are no logits to sample the first token from, so the last block is copied into a private
 block (copy-on-write) and the last prompt token is recomputed there. Forked branches (``n`` > 1)
 share the parent's full blocks and get a private copy of its last partial block the same way.
-Copies are queued in ``pending_copies`` and run by the model runner before its next forward.
+
+Data movement is queued, never done here: copy-on-write copies, swap-outs of a preempted
+request's blocks to host memory (``swap_out``: the blocks are free at once, for whoever needs
+them this tick) and swap-ins into fresh blocks (``swap_in``) go into one ordered queue that the
+model runner runs, in order, before its next forward (``take_ops`` / ``ops_done``). The order is
+what makes freeing early safe: nothing can write a freed block before the copy queued ahead of
+it has read it (writes come from later copies in the queue and from the forward, after it).
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.block_pool import BlockAccountingError, BlockKey, BlockPool, BlockTable
 
@@ -35,13 +42,32 @@ class KVUsage:
     blocks_cached: int = 0
 
 
+@dataclass(slots=True)
+class SwappedKV:
+    """A preempted request's computed KV in host memory: ``data`` is filled by the model runner
+    when the queued swap-out runs, and read back by the queued swap-in."""
+
+    num_blocks: int
+    data: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockOp:
+    """One queued data movement: ``copy`` (blocks = (src, dst), src pinned until it has run),
+    ``out`` (blocks -> host) or ``in`` (host -> blocks)."""
+
+    kind: str
+    owner: str  # the request it is for
+    blocks: tuple[int, ...]
+    host: SwappedKV | None = None
+
+
 @dataclass
 class _Entry:
     table: BlockTable
     reserved: int  # blocks it may still allocate under its reservation
     root: int  # hash of its salt: the chain's start
     chain: list[int] = field(default_factory=list)  # hashes of its leading full blocks
-    copies: list[tuple[int, int]] = field(default_factory=list)  # pending (src, dst)
 
 
 class KVCacheManager:
@@ -52,6 +78,7 @@ class KVCacheManager:
         self.prefix_caching = prefix_caching
         self.salt = salt
         self._entries: dict[str, _Entry] = {}
+        self._ops: list[BlockOp] = []  # run in order before the next forward
         self.reserved_total = 0
 
     # ---- queries -------------------------------------------------------------------------
@@ -123,7 +150,7 @@ class KVCacheManager:
             self.pool.incref(cow_src)  # pinned until the copy has run
             dst = self._take(entry, 1)[0]
             entry.table.blocks.append(dst)
-            entry.copies.append((cow_src, dst))
+            self._ops.append(BlockOp("copy", request_id, (cow_src, dst)))
             cached = n - 1
         if self.prefix_caching and use_cache:
             self.pool.counters.queries += n
@@ -165,21 +192,32 @@ class KVCacheManager:
             self.pool.incref(src)  # pinned until the copy has run
             dst = self._take(entry, 1)[0]
             entry.table.blocks.append(dst)
-            entry.copies.append((src, dst))
+            self._ops.append(BlockOp("copy", child_id, (src, dst)))
         return True
 
-    def take_copies(self) -> list[tuple[int, int]]:
-        """The pending block copies (src, dst), to run before the next forward; call
-        ``copies_done`` with them afterwards."""
-        return [c for e in self._entries.values() for c in e.copies]
+    def take_ops(self) -> list[BlockOp]:
+        """The queued data movements, in order, to run before the next forward; call
+        ``ops_done`` with them afterwards (whatever happened)."""
+        ops, self._ops = self._ops, []
+        return ops
 
-    def copies_done(self, copies: list[tuple[int, int]]) -> None:
-        done = set(copies)
-        for e in self._entries.values():
-            if e.copies:
-                finished = [c for c in e.copies if c in done]
-                e.copies = [c for c in e.copies if c not in done]
-                self.pool.free([src for src, _ in finished])
+    def ops_done(self, ops: list[BlockOp]) -> None:
+        self.pool.free([op.blocks[0] for op in ops if op.kind == "copy"])  # unpin the sources
+
+    def swap_out(self, request_id: str, num_blocks: int) -> SwappedKV:
+        """Preemption by swap: queue a copy of the request's first ``num_blocks`` blocks to host
+        memory and release everything it holds now (its own queued copies still run first)."""
+        host = SwappedKV(num_blocks)
+        blocks = tuple(self._entries[request_id].table.blocks[:num_blocks])
+        self._ops.append(BlockOp("out", request_id, blocks, host))
+        self._release(request_id, keep_ops=True)
+        return host
+
+    def swap_in(self, request_id: str, host: SwappedKV) -> None:
+        """Queue the copy of a swapped-out request's KV into the blocks ``admit_blocks`` gave
+        it (dropped, like its other queued copies, if it is freed before they run)."""
+        blocks = tuple(self._entries[request_id].table.blocks[:host.num_blocks])
+        self._ops.append(BlockOp("in", request_id, blocks, host))
 
     # ---- growth ------------------------------------------------------------------------------
     def _take(self, entry: _Entry, n: int) -> list[int]:
@@ -220,10 +258,16 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         """Return the request's blocks (cached ones stay evictable) and roll back its
         reservation. Safe to call for a request that holds nothing."""
+        self._release(request_id, keep_ops=False)
+
+    def _release(self, request_id: str, keep_ops: bool) -> None:
         entry = self._entries.pop(request_id, None)
         if entry is None:
             return
-        self.pool.free([src for src, _ in entry.copies])  # copies that will never run
+        if not keep_ops:  # its queued copies will never run (a swap-out still does: harmless)
+            dropped = [op for op in self._ops if op.owner == request_id and op.kind != "out"]
+            self._ops = [op for op in self._ops if op not in dropped]
+            self.ops_done(dropped)
         self.pool.free(entry.table.blocks)
         entry.table.blocks.clear()
         self.reserved_total -= entry.reserved

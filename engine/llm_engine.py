@@ -15,12 +15,12 @@ from engine.config import EngineConfig
 from engine.constrained import GrammarCompiler
 from engine.kv_manager import KVCacheManager
 from engine.model import LlamaModel
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, RunnerResult
 from engine.observer import OutputObserver, RequestStats, StepStats
 from engine.request import Request, RequestState
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
 S = RequestState
@@ -64,9 +64,7 @@ class Engine:
                                  salt=f"{mc.name}|{mc.revision}|{self.config.dtype}")
         self.runner = ModelRunner(model, num_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.config, self.kv)
-        self.scheduler.on_preempt = self._preempt
-        self.scheduler.on_swap_in = self._swap_in
-        self.preemptions = 0  # total, by any mode
+        self.preemptions = 0  # total, by any mode (the scheduler's decisions)
         self.swaps = 0
         self._last_counts = (0, 0, 0, 0)  # prefix queries, hits, evictions, preemptions
         self.observer = observer or OutputObserver()
@@ -117,34 +115,7 @@ class Engine:
         self.scheduler.add(req)
         return req
 
-    # ---- preemption and branches -----------------------------------------------------------
-    def _preempt(self, req: Request) -> None:
-        """Free a running request's KV so another can grow (the scheduler chose it)."""
-        mode = self.config.preemption
-        if mode == "auto":
-            mode = "recompute" if req.num_computed_tokens <= self.config.max_batched_tokens \
-                else "swap"
-        if mode == "swap" and req.state in (S.PREFILLING, S.DECODING, S.BACKPRESSURED,
-                                            S.RESUMED) and req.num_computed_tokens:
-            self.runner.run_pending_copies(self.kv)  # its blocks must hold their final K/V
-            n = self.kv.blocks_needed(req.num_computed_tokens)
-            req.swapped_kv = self.runner.copy_blocks_out(self.kv.block_table(
-                req.request_id).blocks[:n])
-            req.swapped_blocks = n
-            self.kv.free(req.request_id)
-            req.transition(S.SWAPPED, f"{n} blocks to host memory")
-            self.swaps += 1
-        else:
-            self.kv.free(req.request_id)
-            req.transition(S.PREEMPTED, f"recompute {req.num_tokens} tokens")
-            req.num_computed_tokens = 0
-        self.preemptions += 1
-        self.scheduler.requeue(req)
-
-    def _swap_in(self, req: Request, blocks: list[int]) -> None:
-        self.runner.copy_blocks_in(blocks, req.swapped_kv)
-        req.swapped_kv, req.swapped_blocks = None, 0
-
+    # ---- branches ----------------------------------------------------------------------
     def _fork_branches(self, parent: Request, t_ns: int) -> None:
         """The parent's prompt is computed: its pending branches share its blocks now (a
         branch that does not fit waits as a preempted request and recomputes later)."""
@@ -157,11 +128,10 @@ class Engine:
                 b.num_computed_tokens = n
                 b.num_cached_tokens = n
                 b.transition(S.PREFILLING, f"forked from {parent.request_id}", ts_ns=t_ns)
-                self.scheduler.running.append(b)
+                self.scheduler.add_running(b)
             else:
                 b.transition(S.PREEMPTED, "no KV for the branch yet", ts_ns=t_ns)
-                self.scheduler.running.append(b)
-                self.scheduler.requeue(b)
+                self.scheduler.add_waiting(b)
         parent.pending_branches = []
 
     def _rejection(self, req: Request) -> str | None:
@@ -276,32 +246,51 @@ class Engine:
         return self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
-        start = time.monotonic_ns()
-        wall = time.time_ns()
+        """One tick: schedule -> run -> postprocess."""
+        start, wall = time.monotonic_ns(), time.time_ns()
+        self._expire(start)
+        sched = self.scheduler.schedule()
+        self.preemptions += len(sched.preempted)
+        self.swaps += sum(1 for p in sched.preempted if p.mode == "swap")
+        if sched.is_empty:
+            return self._drain_ended([])
+        result = self._run(sched)
+        if result is None:
+            return self._drain_ended([])
+        outputs = self._postprocess(sched, result)
+        self._record_step(sched, result, start, wall)
+        return self._drain_ended(outputs)
+
+    def _expire(self, now: int) -> None:
+        """End requests past their deadline (or their queue timeout, while still waiting)."""
         live = [*self.scheduler.running, *self.scheduler.waiting]
         live += [b for r in live for b in r.pending_branches]  # n > 1 samples not forked yet
         for req in live:
             if req.is_finished:  # ended earlier in this loop
                 continue
-            if req.deadline_ns is not None and start >= req.deadline_ns:
+            if req.deadline_ns is not None and now >= req.deadline_ns:
                 self._end(req, S.TIMED_OUT, "timeout", error="request deadline exceeded")
-            elif (req.queue_deadline_ns is not None and start >= req.queue_deadline_ns
+            elif (req.queue_deadline_ns is not None and now >= req.queue_deadline_ns
                   and req.state in (S.QUEUED, S.DEGRADED)):
                 self._end(req, S.TIMED_OUT, "timeout",
                           error="waited in the engine queue past its queue timeout")
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return self._drain_ended([])
+
+    def _run(self, sched: SchedulerOutput) -> RunnerResult | None:
+        """The forward and sampling; a failed forward fails its batch, never the engine."""
         for s in sched.prefills:
             if s.request.state in (S.RUNNABLE, S.RESUMED):
                 s.request.transition(S.PREFILLING)
         try:
-            result = self.runner.execute(sched, self.kv)
-        except Exception as exc:  # a failed forward fails its batch, never the engine
+            return self.runner.execute(sched, self.kv)
+        except Exception as exc:
             log.exception("forward failed for %d requests", len(sched.all))
             for s in sched.all:
                 self._end(s.request, S.FAILED, "error", error=f"{type(exc).__name__}: {exc}")
-            return self._drain_ended([])
+            return None
+
+    def _postprocess(self, sched: SchedulerOutput, result: RunnerResult
+                     ) -> list[RequestOutput]:
+        """Commit computed KV, fork branches, append sampled tokens, end what stops."""
         t_tok = time.monotonic_ns()
         for s in sched.all:
             req = s.request
@@ -332,6 +321,10 @@ class Engine:
             else:
                 outputs.append(RequestOutput(req.request_id, [token], [t_tok], req.state,
                                              new_logprobs=[logprobs]))
+        return outputs
+
+    def _record_step(self, sched: SchedulerOutput, result: RunnerResult, start: int,
+                     wall: int) -> None:
         self.step_count += 1
         usage = self.kv.usage()
         c = self.kv.pool.counters
@@ -346,7 +339,6 @@ class Engine:
             sample_ms=result.sample_ms, host_ms=result.host_ms, prefix_queries=delta[0],
             prefix_hits=delta[1], evictions=delta[2], preemptions=delta[3],
         ))
-        return self._drain_ended(outputs)
 
     def _drain_ended(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         outputs.extend(self._ended)

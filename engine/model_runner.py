@@ -83,11 +83,27 @@ class ModelRunner:
             k.index_copy_(0, dst, k.index_select(0, src))
             v.index_copy_(0, dst, v.index_select(0, src))
 
-    def run_pending_copies(self, kv: KVCacheManager) -> None:
-        copies = kv.take_copies()
-        if copies:
-            self.copy_blocks(copies)
-            kv.copies_done(copies)
+    def run_pending_ops(self, kv: KVCacheManager) -> None:
+        """Run the KV manager's queued copies in order (consecutive block copies batched)."""
+        ops = kv.take_ops()
+        try:
+            i = 0
+            while i < len(ops):
+                op = ops[i]
+                if op.kind == "copy":
+                    j = i
+                    while j < len(ops) and ops[j].kind == "copy":
+                        j += 1
+                    self.copy_blocks([(o.blocks[0], o.blocks[1]) for o in ops[i:j]])
+                    i = j
+                    continue
+                if op.kind == "out":
+                    op.host.data = self.copy_blocks_out(list(op.blocks))
+                else:
+                    self.copy_blocks_in(list(op.blocks), op.host.data)
+                i += 1
+        finally:
+            kv.ops_done(ops)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -140,7 +156,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> RunnerResult:
         t0 = time.perf_counter_ns()
-        self.run_pending_copies(kv)  # copy-on-write before anything writes into the copies
+        self.run_pending_ops(kv)  # queued copies before anything writes into their blocks
         ids, positions, meta, logits_idx, samplers = self._inputs(sched, kv)
         t1 = time.perf_counter_ns()
         logits = self.model.forward(ids, positions, meta, self.kv_caches, logits_idx)

@@ -103,8 +103,9 @@ class Request:
     constraint: Any = None  # engine.constrained.TokenConstraint for structured output
     cache_salt: str = ""  # prefix-cache namespace (the tenant's): hits only within it
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
-    swapped_kv: Any = None  # host copies of its KV blocks while SWAPPED
+    swapped_kv: Any = None  # its KV in host memory while SWAPPED (kv_manager.SwappedKV)
     swapped_blocks: int = 0
+    seq: int = 0  # the scheduler's admission order (ties of arrival_ns break on it)
     branch_parent: str | None = None  # n > 1: forked from this request once it has prefilled
     pending_branches: list[Request] = field(default_factory=list)
 

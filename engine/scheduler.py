@@ -4,21 +4,27 @@
 There are no prefill/decode phases: each tick gives every running request its next tokens
 (one for a decoding request, a chunk for a prefilling one) within ``max_batched_tokens`` and
 ``max_num_seqs``. Decodes are served first so a long prompt cannot stall every stream's ITL;
-then unfinished prefills continue; then waiting requests join in arrival order (preempted ones
-are waiting requests too, and keep their original arrival), refilling freed slots. The scheduler
-reaches the KV cache only through ``KVCacheManager``'s narrow API and only emits state
-transitions; timings are derived elsewhere.
+then unfinished prefills continue; then waiting requests join in the order of the scheduling
+policy (``engine.policy``; FCFS: arrival order, and preempted requests keep their original
+arrival), refilling freed slots, the head of the queue waiting for capacity with nobody
+overtaking it. The scheduler owns its waiting and running sets, reaches the KV cache only
+through ``KVCacheManager``'s narrow API and only emits state transitions; timings are derived
+elsewhere.
 
 Preemption. Unless ``preemption="off"`` (admission then reserves prompt + max_tokens, so a
 running request can always grow), admission reserves only a request's prompt, and a running
-request that needs a block when none is unpromised takes one from the lowest-priority request
-not yet scheduled this tick: the latest arrival (possibly itself, which then sits the tick out
-and is preempted). The victim is preempted by
+request that needs a block when none is unpromised takes one from the request the policy picks
+among those not yet scheduled this tick (FCFS: the latest arrival, possibly itself, which then
+sits the tick out). The scheduler preempts it itself and reports it in the tick's output
+(``SchedulerOutput.preempted``): a decision, not a callback into the engine. The victim is
+preempted by
 
 - recompute: its blocks are freed (its full blocks stay in the prefix cache, so the re-prefill
   is mostly cache hits unless they were evicted meanwhile) and it re-prefills prompt + output;
-- swap: its computed blocks are copied to host memory and freed, and copied back into fresh
-  blocks when it resumes, with nothing recomputed;
+- swap: its computed blocks are freed with a copy to host memory queued ahead of anything that
+  could overwrite them (``KVCacheManager.swap_out``; the model runner runs the queue in order
+  before its next forward), and a copy back into fresh blocks is queued when it is admitted
+  again, with nothing recomputed;
 - auto: recompute when the tokens to redo fit in one tick's budget (``max_batched_tokens``: one
   forward, at most as costly as the tick it was going to get anyway), swap otherwise (a copy of
   ``2 x layers x tokens x kv_heads x head_dim`` elements each way, far cheaper than a
@@ -30,13 +36,14 @@ running, so new arrivals do not take the blocks the running requests are about t
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable
+import bisect
+import itertools
 from dataclasses import dataclass, field
 
 from engine.block_pool import BlockAccountingError
 from engine.config import EngineConfig
 from engine.kv_manager import KVCacheManager
+from engine.policy import SchedulingPolicy, make_policy
 from engine.request import Request, RequestState
 
 S = RequestState
@@ -48,10 +55,18 @@ class ScheduledSeq:
     num_new_tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class Preemption:
+    request: Request
+    mode: str  # "recompute" or "swap"
+    blocks: int  # KV blocks it gave up (swap: copied to host memory)
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     decodes: list[ScheduledSeq] = field(default_factory=list)
     prefills: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Preemption] = field(default_factory=list)  # already carried out
 
     @property
     def is_empty(self) -> bool:
@@ -67,35 +82,47 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+    """Owns the waiting queue (in its policy's order) and the running set; ``schedule`` returns
+    what runs this tick and which requests it preempted (their KV already released or queued
+    for a copy to host memory: ``KVCacheManager.swap_out``)."""
+
+    def __init__(self, config: EngineConfig, kv: KVCacheManager,
+                 policy: SchedulingPolicy | None = None) -> None:
         self.config = config
         self.kv = kv
-        self.waiting: deque[Request] = deque()
+        self.policy = policy or make_policy(config.scheduling_policy)
+        self.waiting: list[Request] = []  # in policy.key order
         self.running: list[Request] = []
         self.watermark = max(1, kv.pool.num_blocks // 100)
-        # set by the engine: preempt a victim (state, KV copies) / copy a swapped one back in
-        self.on_preempt: Callable[[Request], None] | None = None
-        self.on_swap_in: Callable[[Request, list[int]], None] | None = None
+        self._seq = itertools.count()
 
+    # ---- the sets (the engine changes them only through these) ----------------------------
     def add(self, request: Request) -> None:
-        """Queue an admitted request and reserve its KV if it fits now (FCFS: nobody reserves
-        ahead of an earlier request that is still waiting for capacity)."""
-        self.waiting.append(request)
+        """Queue an admitted request and reserve its KV if it fits now (with a head-of-line
+        policy, nobody reserves ahead of an earlier request still waiting for capacity)."""
+        request.seq = next(self._seq)
+        self._wait(request)
         self._reserve_waiting()
 
-    def requeue(self, request: Request) -> None:
-        """A preempted request waits again, in arrival order (ahead of later arrivals)."""
-        self.running.remove(request)
-        i = 0
-        while i < len(self.waiting) and self.waiting[i].arrival_ns <= request.arrival_ns:
-            i += 1
-        self.waiting.insert(i, request)
+    def add_running(self, request: Request) -> None:
+        """A request that already holds its KV (a forked branch) joins the running set."""
+        request.seq = next(self._seq)
+        self.running.append(request)
+
+    def add_waiting(self, request: Request) -> None:
+        """A request that must wait for KV without a reservation attempt now (a branch that
+        did not fit: PREEMPTED, it recomputes when admitted)."""
+        request.seq = next(self._seq)
+        self._wait(request)
 
     def remove(self, request: Request) -> None:
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+
+    def _wait(self, request: Request) -> None:
+        bisect.insort_right(self.waiting, request, key=self.policy.key)
 
     def has_work(self) -> bool:
         """Anything a tick could schedule (BACKPRESSURED requests wait for their consumer)."""
@@ -116,7 +143,7 @@ class Scheduler:
             # FCFS: a preempted request requeued ahead of later arrivals that already hold
             # reservations would wait on them forever; they give theirs back (their cached
             # blocks stay in the prefix cache) and queue behind it.
-            later = [r for r in list(self.waiting)[i + 1:]
+            later = [r for r in self.waiting[i + 1:]
                      if self.kv.has_reservation(r.request_id) and r.state != S.SWAPPED]
             for r in later:
                 self.kv.free(r.request_id)
@@ -132,7 +159,8 @@ class Scheduler:
                                          self._reserve_tokens(req), headroom)
             if table is None:
                 return False
-            self.on_swap_in(req, table.blocks)
+            self.kv.swap_in(req.request_id, req.swapped_kv)  # copied back before the forward
+            req.swapped_kv, req.swapped_blocks = None, 0
             return True
         if req.branch_parent is not None:
             return False  # a branch is forked from its parent, never admitted on its own
@@ -145,20 +173,41 @@ class Scheduler:
             req.num_cached_tokens = cached
         return True
 
-    def _allocate(self, req: Request, num_new: int, scheduled: set[str]) -> bool:
-        """Slots for ``num_new`` more tokens, preempting lower-priority requests not scheduled
-        this tick if needed. False when ``req`` itself had to give way."""
+    def _allocate(self, req: Request, num_new: int, scheduled: set[str],
+                  out: SchedulerOutput) -> bool:
+        """Slots for ``num_new`` more tokens, preempting requests not scheduled this tick (the
+        policy's choice) if needed. False when ``req`` itself had to give way."""
         while self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new) is None:
             if self.config.preemption == "off":
                 raise BlockAccountingError(f"no block for reserved request {req.request_id}")
             if req not in self.running:
                 return False  # a waiting request waits; it never preempts a running one
-            victims = [r for r in self.running if r.request_id not in scheduled]
-            victim = max(victims, key=lambda r: (r.arrival_ns, r.request_id))
-            self.on_preempt(victim)
+            victim = self.policy.victim(
+                [r for r in self.running if r.request_id not in scheduled])
+            out.preempted.append(self._preempt(victim))
             if victim is req:
                 return False
         return True
+
+    def _preempt(self, req: Request) -> Preemption:
+        """Release a running request's KV so another can grow; it waits again at its place."""
+        mode = self.config.preemption
+        if mode == "auto":
+            mode = "recompute" if req.num_computed_tokens <= self.config.max_batched_tokens \
+                else "swap"
+        if mode == "swap" and req.state in (S.PREFILLING, S.DECODING, S.BACKPRESSURED,
+                                            S.RESUMED) and req.num_computed_tokens:
+            n = self.kv.blocks_needed(req.num_computed_tokens)
+            req.swapped_kv, req.swapped_blocks = self.kv.swap_out(req.request_id, n), n
+            req.transition(S.SWAPPED, f"{n} blocks to host memory")
+        else:
+            mode, n = "recompute", len(self.kv.block_table(req.request_id).blocks)
+            self.kv.free(req.request_id)
+            req.transition(S.PREEMPTED, f"recompute {req.num_tokens} tokens")
+            req.num_computed_tokens = 0
+        self.running.remove(req)
+        self._wait(req)
+        return Preemption(req, mode, n)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -166,7 +215,7 @@ class Scheduler:
         scheduled: set[str] = set()
         for req in list(self.running):
             if req.state == S.DECODING and budget > 0 and req in self.running:
-                if self._allocate(req, 1, scheduled):
+                if self._allocate(req, 1, scheduled, out):
                     out.decodes.append(ScheduledSeq(req, 1))
                     scheduled.add(req.request_id)
                     budget -= 1
@@ -174,7 +223,7 @@ class Scheduler:
             if req.state in (S.RUNNABLE, S.PREFILLING, S.RESUMED) and budget > 0 \
                     and req in self.running and req.request_id not in scheduled:
                 n = min(req.num_tokens - req.num_computed_tokens, budget)
-                if self._allocate(req, n, scheduled):
+                if self._allocate(req, n, scheduled, out):
                     out.prefills.append(ScheduledSeq(req, n))
                     scheduled.add(req.request_id)
                     budget -= n
@@ -184,16 +233,16 @@ class Scheduler:
             if not self.kv.has_reservation(req.request_id):
                 break  # FCFS: the head waits for capacity, nobody overtakes it
             if req.state == S.SWAPPED:  # copied back in: runs from the next tick on
-                self.waiting.popleft()
+                self.waiting.pop(0)
                 self.running.append(req)
                 req.transition(S.RESUMED, "swapped in")
                 if req.output_token_ids:  # else it was mid-prefill: RESUMED -> PREFILLING
                     req.transition(S.DECODING)
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._allocate(req, n, scheduled):
+            if not self._allocate(req, n, scheduled, out):
                 break
-            self.waiting.popleft()
+            self.waiting.pop(0)
             self.running.append(req)
             req.transition(S.RESUMED if req.state == S.PREEMPTED else S.RUNNABLE)
             out.prefills.append(ScheduledSeq(req, n))

@@ -30,7 +30,7 @@ def check_invariants(engine: Engine, all_requests: list) -> None:
     kv, pool = engine.kv, engine.kv.pool
     entries = kv._entries
     holders = Counter(b for e in entries.values() for b in e.table.blocks)
-    holders.update(src for e in entries.values() for src, _ in e.copies)  # pinned for a copy
+    holders.update(op.blocks[0] for op in kv._ops if op.kind == "copy")  # pinned for a copy
     free, evictable = list(pool._free), list(pool._evictable)
     assert len(set(free)) == len(free), "a block is on the free list twice"
     assert not set(free) & set(holders), "a free block is still in a block table"

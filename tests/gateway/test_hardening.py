@@ -360,7 +360,9 @@ def test_a_killed_replica_never_stops_the_other_from_serving(pair):
         r = post(pair, {"prompt": "Hi", "max_tokens": 2}, timeout=20)
         assert r.status_code == 200, r.text
     assert httpx.get(f"{pair.url}/ready").status_code == 200
-    assert wait_for(lambda: replicas(pair.url)["r1"]["state"] == "ready", 120)
+    # the watchdog may not have seen the death yet (it looks every 0.2 s): wait for the restart
+    assert wait_for(lambda: (i := replicas(pair.url)["r1"])["restarts"] == 1
+                    and i["state"] == "ready", 120)
     info = replicas(pair.url)["r1"]
     assert info["restarts"] == 1 and info["pid"] != pid and "exited" in info["last_failure"]
 
