@@ -58,6 +58,24 @@ def _delta(out: RequestOutput, engine: Engine) -> TokenDelta:
     )
 
 
+def step_report(replica_id: str, engine: Engine, outputs: list[RequestOutput],
+                steps_before: int) -> StepReport | None:
+    """What one ``engine.step()`` produced, as the gateway receives it (None: nothing ran and
+    nothing ended). Also used by the gateway's in-process backend, so both paths agree."""
+    ran = engine.step_count > steps_before
+    if not outputs and not ran:
+        return None
+    usage = engine.kv.usage()
+    return StepReport(
+        replica_id, [_delta(o, engine) for o in outputs],
+        engine.observer.steps[-1] if ran else None,
+        running=len(engine.scheduler.running), waiting=len(engine.scheduler.waiting),
+        kv_blocks_used=usage.blocks_used, kv_blocks_total=usage.blocks_total,
+        kv_books={**dataclasses.asdict(engine.kv.pool.counters),
+                  "reserved": usage.blocks_reserved, "cached": usage.blocks_cached,
+                  "swaps": engine.swaps, "preemptions": engine.preemptions})
+
+
 class Replica:
     def __init__(self, replica_id: str, engine: Engine, inbox: str, outbox: str) -> None:
         self.id = replica_id
@@ -125,21 +143,9 @@ class Replica:
             if not self.running:
                 break
             steps_before = self.engine.step_count
-            outputs = self.engine.step()
-            ran = self.engine.step_count > steps_before
-            step = self.engine.observer.steps[-1] if ran else None
-            if outputs or ran:  # every tick is reported: the store keeps engine_steps
-                usage = self.engine.kv.usage()
-                self.send(StepReport(
-                    self.id, [_delta(o, self.engine) for o in outputs], step,
-                    running=len(self.engine.scheduler.running),
-                    waiting=len(self.engine.scheduler.waiting),
-                    kv_blocks_used=usage.blocks_used, kv_blocks_total=usage.blocks_total,
-                    kv_books={**dataclasses.asdict(self.engine.kv.pool.counters),
-                              "reserved": usage.blocks_reserved,
-                              "cached": usage.blocks_cached,
-                              "swaps": self.engine.swaps,
-                              "preemptions": self.engine.preemptions}))
+            report = step_report(self.id, self.engine, self.engine.step(), steps_before)
+            if report is not None:  # every tick is reported: the store keeps engine_steps
+                self.send(report)
         self.inbox.close(linger=0)
         self.outbox.close(linger=1000)
         self.ctx.term()

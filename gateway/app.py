@@ -25,6 +25,7 @@ from engine.config import EngineConfig
 from engine.text import load_tokenizer
 from gateway import __version__ as gateway_version
 from gateway import store_api
+from gateway.backend import Backend
 from gateway.errors import APIError, api_error_handler
 from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics
@@ -92,15 +93,18 @@ def config_id(config: GatewayConfig) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = None) -> FastAPI:
+def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = None,
+               backend: Backend | None = None) -> FastAPI:
+    """The gateway; ``backend`` replaces the replica processes (tests pass an
+    ``InProcessBackend``)."""
     from engine.loader.paths import resolve_model_path
 
     tok_path = config.tokenizer or resolve_model_path(config.model)
     tokenizer = load_tokenizer(tok_path)
-    pool = ReplicaPool(config.model, config.engine, config.replicas,
-                       config.max_inflight_per_replica, config.max_buffered_deltas,
-                       config.slow_client_timeout_s, config.heartbeat_timeout_s,
-                       tokenizer=str(tok_path))
+    pool = backend or ReplicaPool(config.model, config.engine, config.replicas,
+                                  config.max_inflight_per_replica, config.max_buffered_deltas,
+                                  config.slow_client_timeout_s, config.heartbeat_timeout_s,
+                                  tokenizer=str(tok_path))
     registry = TenantRegistry.from_file(config.tenants_file, config.key_id_secret)
     if registry.open:
         log.warning("no API keys configured: open local mode, every request is tenant 'local'")
@@ -118,8 +122,8 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
                                     config.fault_store_down_file, config.store_flush_s,
                                     config.query_limits, config.max_queue_mb << 20)
         sinks.append(writer)
-        pool.on_step = lambda replica, msg: writer.emit_step(
-            step_row(replica, msg, config.store_ttl_days))
+        pool.on_step = lambda replica, incarnation, msg: writer.emit_step(
+            step_row(replica, incarnation, msg, config.store_ttl_days))
         metrics.watch_writer(writer)
     if config.otlp_endpoint:
         from tracing.otel import OtelSink, make_exporter
@@ -195,8 +199,8 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
         """200 while at least one replica can serve (and the record writer, when there is one,
         is alive); ``all_ready`` says every replica is up (what a benchmark waits for), and
         ``replicas`` each one's state."""
-        states = {r.id: r.state for r in pool.replicas}
-        body = {"ready": pool.ready, "all_ready": all(r.ready for r in pool.replicas),
+        states = pool.states()
+        body = {"ready": pool.ready, "all_ready": all(s == "ready" for s in states.values()),
                 "replicas": states}
         if writer is not None:
             body["record_writer"] = "alive" if writer.alive else "dead"

@@ -10,12 +10,9 @@ what is left of it and starts it again after an exponential backoff (``RestartPo
 replica that keeps failing soon after its start is in ``crash_loop`` and is retried at the
 longest backoff. ``describe()`` (``/debug/replicas``) shows each replica's state.
 
-Routing (``choose``): the replica with the least expected completion time for the new request,
-estimated in tokens: the work already sent to it and not yet done (unprefilled prompt tokens +
-output tokens still allowed, over its in-flight requests) plus this prompt's tokens, minus a
-prefix-locality bonus of the leading prompt tokens it served recently (its prefix cache can
-skip them). The estimate is deliberately simple and stated: a token of prefill and a token of
-decode are counted alike. Ties go to fewer in-flight requests, then the lowest id.
+Routing: ``gateway.router.choose`` on the replicas as plain load views (expected pending work,
+prefix locality, in-flight limits). This pool implements the serving code's ``Backend``
+interface (``gateway.backend``).
 
 Output buffers: each request's deltas wait in a queue until its HTTP response takes them. When
 a queue holds ``max_buffered_deltas`` the replica is told to pause the request (BACKPRESSURED:
@@ -27,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -59,6 +55,14 @@ from engine.protocol import (
     encode,
 )
 from engine.sampling_params import SamplingParams
+from gateway import router
+from gateway.backend import (
+    DeadlineExceeded,
+    DeltaQueue,
+    ReplicaFailed,
+    Route,
+    Unencodable,
+)
 
 log = logging.getLogger("tailscope.replicas")
 
@@ -106,30 +110,6 @@ class Replica:
         return self.state == "ready" and self.proc is not None and self.proc.poll() is None
 
 
-class ReplicaFailed(RuntimeError):
-    pass
-
-
-class DeadlineExceeded(RuntimeError):
-    """The gateway's deadline for the request passed (its engine request is aborted)."""
-
-
-class Unencodable(ValueError):
-    """The request cannot be carried to a replica (a value out of the wire's range)."""
-
-
-class Overloaded(RuntimeError):
-    """Every ready replica already holds its limit of in-flight requests: shed, don't queue."""
-
-
-@dataclass(frozen=True, slots=True)
-class Route:
-    replica: Replica
-    prefix_hit_tokens: int
-    reason: str
-    sent_ns: int = 0  # monotonic time just before the AddRequest went out
-
-
 @dataclass(slots=True)
 class _Work:
     """What the gateway knows about one in-flight request on its replica."""
@@ -142,24 +122,9 @@ class _Work:
     deadline: float | None = None  # monotonic seconds: the gateway gives up on it then
 
 
-PREFIX_LRU_BLOCKS = 8192
-
-
 # per-step engine counters the pool sums per replica (prefix cache in tokens, evicted blocks,
 # preempted requests)
 KV_COUNTERS = ("prefix_queries", "prefix_hits", "evictions", "preemptions")
-
-
-def prefix_hashes(prompt: list[int], block_size: int, salt: str = "") -> list[int]:
-    """Chained hashes of the prompt's full blocks (hash i covers tokens [0, (i+1)*block)),
-    rooted in the request's cache namespace like the engine's prefix cache, so the router's
-    locality bonus never reflects another namespace's prompts. Only this process compares
-    them, so Python's per-process string hash is fine."""
-    out, h = [], hash(salt)
-    for i in range(len(prompt) // block_size):
-        h = hash((h, *prompt[i * block_size:(i + 1) * block_size]))
-        out.append(h)
-    return out
 
 
 class ReplicaPool:
@@ -175,7 +140,8 @@ class ReplicaPool:
         self.max_buffered_deltas = max_buffered_deltas
         self.slow_client_timeout_s = slow_client_timeout_s
         self.work: dict[str, _Work] = {}
-        # called with (replica, StepReport) for every engine tick (the store's engine_steps)
+        # called with (replica id, incarnation, StepReport) for every engine tick (the store's
+        # engine_steps)
         self.on_step = None
         # called with a request id when a request cancelled for a slow client has ended in its
         # replica: its slot here is freed at once, and the owner can free its own
@@ -192,7 +158,7 @@ class ReplicaPool:
         self.outbox.bind(self.outbox_addr)
         self.replicas = [Replica(f"r{i}", f"ipc://{self.dir}/r{i}.in")
                          for i in range(num_replicas)]
-        self.queues: dict[str, asyncio.Queue[TokenDelta | ReplicaFailed]] = {}
+        self.queues: dict[str, DeltaQueue] = {}
         self.owner: dict[str, Replica] = {}
         self._tasks: list[asyncio.Task] = []
 
@@ -230,6 +196,13 @@ class ReplicaPool:
     def ready(self) -> bool:
         """At least one replica can take requests."""
         return any(r.ready for r in self.replicas)
+
+    @property
+    def max_model_len(self) -> int:
+        return next((r.health.max_model_len for r in self.replicas if r.health), 0)
+
+    def states(self) -> dict[str, str]:
+        return {r.id: r.state for r in self.replicas}
 
     def describe(self) -> dict[str, dict]:
         out = {}
@@ -278,70 +251,45 @@ class ReplicaPool:
 
     # ---- requests ------------------------------------------------------------------------------
     def choose(self, prompt: list[int], exclude: frozenset[str] = frozenset(),
-               salt: str = "", prefer: str | None = None) -> Route:
-        """The ready replica with the least expected completion time (see the module doc);
-        ``prefer`` (the replica of an n > 1 request's first sample) wins while it is open."""
-        ready = [r for r in self.replicas if r.ready and r.id not in exclude]
-        if not ready:
-            raise ReplicaFailed("no replica is ready" + (" (the one that failed is excluded)"
-                                                         if exclude else ""))
-        open_ = [r for r in ready if len(r.inflight) < self.max_inflight]
-        if not open_:
-            raise Overloaded(f"all {len(ready)} replicas hold {self.max_inflight} requests")
-        pinned = [r for r in open_ if r.id == prefer]
-        if pinned:
-            return Route(pinned[0], 0, f"branch of a sample on {prefer}")
-        hashes = prefix_hashes(prompt, self.config.block_size, salt)
-
-        def hit(r: Replica) -> int:
-            n = 0
-            for h in hashes:
-                if h not in r.prefixes:
-                    break
-                n += 1
-            return n * self.config.block_size
-
-        scored = sorted((r.pending_tokens + len(prompt) - hit(r), len(r.inflight), r.id, r)
-                        for r in open_)
-        cost, _, _, best = scored[0]
-        hit_tokens = hit(best)
-        for h in hashes:
-            best.prefixes[h] = None
-            best.prefixes.move_to_end(h)
-        while len(best.prefixes) > PREFIX_LRU_BLOCKS:
-            best.prefixes.popitem(last=False)
-        reason = f"least expected work ({cost} tokens, prefix hit {hit_tokens}) of {len(open_)}"
-        return Route(best, hit_tokens, reason)
+               salt: str = "", prefer: str | None = None) -> router.Decision:
+        try:
+            return router.choose(self.replicas, prompt, block_size=self.config.block_size,
+                                 max_inflight=self.max_inflight, exclude=exclude, salt=salt,
+                                 prefer=prefer)
+        except router.NoReplica as exc:
+            raise ReplicaFailed(str(exc)) from None
 
     async def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
                      queue_timeout_s: float | None = None,
                      exclude: frozenset[str] = frozenset(), cache_salt: str = "",
                      branch_of: str | None = None, deadline: float | None = None,
-                     ) -> tuple[Route, asyncio.Queue[TokenDelta | ReplicaFailed]]:
+                     ) -> tuple[Route, DeltaQueue]:
         """Send a request to a replica. ``branch_of`` (another sample of the same request)
         routes it to that sample's replica, where the engine forks it from the sample. At
         ``deadline`` (monotonic seconds) the queue gets a ``DeadlineExceeded`` and the engine
         request is aborted, whatever state the replica is in."""
         parent = self.owner.get(branch_of) if branch_of else None
-        route = self.choose(prompt, exclude, cache_salt,
-                            prefer=parent.id if parent is not None else None)
-        if parent is None or route.replica is not parent:
+        decision = self.choose(prompt, exclude, cache_salt,
+                               prefer=parent.id if parent is not None else None)
+        replica = decision.replica
+        if parent is None or replica is not parent:
             branch_of = None
-        replica = route.replica
         try:  # before anything is registered: a request that cannot be sent takes no slot
             message = encode(AddRequest(request_id, prompt, params,
                                         queue_timeout_s=queue_timeout_s, cache_salt=cache_salt,
                                         branch_of=branch_of))
         except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as exc:
             raise Unencodable(f"the request cannot be sent to a replica: {exc}") from None
-        queue: asyncio.Queue[TokenDelta | ReplicaFailed] = asyncio.Queue()
+        queue: DeltaQueue = asyncio.Queue()
         self.queues[request_id] = queue
         self.owner[request_id] = replica
         replica.inflight.add(request_id)
         work = _Work(replica, len(prompt), params.max_tokens, deadline=deadline)
         self.work[request_id] = work
         replica.pending_tokens += work.prompt_pending + work.output_pending
-        route = dataclasses.replace(route, sent_ns=time.monotonic_ns())
+        route = Route(replica.id, decision.prefix_hit_tokens, decision.reason,
+                      replica.health.model_revision if replica.health else "",
+                      time.monotonic_ns())
         try:
             replica.socket.send(message, zmq.NOBLOCK)
         except zmq.Again:  # 100k messages queued for it: the replica is not taking any
@@ -450,7 +398,7 @@ class ReplicaPool:
                     for key in KV_COUNTERS:
                         replica.kv_counters[key] += getattr(msg.stats, key)
                 if msg.stats is not None and self.on_step is not None:
-                    self.on_step(replica, msg)
+                    self.on_step(replica.id, replica.restarts, msg)
             for delta in msg.deltas:
                 if replica is not None and delta.finish_reason is not None:
                     replica.ended[delta.state] += 1

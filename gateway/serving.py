@@ -28,15 +28,15 @@ from engine.observer import RequestStats
 from engine.protocol import TokenDelta
 from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutput
 from engine.text import TextStream
-from gateway.errors import APIError, bad_request
-from gateway.limits import RequestLimits, check_body, check_counts
-from gateway.replicas import (
+from gateway.backend import (
+    Backend,
     DeadlineExceeded,
     Overloaded,
     ReplicaFailed,
-    ReplicaPool,
     Unencodable,
 )
+from gateway.errors import APIError, bad_request
+from gateway.limits import RequestLimits, check_body, check_counts
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.tenants import Tenant, TenantRegistry
 from gateway.trace import RequestTrace
@@ -82,7 +82,7 @@ class Choice:
 class Service:
     """Everything an API request needs, built once per gateway."""
 
-    def __init__(self, config, tokenizer, pool: ReplicaPool, registry: TenantRegistry,
+    def __init__(self, config, tokenizer, pool: Backend, registry: TenantRegistry,
                  versions: dict[str, str]) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -139,7 +139,7 @@ class Service:
 
     async def sampling(self, req: SamplingFields, prompt_len: int, max_tokens: int | None,
                        logprobs: bool, top_logprobs: int, response_format) -> SamplingParams:
-        limit = next((r.health.max_model_len for r in self.pool.replicas if r.health), 0)
+        limit = self.pool.max_model_len
         if max_tokens is None:
             max_tokens = max(1, min(DEFAULT_MAX_TOKENS, limit - prompt_len))
         if limit and prompt_len + max_tokens > limit:
@@ -269,12 +269,11 @@ class Service:
             if i == 0:
                 first_sent = route.sent_ns
                 r = trace.record
-                r.replica, r.route_reason = route.replica.id, route.reason
+                r.replica, r.route_reason = route.replica, route.reason
                 r.prefix_hit_tokens = route.prefix_hit_tokens
-                if route.replica.health is not None:
-                    r.model_revision = route.replica.health.model_revision
+                r.model_revision = route.model_revision or r.model_revision
             choices.append(Choice(i, engine_id, TextStream(self.tokenizer, stop, include_stop),
-                                  queue, route.replica.id, p, prompt,
+                                  queue, route.replica, p, prompt,
                                   logprobs=[] if params.logprobs else None,
                                   cache_salt=cache_salt, deadline=deadline))
         # the moment the first sample was sent: the replica's event offsets are placed from it,
@@ -295,7 +294,7 @@ class Service:
                                                   cache_salt=c.cache_salt, deadline=c.deadline)
         except (ReplicaFailed, Overloaded, Unencodable):
             return False
-        c.retries, c.queue, c.replica = 1, queue, route.replica.id
+        c.retries, c.queue, c.replica = 1, queue, route.replica
         return True
 
     async def next_text(self, c: Choice) -> tuple[str, bool]:

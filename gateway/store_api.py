@@ -99,11 +99,11 @@ _STEP_FIELDS = tuple(f.name for f in dataclasses.fields(EngineStepRow)
                      if f.name in StepStats.__struct_fields__)
 
 
-def step_row(replica, msg, ttl_days: int) -> EngineStepRow:
+def step_row(replica: str, incarnation: int, msg, ttl_days: int) -> EngineStepRow:
     """The engine_steps row of a StepReport: its StepStats field for field, plus where and
     when (the replica, its incarnation, the wall clock) and the queue lengths."""
     s = msg.stats
-    return EngineStepRow(replica=replica.id, incarnation=replica.restarts,
+    return EngineStepRow(replica=replica, incarnation=incarnation,
                          ts_us=s.wall_ns // 1000, running=msg.running, waiting=msg.waiting,
                          ttl_days=ttl_days, **{f: getattr(s, f) for f in _STEP_FIELDS})
 
