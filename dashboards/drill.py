@@ -4,7 +4,8 @@ Pages: Overview (percentiles over time by replica, request rate by finish reason
 attainment), Regression (baseline vs suspect window, or two config ids: what moved, ranked, and
 one sentence naming the top cause), Requests (the slowest, filterable; choosing one opens its
 Trace view: stage timeline, inter-token gaps against the replica's batch size and KV usage,
-token ids with their text, versions and sampling parameters), Evals (stored eval runs, a
+token ids with their text (decoded with the record's own tokenizer, matched by revision, or
+shown as ids only), versions and sampling parameters), Evals (stored eval runs, a
 comparison of two with the verdict ``tailscope eval compare`` gives, and failing cases linked to
 their Trace view; ``?page=Evals&a=RUN&b=RUN`` opens a comparison).
 
@@ -182,9 +183,13 @@ def trace_view(src, trace_id: str) -> None:
              f"emitted {rec['emitted_tokens']}")
     if ids:
         st.code(str(ids[:200]), language=None)
-        text = decode(tuple(ids))
+        text = decode(tuple(ids), str(rec.get("tokenizer_revision") or ""))
         if text is not None:
             st.text(text)
+        else:
+            st.caption(f"no tokenizer with revision {rec.get('tokenizer_revision')!r} here "
+                       "(the ids above are what the model produced; set "
+                       "TAILSCOPE_DRILL_TOKENIZERS to its tokenizer's path to see text)")
     st.subheader("Versions and sampling")
     keys = ("model", "model_revision", "engine_version", "tokenizer_revision",
             "gateway_version", "config_id", "temperature", "top_p", "top_k", "min_p", "seed",
@@ -249,16 +254,33 @@ def evals_page(src, now: dt.datetime) -> None:
             hide_index=True, column_config={"trace": link})
 
 
+def tokenizer_text(ids: list[int], revision: str, paths: list[str]) -> str | None:
+    """The ids' text from the first tokenizer at ``paths`` whose revision is the record's;
+    None when none is (another model's ids must never be shown as bundled-tokenizer text)."""
+    from engine.text import load_tokenizer
+
+    for path in paths:
+        try:
+            tok = load_tokenizer(path)
+        except (FileNotFoundError, ImportError, ValueError, OSError):
+            continue
+        if revision and tok.revision == revision:
+            return tok.decode(list(ids))
+    return None
+
+
 @st.cache_data
-def decode(ids: tuple[int, ...]) -> str | None:
-    """The bundled tokenizer's text for the ids (None when it is not installed here)."""
+def decode(ids: tuple[int, ...], revision: str) -> str | None:
+    """Text of a record's ids with its own tokenizer: those listed in
+    ``TAILSCOPE_DRILL_TOKENIZERS`` (paths, ``os.pathsep``-separated), then the bundled one."""
+    paths = [p for p in os.environ.get("TAILSCOPE_DRILL_TOKENIZERS", "").split(os.pathsep) if p]
     try:
         from engine.loader.paths import default_model_path
-        from engine.text import load_tokenizer
 
-        return load_tokenizer(default_model_path()).decode(list(ids))
-    except (FileNotFoundError, ImportError, ValueError):
-        return None
+        paths.append(str(default_model_path()))
+    except (FileNotFoundError, ImportError):
+        pass
+    return tokenizer_text(list(ids), revision, paths)
 
 
 def main() -> None:

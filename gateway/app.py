@@ -225,7 +225,7 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
         require_admin(request)
         return pool.describe()
 
-    store_api.register(app, handle, memory, require_admin, writer)
+    store_api.register(app, handle, memory, require_admin, writer, versions["config_id"])
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -121,7 +121,9 @@ def _jsonable(v):
 
 
 def register(app: FastAPI, handle: StoreHandle | None, memory, require_admin,
-             writer: RecordWriter | None = None) -> None:
+             writer: RecordWriter | None = None, config_id: str = "") -> None:
+    """``config_id`` (this gateway's) is stored with a bench run that names none: the run
+    measured this gateway."""
     async def in_thread(fn, *args):
         if handle is None:
             raise APIError(503, "no trace store is configured (TAILSCOPE_STORE_DSN)",
@@ -243,7 +245,7 @@ def register(app: FastAPI, handle: StoreHandle | None, memory, require_admin,
         try:
             row = BenchRunRow(run_id=str(body["run_id"])[:64], ts_us=int(time.time() * 1e6),
                               mode=str(body["mode"]), target=str(body.get("target", "")),
-                              config_id=str(body.get("config_id", "")),
+                              config_id=str(body.get("config_id") or config_id),
                               params=json.dumps(body.get("params", {})),
                               results=json.dumps(body.get("results", {})))
         except (ValueError, KeyError, TypeError) as exc:

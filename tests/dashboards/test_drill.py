@@ -158,3 +158,16 @@ def test_stopping_tailscope_drill_leaves_no_streamlit_behind():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_token_text_comes_only_from_the_records_own_tokenizer(bundled_path):
+    from dashboards.drill import tokenizer_text
+    from engine.text import load_tokenizer
+
+    tok = load_tokenizer(bundled_path)
+    ids = tok.encode("Hello there")
+    assert tokenizer_text(ids, tok.revision, [str(bundled_path)]) == tok.decode(ids)
+    # another model's record: its ids are never shown as this tokenizer's text
+    assert tokenizer_text(ids, "another-tokenizer-rev", [str(bundled_path)]) is None
+    assert tokenizer_text(ids, "", [str(bundled_path)]) is None
+    assert tokenizer_text(ids, tok.revision, ["/no/such/tokenizer"]) is None

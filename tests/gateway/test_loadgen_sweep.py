@@ -35,10 +35,11 @@ def test_short_sweep_writes_results_summary_and_plot(tiny_server, tmp_path):
 
     def stored() -> list:
         return httpx.post(f"{tiny_server.url}/debug/query", json={
-            "sql": "SELECT mode, (SELECT count() FROM tailscope.requests WHERE bench_run = "
-                   "{r:String}) FROM tailscope.bench_runs WHERE run_id = {r:String}",
+            "sql": "SELECT mode, config_id, (SELECT count() FROM tailscope.requests WHERE "
+                   "bench_run = {r:String}) FROM tailscope.bench_runs WHERE run_id = {r:String}",
             "params": {"r": result["run_id"]}}).json()["rows"]
 
-    assert wait_for(lambda: stored() == [["sweep", n_sent]], 10), (stored(), n_sent)
+    config_id = httpx.get(f"{tiny_server.url}/debug/config").json()["config_id"]
+    assert wait_for(lambda: stored() == [["sweep", config_id, n_sent]], 10), (stored(), n_sent)
     png = (out / "frontier.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
