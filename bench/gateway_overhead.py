@@ -30,7 +30,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tracing.client import free_port  # noqa: E402
+
 MAX_TOKENS = 4
 
 
@@ -50,12 +51,6 @@ THREADS = {"n": 1}
 
 def replica_env() -> dict[str, str]:
     return {**os.environ, "TAILSCOPE_THREADS": str(THREADS["n"])}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prompts(n: int) -> list[list[int]]:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tracing import timing
+from tracing.client import sse_json
 
 # ---- schedules ------------------------------------------------------------------------------
 
@@ -258,9 +259,9 @@ async def one_request(http, target: Target, item: Item, scheduled: float) -> Sam
                 s.e2e_ms = (time.monotonic() - scheduled) * 1e3
                 return s
             async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+                chunk = sse_json(line)
+                if chunk is None:
                     continue
-                chunk = json.loads(line[6:])
                 if "error" in chunk:
                     s.error = f"stream error: {chunk['error'].get('message')}"
                     continue

@@ -19,10 +19,8 @@ No pass/fail here.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import secrets
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,35 +31,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_gateway(store: str | None) -> tuple[subprocess.Popen, str]:
     from engine.loader.paths import resolve_model_path
+    from tracing.client import GatewayProcess
 
-    port = free_port()
-    env = {**os.environ, "TAILSCOPE_KV_CACHE_MB": "64",
-           "TAILSCOPE_STORE_DSN": store or "none"}
-    proc = subprocess.Popen([sys.executable, "-m", "tailscope.cli", "serve", "--port", str(port),
-                             "--model", "tiny:49152", "--tokenizer",
-                             str(resolve_model_path("bundled"))], cwd=ROOT, env=env,
-                            stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    import httpx
-
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).json().get("all_ready"):
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("gateway did not start")
+    gw = GatewayProcess(["--model", "tiny:49152", "--tokenizer",
+                         str(resolve_model_path("bundled"))], cwd=ROOT, quiet=True,
+                        env={"TAILSCOPE_KV_CACHE_MB": "64", "TAILSCOPE_STORE_DSN": store or "none"},
+                        ready_timeout_s=180).start()
+    return gw.proc, gw.url
 
 
 def closed_loop(url: str, seconds: float, concurrency: int) -> tuple[float, float]:
@@ -92,6 +70,7 @@ def throughput(seconds: float, concurrency: int, rounds: int) -> dict:
 
 
 def ingest(n: int) -> tuple[float, dict]:
+    from tracing import queries as Q
     from tracing.record import RecordEvent, RequestRecord
     from tracing.store import Store
     from tracing.writer import RecordWriter
@@ -120,7 +99,7 @@ def ingest(n: int) -> tuple[float, dict]:
     emit_s = time.monotonic() - t0
     writer.close(timeout_s=600)
     total_s = time.monotonic() - t0
-    count = store.select("SELECT count() FROM tailscope.requests")[1][0][0]
+    count = store.select(Q.REQUEST_COUNT)[1][0][0]
     assert count == n, (count, n)
     return n / total_s, {"emit_us_per_record": emit_s / n * 1e6, **writer.stats}
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from tracing.client import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "screenshots"
@@ -44,12 +45,6 @@ s.close()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     return out.stdout.strip().splitlines()[-1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def shoot(chromium: str, url: str, png: Path) -> None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from tracing.queries import frame
+from tracing import queries as Q
 
 LATENCY_METRICS = ("ttft_ms", "e2e_ms")
 
@@ -70,15 +70,12 @@ class Comparison:
 
 
 def list_runs(source, limit: int = 100) -> pd.DataFrame:
-    return frame(source, "SELECT run_id, ts, suite, config_id, cases, passed, url FROM "
-                 "tailscope.eval_runs ORDER BY ts DESC LIMIT 1 BY run_id LIMIT {n:UInt32}",
-                 {"n": limit})
+    return Q.eval_runs(source, limit)
 
 
 def load_run(source, run_id: str) -> tuple[dict, pd.DataFrame]:
     """The run's row and its results, each joined with its request record's latency."""
-    runs = frame(source, "SELECT run_id, ts, suite, config_id, config, url, cases, passed FROM "
-                 "tailscope.eval_runs WHERE run_id = {r:String} LIMIT 1", {"r": run_id})
+    runs, results, records = Q.eval_run(source, run_id)
     if runs.empty:
         raise KeyError(f"no eval run {run_id!r}")
     run = runs.iloc[0].to_dict()
@@ -86,13 +83,6 @@ def load_run(source, run_id: str) -> tuple[dict, pd.DataFrame]:
         run["config"] = json.loads(run.get("config") or "{}")
     except json.JSONDecodeError:
         run["config"] = {}
-    results = frame(source, "SELECT case_id, trace_id, score, passed, detail, output, "
-                    "finish_reason, weight, tags FROM tailscope.eval_results WHERE run_id = "
-                    "{r:String} ORDER BY case_id LIMIT 1 BY case_id", {"r": run_id})
-    records = frame(source, "SELECT trace_id, ttft_ms, e2e_ms, config_id AS record_config_id, "
-                    "final_state FROM tailscope.requests WHERE trace_id IN (SELECT trace_id "
-                    "FROM tailscope.eval_results WHERE run_id = {r:String}) LIMIT 1 BY trace_id",
-                    {"r": run_id})
     if records.empty:
         records = pd.DataFrame(columns=["trace_id", "ttft_ms", "e2e_ms", "record_config_id",
                                         "final_state"])

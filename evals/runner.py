@@ -16,14 +16,10 @@ file needs nothing running beforehand.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import json
-import os
 import secrets
-import signal
-import socket
-import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,6 +27,9 @@ from pathlib import Path
 import httpx
 
 from evals.cases import Case, load_cases, score
+from tracing import queries as Q
+from tracing.client import GatewayProcess as _Gateway
+from tracing.client import GatewayStartError, sse_json
 
 SUITES_DIR = Path(__file__).resolve().parent / "suites"
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
@@ -111,9 +110,9 @@ async def send(client: httpx.AsyncClient, case: Case, model: str, run_id: str) -
                     att.error = f"HTTP {r.status_code}: {_message(r)}"
                     return att
                 async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
+                    chunk = sse_json(line)
+                    if chunk is None:
                         continue
-                    chunk = json.loads(line[6:])
                     if chunk.get("error"):
                         att.error = f"stream error: {chunk['error'].get('message')}"
                     if chunk.get("usage"):
@@ -213,67 +212,29 @@ def wait_for_records(url: str, trace_ids: list[str], admin_key: str | None,
     """The gateway writes records in batches: wait until the run's requests are queryable."""
     want = len({t for t in trace_ids if t})
     deadline, found = time.monotonic() + timeout_s, 0
+    source = Q.GatewaySource(url, admin_key, timeout_s=30)
     while True:
-        r = httpx.post(f"{url.rstrip('/')}/debug/query", headers=_admin(admin_key),
-                       json={"sql": "SELECT uniqExact(trace_id) FROM tailscope.requests WHERE "
-                                    "trace_id IN {ids:Array(String)}",
-                             "params": {"ids": [t for t in trace_ids if t]}}, timeout=30)
-        if r.status_code == 200:
-            found = int(r.json()["rows"][0][0])
+        with contextlib.suppress(Q.QueryError, httpx.HTTPError):
+            found = Q.records_found(source, trace_ids)
         if found >= want or time.monotonic() > deadline:
             return found
         time.sleep(0.5)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class GatewayProcess:
+class GatewayProcess(_Gateway):
     """``tailscope serve --engine-config FILE`` in a child process, for the length of a run."""
 
     def __init__(self, config_path: str | Path, env: dict[str, str] | None = None,
                  ready_timeout_s: float = 300.0, log_path: str | Path | None = None) -> None:
         self.config_path = str(config_path)
-        self.env = {**os.environ, **(env or {})}
-        self.ready_timeout_s = ready_timeout_s
-        self.log_path = log_path
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
+        super().__init__(["--engine-config", self.config_path], env, ready_timeout_s,
+                         log=log_path, quiet=True)
 
     def __enter__(self) -> GatewayProcess:
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tailscope.cli", "serve", "--engine-config",
-             self.config_path, "--port", str(self.port)], env=self.env, stdout=log,
-            stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + self.ready_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise EvalError(f"the gateway for {self.config_path} exited with "
-                                f"{self.proc.returncode}" + (f"; see {self.log_path}"
-                                                             if self.log_path else ""))
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=2).json().get("all_ready"):
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.__exit__(None, None, None)
-        raise EvalError(f"the gateway for {self.config_path} was not ready in "
-                        f"{self.ready_timeout_s:.0f} s")
-
-    def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # the gateway drains its writer on SIGTERM
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        try:
+            return self.start()
+        except GatewayStartError as exc:
+            raise EvalError(f"the gateway for {self.config_path}: {exc}") from None
 
 
 @dataclass

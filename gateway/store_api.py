@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.observer import StepStats
 from gateway.errors import APIError, bad_request
+from tracing import queries as Q
 from tracing.schema import BenchRunRow, EngineStepRow, EvalResultRow, EvalRunRow
 from tracing.store import (
     QueryLimits,
@@ -192,21 +193,15 @@ def register(app: FastAPI, handle: StoreHandle | None, memory, require_admin,
 
     def _lookup(trace_id: str) -> dict:
         store = handle.get()
-        cols, rows = store.select("SELECT * FROM tailscope.requests WHERE trace_id = "
-                                  "{t:String} LIMIT 1", {"t": trace_id})
+        cols, rows = store.select(Q.TRACE_RECORD, {"t": trace_id})
         record = dict(zip(cols, rows[0], strict=True)) if rows else None
-        cols, rows = store.select("SELECT ts, state, detail FROM tailscope.request_events "
-                                  "WHERE trace_id = {t:String} ORDER BY ts, seq",
-                                  {"t": trace_id})
+        cols, rows = store.select(Q.TRACE_EVENTS, {"t": trace_id})
         events = [dict(zip(cols, r, strict=True)) for r in rows]
         return {"record": record, "events": events}
 
     def _steps(replica: str, start_us: int, end_us: int) -> list[dict]:
-        cols, rows = handle.get().select(
-            "SELECT * FROM tailscope.engine_steps WHERE replica = {r:String} AND ts >= "
-            "fromUnixTimestamp64Micro({a:Int64}, 'UTC') AND ts <= "
-            "fromUnixTimestamp64Micro({b:Int64}, 'UTC') ORDER BY ts, step",
-            {"r": replica, "a": start_us, "b": end_us})
+        cols, rows = handle.get().select(Q.STEPS_BETWEEN,
+                                         {"r": replica, "a": start_us, "b": end_us})
         return [dict(zip(cols, r, strict=True)) for r in rows]
 
     @app.get("/debug/requests/{trace_id}")

@@ -38,3 +38,26 @@ def test_every_bench_script_answers_help(script):
     out = subprocess.run([sys.executable, str(script.relative_to(ROOT)), "--help"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "usage" in out.stdout.lower(), out.stderr[-500:]
+
+
+def test_importing_the_gateway_app_does_not_import_pandas():
+    # the gateway reads the query library's SQL; pandas (~40 MB) stays out of its process
+    code = ("import sys, gateway.app, gateway.store_api; "
+            "sys.exit(1 if 'pandas' in sys.modules else 0)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, "gateway.app imports pandas: " + out.stderr[-500:]
+
+
+def test_sql_against_the_trace_tables_lives_in_the_query_library():
+    # DDL lives in tracing/schema*.py, the store client in tracing/store.py; Grafana's panels
+    # are SQL with the plugin's macros, run by Grafana, not by us
+    allowed = {"tracing/queries.py", "tracing/schema.py", "tracing/schema_v1.py",
+               "tracing/store.py", "dashboards/grafana.py"}
+    offenders = []
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel not in allowed and "FROM tailscope." in path.read_text():
+                offenders.append(rel)
+    assert not offenders, f"SQL outside tracing/queries.py: {offenders}"

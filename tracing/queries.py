@@ -15,11 +15,21 @@ preempted, streaming) and per dimension value, never only aggregates.
 from __future__ import annotations
 
 import datetime as dt
+import importlib
 from dataclasses import dataclass
 
-import pandas as pd
-
 from tracing import timing
+
+
+class _Pandas:
+    """pandas, imported on first use: the gateway reads the SQL below (``TRACE_RECORD``, ...)
+    without paying for pandas (about 40 MB of memory) in its process."""
+
+    def __getattr__(self, name: str):
+        return getattr(importlib.import_module("pandas"), name)
+
+
+pd = _Pandas()
 
 # Latency columns of tailscope.requests; "itl_ms" is an array (one value per gap).
 METRICS = ("ttft_ms", "tpot_ms", "e2e_ms", "itl_ms", "tail_ms", "ingress_ms", "tokenize_ms",
@@ -270,16 +280,33 @@ def slowest(source, start, end, metric: str = "e2e_ms", limit: int = 50,
     return frame(source, sql, params)
 
 
+# One trace's rows (the drill-down's Trace view and the gateway's /debug/requests/{trace_id}).
+TRACE_RECORD = "SELECT * FROM tailscope.requests WHERE trace_id = {t:String} LIMIT 1"
+TRACE_EVENTS = ("SELECT ts, state, detail FROM tailscope.request_events WHERE "
+                "trace_id = {t:String} ORDER BY ts, seq")
+STEPS_BETWEEN = ("SELECT * FROM tailscope.engine_steps WHERE replica = {r:String} AND ts >= "
+                 "fromUnixTimestamp64Micro({a:Int64}, 'UTC') AND ts <= "
+                 "fromUnixTimestamp64Micro({b:Int64}, 'UTC') ORDER BY ts, step")
+# How many of these traces have a stored record (writers batch: wait until all are there).
+RECORDS_FOUND = ("SELECT uniqExact(trace_id) FROM tailscope.requests WHERE "
+                 "trace_id IN {ids:Array(String)}")
+REQUEST_COUNT = "SELECT count() FROM tailscope.requests"
+
+
+def records_found(source, trace_ids: list[str]) -> int:
+    ids = sorted({t for t in trace_ids if t})
+    _, rows = source.select(RECORDS_FOUND, {"ids": ids})
+    return int(rows[0][0])
+
+
 def trace(source, trace_id: str) -> dict:
     """One trace: its record, its events, and its replica's engine steps during it."""
     params = {"t": trace_id.lower()}
-    rec = frame(source, "SELECT * FROM tailscope.requests WHERE trace_id = {t:String} "
-                        "LIMIT 1", params)
+    rec = frame(source, TRACE_RECORD, params)
     if rec.empty:
         return {"record": None, "events": pd.DataFrame(), "steps": pd.DataFrame()}
     record = rec.iloc[0].to_dict()
-    events = frame(source, "SELECT ts, state, detail FROM tailscope.request_events WHERE "
-                           "trace_id = {t:String} ORDER BY ts, seq", params)
+    events = frame(source, TRACE_EVENTS, params)
     steps = frame(source, "SELECT ts, step, duration_ms, num_seqs, prefill_tokens, "
                           "decode_tokens, kv_blocks_used, kv_blocks_total, running, waiting "
                           "FROM tailscope.engine_steps WHERE replica = {r:String} AND ts >= "
@@ -332,3 +359,26 @@ def by_finish_reason(source, start, end, bucket_s: int = 60,
            "finish_reason, count() / {bucket:UInt32} AS rps FROM tailscope.requests WHERE "
            f"{_WINDOW}{_filters(filters, params)} GROUP BY t, finish_reason ORDER BY t")
     return frame(source, sql, params)
+
+
+# ---- eval runs ---------------------------------------------------------------------------------
+def eval_runs(source, limit: int = 100) -> pd.DataFrame:
+    """Stored eval runs, newest first."""
+    return frame(source, "SELECT run_id, ts, suite, config_id, cases, passed, url FROM "
+                 "tailscope.eval_runs ORDER BY ts DESC LIMIT 1 BY run_id LIMIT {n:UInt32}",
+                 {"n": limit})
+
+
+def eval_run(source, run_id: str) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """One eval run's row, its case results, and its requests' records (latency, config)."""
+    p = {"r": run_id}
+    run = frame(source, "SELECT run_id, ts, suite, config_id, config, url, cases, passed FROM "
+                "tailscope.eval_runs WHERE run_id = {r:String} LIMIT 1", p)
+    results = frame(source, "SELECT case_id, trace_id, score, passed, detail, output, "
+                    "finish_reason, weight, tags FROM tailscope.eval_results WHERE run_id = "
+                    "{r:String} ORDER BY case_id LIMIT 1 BY case_id", p)
+    records = frame(source, "SELECT trace_id, ttft_ms, e2e_ms, config_id AS record_config_id, "
+                    "final_state FROM tailscope.requests WHERE trace_id IN (SELECT trace_id "
+                    "FROM tailscope.eval_results WHERE run_id = {r:String}) LIMIT 1 BY trace_id",
+                    p)
+    return run, results, records

@@ -1,21 +1,12 @@
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
-import sys
 import tempfile
-import time
 from dataclasses import dataclass
 
-import httpx
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tracing.client import GatewayProcess, GatewayStartError, free_port  # noqa: F401
 
 
 @dataclass
@@ -27,25 +18,15 @@ class Server:
 
 def start_server(*args: str, timeout_s: float = 240.0, env: dict[str, str] | None = None
                  ) -> Server:
-    port = free_port()
     store = tempfile.mkdtemp(prefix="tailscope-test-store-")  # chDB: one directory per process
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tailscope.cli", "serve", "--port", str(port), *args],
-        env={**os.environ, "TAILSCOPE_KV_CACHE_MB": "64",
-             "TAILSCOPE_STORE_DSN": f"chdb://{store}/store", "TAILSCOPE_STORE_FLUSH_S": "0.5",
-             **(env or {})})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "gateway exited during start-up"
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).json().get("all_ready"):
-                return Server(url, proc)
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise AssertionError("gateway never became ready")
+    gw = GatewayProcess(list(args), env={
+        "TAILSCOPE_KV_CACHE_MB": "64", "TAILSCOPE_STORE_DSN": f"chdb://{store}/store",
+        "TAILSCOPE_STORE_FLUSH_S": "0.5", **(env or {})}, ready_timeout_s=timeout_s)
+    try:
+        gw.start()
+    except GatewayStartError as exc:
+        raise AssertionError(f"gateway never became ready: {exc}") from None
+    return Server(gw.url, gw.proc)
 
 
 def stop_server(server: Server) -> None:

@@ -1,0 +1,89 @@
+"""Client-side helpers, one copy each, for the CLI tools, benchmarks, evals and tests: a free
+loopback port, a gateway in a child process that is ready once started, and the JSON payload of
+a streamed response's SSE line. (The ``/debug/query`` client is ``tracing.queries.GatewaySource``.)
+
+They talk to a gateway over HTTP and import nothing of it, so every layer may use them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class GatewayStartError(RuntimeError):
+    pass
+
+
+class GatewayProcess:
+    """``tailscope serve ARGS --port N`` in a child process, started when ``/ready`` says every
+    replica is up; stopped with SIGTERM (the gateway drains its record writer), killed if it
+    does not exit in time. A context manager."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None,
+                 ready_timeout_s: float = 300.0, log: str | Path | None = None,
+                 cwd: str | Path | None = None, quiet: bool = False) -> None:
+        self.args, self.cwd, self.log = list(args), cwd, log
+        self.env = {**os.environ, **(env or {})}
+        self.ready_timeout_s = ready_timeout_s
+        self.quiet = quiet  # discard its output (else inherited, or appended to ``log``)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> GatewayProcess:
+        import httpx
+
+        out = open(self.log, "ab") if self.log else (subprocess.DEVNULL if self.quiet else None)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tailscope.cli", "serve", *self.args, "--port",
+             str(self.port)], env=self.env, cwd=self.cwd, stdout=out,
+            stderr=subprocess.STDOUT if out is not None else None)
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise GatewayStartError(f"the gateway exited with {self.proc.returncode} during "
+                                        "start-up" + (f"; see {self.log}" if self.log else ""))
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=2).json().get("all_ready"):
+                    return self
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise GatewayStartError(f"the gateway was not ready in {self.ready_timeout_s:.0f} s")
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> GatewayProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def sse_json(line: str) -> dict | None:
+    """The JSON object of one line of an OpenAI-style event stream; None for anything else
+    (blank lines, comments, ``data: [DONE]``)."""
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return None
+    return json.loads(line[6:])
