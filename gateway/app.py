@@ -34,6 +34,7 @@ from gateway.serving import Service
 from gateway.store_api import open_store, step_row
 from gateway.tenants import TenantRegistry
 from gateway.trace import TraceMiddleware
+from gateway.upstream import UpstreamConfig, UpstreamPool
 from tracing.record import RequestRecord
 from tracing.sinks import FanoutSink, JsonlSink, MemorySink, RecordSink
 from tracing.store import QueryLimits
@@ -77,14 +78,20 @@ class GatewayConfig:
     heartbeat_timeout_s: float = 30.0  # a replica silent this long is stalled: restarted
     max_queue_mb: int = 256  # the record writer's queue, in estimated bytes
     key_id_secret: str | None = None  # keys api_key_id (default: .tailscope/key-id-secret)
+    # external OpenAI-compatible servers, each serving a model name of its own (gateway.upstream)
+    backends: tuple[UpstreamConfig, ...] = ()
 
 
 def resolved_config(config: GatewayConfig) -> dict:
     """What decides the outputs and timings: model, engine settings and sampling policy."""
-    return {"model": config.model, "served_model_name": config.served_model_name,
-            "replicas": config.replicas, "engine": config.engine.as_dict(),
-            "sampling": {"defaults": config.sampling_defaults,
-                         "overrides": config.sampling_overrides}}
+    out = {"model": config.model, "served_model_name": config.served_model_name,
+           "replicas": config.replicas, "engine": config.engine.as_dict(),
+           "sampling": {"defaults": config.sampling_defaults,
+                        "overrides": config.sampling_overrides}}
+    if config.backends:  # (absent otherwise: config ids without backends stay as they were)
+        out["backends"] = [{k: v for k, v in dataclasses.asdict(b).items() if k != "api_key_env"}
+                           for b in config.backends]
+    return out
 
 
 def config_id(config: GatewayConfig) -> str:
@@ -110,7 +117,13 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
         log.warning("no API keys configured: open local mode, every request is tenant 'local'")
     versions = {"engine": engine_version, "gateway": gateway_version,
                 "tokenizer": tokenizer.revision or "", "config_id": config_id(config)}
-    service = Service(config, tokenizer, pool, registry, versions)
+    shared = [b.name for b in config.backends if b.model == config.served_model_name]
+    if shared:
+        raise ValueError(f"backends {shared} serve {config.served_model_name!r}, the bundled "
+                         "replicas' model name: one model name is served by replicas or by "
+                         "backends, not both (yet)")
+    upstreams = UpstreamPool(config.backends) if config.backends else None
+    service = Service(config, tokenizer, pool, registry, versions, upstreams)
     metrics = GatewayMetrics(pool)
     memory = MemorySink(config.memory_records)
     sinks: list[RecordSink] = [memory]
@@ -148,6 +161,8 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
             yield
         finally:
             await pool.close()
+            if upstreams is not None:
+                await upstreams.close()
             sink.close()  # the writer drains: every record is inserted or spooled
             if handle is not None:
                 handle.close()
@@ -202,6 +217,8 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
         states = pool.states()
         body = {"ready": pool.ready, "all_ready": all(s == "ready" for s in states.values()),
                 "replicas": states}
+        if upstreams is not None:  # not needed for ready: they serve other model names
+            body["backends"] = {n: d["state"] for n, d in upstreams.describe().items()}
         if writer is not None:
             body["record_writer"] = "alive" if writer.alive else "dead"
             body["ready"] = pool.ready and writer.alive
@@ -223,14 +240,15 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
     async def debug_replicas(request: Request) -> dict:
         """Each replica's process, restarts, in-flight requests and latest KV usage."""
         require_admin(request)
-        return pool.describe()
+        return {**pool.describe(), **(upstreams.describe() if upstreams else {})}
 
     store_api.register(app, handle, memory, require_admin, writer, versions["config_id"])
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": config.served_model_name, "object": "model",
-                                            "created": 0, "owned_by": "tailscope"}]}
+        names = [config.served_model_name, *(upstreams.models if upstreams else [])]
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
+                                            "owned_by": "tailscope"} for name in names]}
 
     async def gated(request: Request, handler) -> Response:
         """Ingress gate (auth, request rate, concurrency) before any parsing or tokenizing;

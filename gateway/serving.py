@@ -40,6 +40,7 @@ from gateway.limits import RequestLimits, check_body, check_counts
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.tenants import Tenant, TenantRegistry
 from gateway.trace import RequestTrace
+from gateway.upstream import UpstreamPool
 
 DEFAULT_MAX_TOKENS = 512
 LARGE_TEXT_CHARS = 16_384  # tokenized off the event loop from this length (~10 ms of work)
@@ -83,8 +84,9 @@ class Service:
     """Everything an API request needs, built once per gateway."""
 
     def __init__(self, config, tokenizer, pool: Backend, registry: TenantRegistry,
-                 versions: dict[str, str]) -> None:
+                 versions: dict[str, str], upstreams: UpstreamPool | None = None) -> None:
         self.config = config
+        self.upstreams = upstreams  # external backends (their model names are proxied)
         self.tokenizer = tokenizer
         self.pool = pool
         self.registry = registry
@@ -111,8 +113,11 @@ class Service:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def parse(self, request: Request, model: type[SamplingFields]) -> SamplingFields:
-        body = await self.read_body(request)
+    async def body_json(self, request: Request) -> tuple[dict, bytes]:
+        """The body (read once, then kept on the request) as a checked JSON object."""
+        body = getattr(request.state, "body", None)
+        if body is None:
+            body = request.state.body = await self.read_body(request)
         try:
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -122,6 +127,32 @@ class Service:
         if not isinstance(data, dict):
             raise bad_request("request body must be a JSON object")
         check_body(data, body, self.limits)
+        return data, body
+
+    async def proxied(self, request: Request, tenant: Tenant, path: str) -> Response | None:
+        """A request for a model an external backend serves goes there as the client sent it
+        (``gateway.upstream``); None for the bundled replicas' model."""
+        if self.upstreams is None:
+            return None
+        data, _ = await self.body_json(request)
+        model = data.get("model")
+        if not isinstance(model, str) or not self.upstreams.serves(model):
+            return None
+        trace: RequestTrace = request.state.trace
+        trace.mark("ADMITTED")
+        settled = False
+
+        def settle() -> None:  # the tenant's slot, once
+            nonlocal settled
+            if not settled:
+                settled = True
+                self.registry.finish(tenant)
+
+        request.state.settled_by_run = True
+        return await self.upstreams.proxy(request, data, path, trace, settle)
+
+    async def parse(self, request: Request, model: type[SamplingFields]) -> SamplingFields:
+        data, _ = await self.body_json(request)
         if self.config.sampling_defaults or self.config.sampling_overrides:
             data = {**self.config.sampling_defaults, **data, **self.config.sampling_overrides}
         try:
@@ -205,6 +236,8 @@ class Service:
 
     # ---- endpoints ------------------------------------------------------------------------
     async def chat(self, request: Request, tenant: Tenant) -> Response:
+        if (proxied := await self.proxied(request, tenant, "/chat/completions")) is not None:
+            return proxied
         req = await self.parse(request, ChatCompletionRequest)
         assert isinstance(req, ChatCompletionRequest)
         trace: RequestTrace = request.state.trace
@@ -222,6 +255,8 @@ class Service:
         return await self.run(request, req, prompt, params, chat=True, tenant=tenant)
 
     async def completions(self, request: Request, tenant: Tenant) -> Response:
+        if (proxied := await self.proxied(request, tenant, "/completions")) is not None:
+            return proxied
         req = await self.parse(request, CompletionRequest)
         assert isinstance(req, CompletionRequest)
         trace: RequestTrace = request.state.trace

@@ -125,49 +125,62 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     served = args.served_model_name or (file and file.served_model_name) \
         or "SmolLM2-135M-Instruct"
-    app = create_app(GatewayConfig(model=s.model, tokenizer=args.tokenizer,
-                                   served_model_name=served,
-                                   replicas=args.replicas or (file and file.replicas) or 1,
-                                   engine=engine,
-                                   tenants_file=args.config or s.config,
-                                   max_inflight_per_replica=args.max_inflight,
-                                   queue_timeout_s=(args.queue_timeout if args.queue_timeout
-                                                    is not None else s.queue_timeout_s) or None,
-                                   max_buffered_deltas=s.max_buffered_deltas,
-                                   slow_client_timeout_s=s.slow_client_timeout_s,
-                                   records_jsonl=args.records_jsonl or s.records_jsonl or None,
-                                   record_token_ids=s.record_token_ids,
-                                   store_dsn=None if s.store_dsn.lower() in ("", "none")
-                                   else s.store_dsn,
-                                   spool_dir=s.spool_dir or None,
-                                   store_ttl_days=s.store_ttl_days,
-                                   store_flush_s=s.store_flush_s,
-                                   admin_key=s.admin_key or None,
-                                   fault_store_down_file=os.environ.get(
-                                       "TAILSCOPE_FAULT_STORE_DOWN_FILE") or None,
-                                   otlp_endpoint=s.otlp_endpoint or None,
-                                   otlp_protocol=s.otlp_protocol,
-                                   sampling_defaults=file.sampling_defaults if file else {},
-                                   sampling_overrides=file.sampling_overrides if file else {},
-                                   config_name=file.name if file else "",
-                                   max_body_bytes=s.max_body_bytes,
-                                   limits=RequestLimits(
-                                       max_messages=s.max_messages,
-                                       max_stop_strings=s.max_stop_strings,
-                                       max_stop_chars=s.max_stop_chars,
-                                       max_logit_bias=s.max_logit_bias,
-                                       max_stop_token_ids=s.max_stop_token_ids,
-                                       max_json_depth=s.max_json_depth,
-                                       max_schema_bytes=s.max_schema_bytes),
-                                   query_limits=QueryLimits(
-                                       max_execution_s=s.query_max_execution_s,
-                                       max_result_rows=s.query_max_result_rows,
-                                       max_rows_to_read=s.query_max_rows_to_read,
-                                       max_memory_mb=s.query_max_memory_mb),
-                                   request_timeout_s=s.request_timeout_s or None,
-                                   heartbeat_timeout_s=s.heartbeat_timeout_s,
-                                   max_queue_mb=s.store_max_queue_mb,
-                                   key_id_secret=s.key_id_secret or None))
+    from gateway.upstream import UpstreamConfig
+
+    try:
+        backends = (*(file.backends if file else ()),
+                    *(UpstreamConfig.parse_flag(b) for b in args.backend or []))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:  # a config the gateway refuses (e.g. one model name served twice) is an error
+        app = create_app(GatewayConfig(model=s.model, tokenizer=args.tokenizer,
+                                       served_model_name=served,
+                                       replicas=args.replicas or (file and file.replicas) or 1,
+                                       engine=engine,
+                                       tenants_file=args.config or s.config,
+                                       max_inflight_per_replica=args.max_inflight,
+                                       queue_timeout_s=(args.queue_timeout if args.queue_timeout
+                                                        is not None else s.queue_timeout_s) or None,
+                                       max_buffered_deltas=s.max_buffered_deltas,
+                                       slow_client_timeout_s=s.slow_client_timeout_s,
+                                       records_jsonl=args.records_jsonl or s.records_jsonl or None,
+                                       record_token_ids=s.record_token_ids,
+                                       store_dsn=None if s.store_dsn.lower() in ("", "none")
+                                       else s.store_dsn,
+                                       spool_dir=s.spool_dir or None,
+                                       store_ttl_days=s.store_ttl_days,
+                                       store_flush_s=s.store_flush_s,
+                                       admin_key=s.admin_key or None,
+                                       fault_store_down_file=os.environ.get(
+                                           "TAILSCOPE_FAULT_STORE_DOWN_FILE") or None,
+                                       otlp_endpoint=s.otlp_endpoint or None,
+                                       otlp_protocol=s.otlp_protocol,
+                                       sampling_defaults=file.sampling_defaults if file else {},
+                                       sampling_overrides=file.sampling_overrides if file else {},
+                                       config_name=file.name if file else "",
+                                       max_body_bytes=s.max_body_bytes,
+                                       limits=RequestLimits(
+                                           max_messages=s.max_messages,
+                                           max_stop_strings=s.max_stop_strings,
+                                           max_stop_chars=s.max_stop_chars,
+                                           max_logit_bias=s.max_logit_bias,
+                                           max_stop_token_ids=s.max_stop_token_ids,
+                                           max_json_depth=s.max_json_depth,
+                                           max_schema_bytes=s.max_schema_bytes),
+                                       query_limits=QueryLimits(
+                                           max_execution_s=s.query_max_execution_s,
+                                           max_result_rows=s.query_max_result_rows,
+                                           max_rows_to_read=s.query_max_rows_to_read,
+                                           max_memory_mb=s.query_max_memory_mb),
+                                       request_timeout_s=s.request_timeout_s or None,
+                                       heartbeat_timeout_s=s.heartbeat_timeout_s,
+                                       max_queue_mb=s.store_max_queue_mb,
+                                       key_id_secret=s.key_id_secret or None,
+                                       backends=backends))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.host not in ("127.0.0.1", "::1", "localhost") and not (args.config or s.config):
         logging.getLogger("tailscope").warning(
             "open local mode on %s: anyone who reaches port %d can generate (configure "
@@ -422,6 +435,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--engine-config", metavar="FILE",
                     help="YAML: model, engine settings and sampling policy (evals/configs/)")
     add_engine_flags(sv)
+    sv.add_argument("--backend", action="append", metavar="NAME=URL[,key=value...]",
+                    help="an external OpenAI-compatible server as a recorded replica "
+                         "(repeatable); keys: model (default NAME), upstream_model, "
+                         "api_key_env, max_concurrency, connect_timeout_s, "
+                         "first_byte_timeout_s, idle_timeout_s, eject_after, eject_s")
     sv.add_argument("--config", help="TOML file with [[tenants]] (API keys and limits)")
     sv.add_argument("--max-inflight", type=int,
                     help="in-flight requests per replica before new ones get 503 "

@@ -13,6 +13,12 @@ policy, so an eval run (or a rollout) is reproducible from the file alone::
     sampling:
       defaults: {}                   # request fields filled in when a request leaves them out
       overrides: {}                  # request fields forced on every request (null removes)
+    backends:                        # external OpenAI-compatible servers (gateway.upstream)
+      - name: vllm-a                 # the replica name in records
+        url: http://gpu-1:8000       # with or without /v1
+        model: llama-3-8b            # the model name clients send
+        upstream_model: meta-llama/Meta-Llama-3-8B-Instruct
+        api_key_env: VLLM_KEY        # optional; timeouts, max_concurrency, eject_* too
 
 ``tailscope serve --engine-config FILE`` starts a gateway with it; the gateway's ``config_id``
 (on every request record and in ``GET /debug/config``) is a hash of the resolved config.
@@ -27,7 +33,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 
-TOP_KEYS = {"name", "model", "served_model_name", "replicas", "engine", "sampling"}
+TOP_KEYS = {"name", "model", "served_model_name", "replicas", "engine", "sampling", "backends"}
 
 
 class ConfigFileError(ValueError):
@@ -44,6 +50,7 @@ class EngineConfigFile:
     engine: dict[str, Any] = field(default_factory=dict)  # the settings the file gives
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     sampling_overrides: dict[str, Any] = field(default_factory=dict)
+    backends: tuple = ()  # of gateway.upstream.UpstreamConfig
 
 
 def load(path: str | Path) -> EngineConfigFile:
@@ -78,7 +85,18 @@ def load(path: str | Path) -> EngineConfigFile:
     replicas = data.get("replicas")
     if replicas is not None and (not isinstance(replicas, int) or replicas < 1):
         raise ConfigFileError(f"{path}: replicas must be a positive integer")
+    backends = data.get("backends") or []
+    if not isinstance(backends, list) or not all(isinstance(b, dict) for b in backends):
+        raise ConfigFileError(f"{path}: backends must be a list of mappings")
+    from gateway.upstream import UpstreamConfig
+
+    try:
+        parsed = tuple(UpstreamConfig.from_mapping(b, f"{path}: backends[{i}]")
+                       for i, b in enumerate(backends))
+    except (ValueError, TypeError) as exc:
+        raise ConfigFileError(str(exc)) from None
     return EngineConfigFile(path=str(path), name=str(data.get("name") or path.stem),
+                            backends=parsed,
                             model=data.get("model"),
                             served_model_name=data.get("served_model_name"),
                             replicas=replicas, engine=dict(engine),

@@ -57,7 +57,7 @@ SUBSTAGES: tuple[Stage, ...] = (
 # Sent to a replica whose timeline never came back (the client left first): unattributed.
 IN_ENGINE = Stage("", "in the engine (no timeline)", "engine", ("ROUTED",))
 PREEMPTING = ("PREEMPTED", "SWAPPED")  # each one counts as a preemption
-MARKERS = ("FIRST_FLUSH",)  # points on the timeline that change no stage
+MARKERS = ("FIRST_FLUSH", "UPSTREAM_HEADERS")  # points on the timeline that change no stage
 END = "END"
 
 E2E_STAGES: tuple[str, ...] = tuple(s.column for s in STAGES)

@@ -52,3 +52,18 @@ def test_shedding_exclusion_and_the_preferred_replica():
     busy, idle = View("r0", pending_tokens=900), View("r1")
     d = choose([busy, idle], PROMPT, block_size=16, max_inflight=8, prefer="r0")
     assert d.replica is busy and "branch" in d.reason
+
+
+def test_backend_flags_and_yaml_entries_are_checked():
+    from gateway.upstream import UpstreamConfig
+
+    c = UpstreamConfig.parse_flag("vllm=http://gpu:8000,upstream_model=meta/llama,"
+                                  "max_concurrency=8,idle_timeout_s=2.5")
+    assert (c.name, c.model, c.upstream_model, c.max_concurrency, c.idle_timeout_s) == (
+        "vllm", "vllm", "meta/llama", 8, 2.5) and c.base == "http://gpu:8000/v1"
+    for bad, match in [("vllm", "NAME=URL"), ("v=ftp://x", "http"), ("v=http://x,oops", "key"),
+                       ("v=http://x,max_concurrency=lots", "int"),
+                       ("v=http://x,colour=red", "unknown"),
+                       ("v=http://x,idle_timeout_s=0", "> 0")]:
+        with pytest.raises(ValueError, match=match):
+            UpstreamConfig.parse_flag(bad)

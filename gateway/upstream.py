@@ -1,0 +1,457 @@
+"""External OpenAI-compatible servers (vLLM, SGLang, llama.cpp's ``llama-server``, another
+Tailscope, a hosted API) as recorded replicas.
+
+A backend is declared with a name, a base URL and the model name clients use for it
+(``UpstreamConfig``; ``tailscope serve --backend NAME=URL[,key=value...]`` or the engine config
+YAML's ``backends:`` list). A request whose ``model`` one or more backends serve is proxied: its
+body goes to the upstream as the client sent it (fields the gateway does not know included:
+``tools``, ``tool_choice``, vendor extras), only ``model`` rewritten to the upstream's name; the
+upstream's response comes back as it sent it, streamed or not (the body bytes of a JSON answer,
+each SSE event of a stream). The ingress gate (keys, tenants, rate limits, body size) has run
+before; the trace middleware adds its ids and headers and writes the one record.
+
+Per backend: one HTTP/1.1 keep-alive connection pool (httpx), a concurrency limit (past it the
+backend counts as full: another backend of the model, or 503), and three timeouts, each ending
+as an OpenAI-style error: connecting (``connect_timeout_s``), the first byte of the response
+(``first_byte_timeout_s``) and the gap between two chunks of a stream (``idle_timeout_s``):
+504 before the response started, an SSE ``error`` event after. An upstream error answer keeps
+its status and message; an upstream that breaks the protocol or closes mid-stream is 502 (or an
+SSE ``error`` event once streaming). A request that has received nothing yet is retried once on
+another backend of the same model. After ``eject_after`` failures in a row a backend is ejected
+for ``eject_s`` seconds (a circuit breaker), then tried again by the next request (half-open):
+a success closes it, a failure ejects it again. The router takes the backend with the fewest
+requests in flight (ties: fewest failures, then the name).
+
+The record: ``replica`` is the backend's name, ``route_reason`` why, the timeline has ROUTED
+(request sent), UPSTREAM_HEADERS (status and headers back: the upstream's time to first byte),
+FIRST_FLUSH and END, so TTFT, every ITL, tail and E2E keep their identities; counts come from
+the upstream's ``usage`` (streams: when it sends one, e.g. with ``stream_options``), the
+``finish_reason`` and response id from its body. The engine stage columns stay 0: the time the
+upstream held the request is the unattributed "in the engine" window of ``tracing.timing``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, fields
+
+import httpx
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from gateway.errors import APIError
+from gateway.trace import RequestTrace
+
+log = logging.getLogger("tailscope.upstream")
+
+
+@dataclass(frozen=True)
+class UpstreamConfig:
+    name: str  # the replica name records and /debug/replicas use
+    url: str  # base URL, with or without /v1
+    model: str  # the model name clients send for it
+    upstream_model: str = ""  # the name the upstream knows it by (default: ``model``)
+    api_key_env: str = ""  # environment variable holding its API key (sent as a bearer token)
+    max_concurrency: int = 64
+    connect_timeout_s: float = 5.0
+    first_byte_timeout_s: float = 120.0
+    idle_timeout_s: float = 60.0
+    eject_after: int = 3  # failures in a row that eject it
+    eject_s: float = 10.0  # how long an ejected backend is left alone
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name:
+            raise ValueError(f"backend name {self.name!r} must be non-empty, without '/'")
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"backend {self.name}: url must be http(s)://..., got {self.url!r}")
+        if not self.model:
+            raise ValueError(f"backend {self.name}: model (the name clients use) is required")
+        for f in ("max_concurrency", "eject_after"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"backend {self.name}: {f} must be >= 1")
+        for f in ("connect_timeout_s", "first_byte_timeout_s", "idle_timeout_s", "eject_s"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"backend {self.name}: {f} must be > 0")
+
+    @property
+    def base(self) -> str:
+        base = self.url.rstrip("/")
+        return base if base.endswith("/v1") else base + "/v1"
+
+    @classmethod
+    def from_mapping(cls, values: dict, where: str = "backend") -> UpstreamConfig:
+        known = {f.name: f.type for f in fields(cls)}
+        unknown = set(values) - set(known)
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {sorted(unknown)}; known: "
+                             f"{', '.join(known)}")
+        out = {}
+        for k, v in values.items():
+            kind = {"int": int, "float": float, "str": str}[known[k]]
+            try:
+                out[k] = kind(v) if not isinstance(v, bool) else None
+            except (TypeError, ValueError):
+                out[k] = None
+            if out[k] is None:
+                raise ValueError(f"{where}: {k} must be {kind.__name__}, got {v!r}")
+        return cls(**out)
+
+    @classmethod
+    def parse_flag(cls, text: str) -> UpstreamConfig:
+        """``NAME=URL[,key=value...]`` (keys as in the YAML; ``model`` defaults to NAME)."""
+        head, _, rest = text.partition(",")
+        name, eq, url = head.partition("=")
+        if not eq:
+            raise ValueError(f"--backend {text!r}: expected NAME=URL[,key=value...]")
+        values: dict = {"name": name.strip(), "url": url.strip(), "model": name.strip()}
+        for item in filter(None, (p.strip() for p in rest.split(","))):
+            k, eq, v = item.partition("=")
+            if not eq:
+                raise ValueError(f"--backend {text!r}: {item!r} is not key=value")
+            values[k.strip()] = v.strip()
+        return cls.from_mapping(values, f"--backend {name}")
+
+
+@dataclass
+class Upstream:
+    config: UpstreamConfig
+    client: httpx.AsyncClient
+    inflight: int = 0
+    failures: int = 0  # in a row
+    ejected_until: float = 0.0  # monotonic seconds
+    requests: int = 0
+    errors: int = 0
+    last_error: str = ""
+    server: str = ""  # the upstream's Server header, as last seen
+
+    @property
+    def state(self) -> str:
+        if self.ejected_until > time.monotonic():
+            return "ejected"
+        return "half_open" if self.failures >= self.config.eject_after else "ready"
+
+    def succeeded(self) -> None:
+        self.failures, self.ejected_until = 0, 0.0
+
+    def failed(self, why: str) -> None:
+        self.errors += 1
+        self.failures += 1
+        self.last_error = why
+        if self.failures >= self.config.eject_after:
+            self.ejected_until = time.monotonic() + self.config.eject_s
+            log.warning("backend %s ejected for %.0f s after %d failures in a row: %s",
+                        self.config.name, self.config.eject_s, self.failures, why)
+
+
+class UpstreamError(Exception):
+    """A failed attempt: ``status``/``code``/``message`` for the client, ``retry`` when nothing
+    reached the client yet and another backend may take it."""
+
+    def __init__(self, status: int, code: str, message: str, retry: bool,
+                 body: bytes | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.retry, self.body = (
+            status, code, message, retry, body)
+
+
+@dataclass
+class _Stream:
+    """What a proxied response showed, for the record."""
+
+    response_id: str = ""
+    finish_reason: str = ""
+    usage: dict = field(default_factory=dict)
+    content_chunks: int = 0
+
+
+class UpstreamPool:
+    def __init__(self, configs: list[UpstreamConfig] | tuple[UpstreamConfig, ...]) -> None:
+        names = [c.name for c in configs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"backend names must be unique: {names}")
+        self.backends: dict[str, list[Upstream]] = {}
+        for c in configs:
+            key = os.environ.get(c.api_key_env, "") if c.api_key_env else ""
+            client = httpx.AsyncClient(
+                base_url=c.base, headers={"Authorization": f"Bearer {key}"} if key else {},
+                timeout=httpx.Timeout(None, connect=c.connect_timeout_s),
+                limits=httpx.Limits(max_connections=c.max_concurrency,
+                                    max_keepalive_connections=c.max_concurrency))
+            self.backends.setdefault(c.model, []).append(Upstream(c, client))
+
+    @property
+    def models(self) -> list[str]:
+        return list(self.backends)
+
+    def serves(self, model: str) -> bool:
+        return model in self.backends
+
+    async def close(self) -> None:
+        for ups in self.backends.values():
+            for u in ups:
+                await u.client.aclose()
+
+    def describe(self) -> dict[str, dict]:
+        return {u.config.name: {
+            "kind": "external", "url": u.config.base, "model": u.config.model,
+            "state": u.state, "ready": u.state != "ejected", "inflight": u.inflight,
+            "max_concurrency": u.config.max_concurrency, "requests": u.requests,
+            "errors": u.errors, "failures_in_a_row": u.failures, "last_error": u.last_error,
+            "server": u.server} for ups in self.backends.values() for u in ups}
+
+    def choose(self, model: str, exclude: frozenset[str] = frozenset()) -> Upstream:
+        """Fewest in flight among the backends of ``model`` that are not ejected or full."""
+        candidates = [u for u in self.backends.get(model, [])
+                      if u.config.name not in exclude and u.state != "ejected"
+                      and u.inflight < u.config.max_concurrency]
+        if not candidates:
+            raise APIError(503, f"no backend for model {model!r} can take the request now",
+                           "server_error", code="backend_unavailable",
+                           headers={"Retry-After": "1"})
+        return min(candidates, key=lambda u: (u.inflight, u.failures, u.config.name))
+
+    # ---- one request ------------------------------------------------------------------------
+    async def proxy(self, request: Request, data: dict, path: str, trace: RequestTrace,
+                    settle) -> Response:
+        """Send ``data`` to a backend of its model (once more elsewhere when nothing was
+        received); ``settle()`` (idempotent) is called when the exchange is over."""
+        try:
+            return await self._proxy(request, data, path, trace, settle)
+        except BaseException:
+            settle()  # once: a no-op when the exchange already settled
+            raise
+
+    async def _proxy(self, request: Request, data: dict, path: str, trace: RequestTrace,
+                     settle) -> Response:
+        model = data["model"]
+        stream = bool(data.get("stream"))
+        r = trace.record
+        r.model, r.stream = model, stream
+        trace.mark("TOKENIZED")  # nothing to tokenize: the body goes as it is
+        tried: set[str] = set()
+        while True:
+            up = self.choose(model, frozenset(tried))
+            tried.add(up.config.name)
+            r.replica = up.config.name
+            r.route_reason = (f"fewest in flight ({up.inflight}) of "
+                              f"{len(self.backends[model])} backends for {model}")
+            body = {**data, "model": up.config.upstream_model or model}
+            try:
+                return await self._attempt(up, request, body, path, stream, trace, settle)
+            except UpstreamError as exc:
+                can_retry = exc.retry and any(
+                    u.config.name not in tried and u.state != "ejected"
+                    for u in self.backends[model])
+                if can_retry:
+                    r.retries += 1
+                    log.warning("backend %s failed before any content (%s); retrying",
+                                up.config.name, exc.message)
+                    continue
+                _fail(trace, exc.status, exc.code, exc.message)
+                settle()
+                if exc.body is not None:  # the upstream's own error answer, as it sent it
+                    return Response(exc.body, status_code=exc.status,
+                                    media_type="application/json")
+                raise APIError(exc.status, exc.message, "server_error" if exc.status >= 500
+                               else "invalid_request_error", code=exc.code) from None
+
+    async def _attempt(self, up: Upstream, request: Request, body: dict, path: str,
+                       stream: bool, trace: RequestTrace, settle) -> Response:
+        c = up.config
+        up.inflight += 1
+        up.requests += 1
+        trace.mark("ROUTED")
+        resp = None
+        try:
+            r = trace.record  # the upstream (another Tailscope, an OTel-aware server) joins
+            req = up.client.build_request("POST", path, json=body, headers={  # our trace
+                "traceparent": f"00-{r.trace_id}-{r.span_id}-01"})
+            try:
+                resp = await asyncio.wait_for(up.client.send(req, stream=True),
+                                              c.first_byte_timeout_s)
+            except TimeoutError:
+                raise self._failure(up, 504, "upstream_timeout", f"backend {c.name} sent no "
+                                    f"response within {c.first_byte_timeout_s:g} s") from None
+            except httpx.ConnectTimeout:
+                raise self._failure(up, 504, "upstream_timeout", f"backend {c.name}: connect "
+                                    f"timed out after {c.connect_timeout_s:g} s") from None
+            except httpx.HTTPError as exc:
+                raise self._failure(up, 502, "upstream_unreachable",
+                                    f"backend {c.name}: {type(exc).__name__}: {exc}") from None
+            trace.mark("UPSTREAM_HEADERS")
+            up.server = resp.headers.get("server", up.server)
+            if resp.status_code != 200:
+                raw = await self._read(resp, c)
+                message, code = _error_of(raw, resp.status_code)
+                retry = resp.status_code >= 500 or resp.status_code == 429
+                if resp.status_code >= 500:
+                    up.failed(f"HTTP {resp.status_code}: {message}")
+                raise UpstreamError(resp.status_code, code, f"backend {c.name}: {message}",
+                                    retry, raw if _is_json(raw) else None)
+            if not stream:
+                raw = await self._read(resp, c)
+                try:
+                    answer = json.loads(raw)
+                except ValueError:
+                    raise self._failure(up, 502, "upstream_protocol", f"backend {c.name} "
+                                        "answered 200 with a body that is not JSON") from None
+                up.succeeded()
+                seen = _Stream()
+                _note(seen, answer)
+                _finish(trace, seen)
+                settle()
+                return Response(raw, media_type="application/json")
+        except BaseException:
+            up.inflight -= 1
+            if resp is not None:
+                await resp.aclose()
+            raise
+        up.succeeded()  # headers and a 200: the upstream is up
+        return StreamingResponse(self._relay(up, resp, trace, settle),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    @staticmethod
+    async def _read(resp: httpx.Response, c: UpstreamConfig) -> bytes:
+        try:
+            return await asyncio.wait_for(resp.aread(), c.idle_timeout_s)
+        except TimeoutError:
+            raise UpstreamError(504, "upstream_timeout", f"backend {c.name} stalled sending "
+                                f"its response ({c.idle_timeout_s:g} s)", True) from None
+        except httpx.HTTPError as exc:
+            raise UpstreamError(502, "upstream_closed", f"backend {c.name} broke off its "
+                                f"response: {type(exc).__name__}", True) from None
+        finally:
+            await resp.aclose()
+
+    @staticmethod
+    def _failure(up: Upstream, status: int, code: str, message: str) -> UpstreamError:
+        up.failed(message)
+        return UpstreamError(status, code, message, True)
+
+    async def _relay(self, up: Upstream, resp: httpx.Response, trace: RequestTrace,
+                     settle) -> AsyncIterator[bytes]:
+        """The upstream's SSE lines to the client as they come; a stall, a break or a
+        malformed event becomes an SSE error event, and the record says which."""
+        c = up.config
+        seen = _Stream()
+        lines = resp.aiter_lines()
+        code, message, done = "", "", False
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(c.idle_timeout_s):
+                        line = await anext(lines)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    code = "upstream_timeout"
+                    message = f"backend {c.name} sent nothing for {c.idle_timeout_s:g} s"
+                    break
+                except httpx.HTTPError as exc:
+                    code = "upstream_closed"
+                    message = f"backend {c.name} closed the stream: {type(exc).__name__}"
+                    break
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    try:
+                        chunk = json.loads(line[6:])
+                    except ValueError:
+                        code, message = "upstream_protocol", (f"backend {c.name} sent an event "
+                                                              "that is not JSON")
+                        break
+                    if _note(seen, chunk):
+                        trace.flush()
+                    if isinstance(chunk, dict) and isinstance(chunk.get("error"), dict):
+                        code = "upstream_error"  # relayed as it came; the record keeps it
+                        message = str(chunk["error"].get("message") or "upstream error")
+                yield (line + "\n").encode()
+                if done:
+                    break
+            if not code and not done and not seen.finish_reason:
+                code = "upstream_closed"
+                message = f"backend {c.name} ended the stream before it finished"
+            if code:
+                up.failed(message)
+                if code != "upstream_error":  # the upstream's own error event already went
+                    yield _sse_error(message, code)
+        finally:
+            up.inflight -= 1
+            await resp.aclose()
+            if code:
+                _fail(trace, 504 if code == "upstream_timeout" else 502, code, message)
+            else:
+                _finish(trace, seen)
+            settle()
+
+
+def _note(seen: _Stream, chunk) -> bool:
+    """Take what the record needs from a response body or stream chunk; True when it carried
+    content for the client (a flush)."""
+    if not isinstance(chunk, dict):
+        return False
+    seen.response_id = seen.response_id or str(chunk.get("id") or "")
+    if isinstance(chunk.get("usage"), dict):
+        seen.usage = chunk["usage"]
+    content = False
+    for choice in chunk.get("choices") or []:
+        if not isinstance(choice, dict):
+            continue
+        if choice.get("finish_reason"):
+            seen.finish_reason = str(choice["finish_reason"])
+        delta = choice.get("delta") or choice.get("message") or {}
+        if choice.get("text") or (isinstance(delta, dict) and any(
+                delta.get(k) for k in ("content", "tool_calls", "reasoning_content"))):
+            content = True
+    if content:
+        seen.content_chunks += 1
+    return content
+
+
+def _finish(trace: RequestTrace, seen: _Stream) -> None:
+    r = trace.record
+    r.response_id = seen.response_id
+    r.final_state, r.finish_reason = "FINISHED", seen.finish_reason or "stop"
+    u = seen.usage
+    r.prompt_tokens = int(u.get("prompt_tokens") or 0)
+    r.generated_tokens = r.emitted_tokens = int(u.get("completion_tokens")
+                                                or seen.content_chunks)
+
+
+def _fail(trace: RequestTrace, status: int, code: str, message: str) -> None:
+    state = "TIMED_OUT" if status == 504 else "REJECTED" if status in (400, 404, 413, 422,
+                                                                       429) else "FAILED"
+    trace.fail(state, "timeout" if state == "TIMED_OUT" else "rejected" if state == "REJECTED"
+               else "error", code, message)
+
+
+def _error_of(raw: bytes, status: int) -> tuple[str, str]:
+    try:
+        err = json.loads(raw).get("error")
+        if isinstance(err, dict):
+            return str(err.get("message") or f"HTTP {status}"), str(
+                err.get("code") or err.get("type") or f"upstream_{status}")
+        if isinstance(err, str):
+            return err, f"upstream_{status}"
+    except (ValueError, AttributeError):
+        pass
+    return f"HTTP {status}: {raw[:200].decode('utf-8', 'replace')}", f"upstream_{status}"
+
+
+def _is_json(raw: bytes) -> bool:
+    try:
+        json.loads(raw)
+        return True
+    except ValueError:
+        return False
+
+
+def _sse_error(message: str, code: str) -> bytes:
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    return f"data: {json.dumps(body)}\n\n".encode()

@@ -1,0 +1,177 @@
+"""External OpenAI-compatible backends as recorded replicas, over real loopback HTTP: another
+Tailscope as the upstream (the openai SDK through the gateway gives what the upstream gives),
+and a scripted fault injector (tests/gateway/fault_upstream.py) for stalls, errors, malformed
+streams and broken connections."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.gateway.conftest import start_server, stop_server
+from tests.gateway.test_faults import wait_for
+from tracing.client import free_port
+
+FAULTS = Path(__file__).with_name("fault_upstream.py")
+DIRECT = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def upstream(bundled_path):
+    server = start_server("--model", "tiny:49152", "--tokenizer", str(bundled_path))
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def faults():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(FAULTS), str(port)])
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(url, timeout=1)
+            break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    yield url
+    proc.kill()
+    proc.wait()
+
+
+def _backend(name: str, url: str, upstream_model: str, **kw) -> list[str]:
+    extra = "".join(f",{k}={v}" for k, v in kw.items())
+    return ["--backend", f"{name}={url},upstream_model={upstream_model}{extra}"]
+
+
+@pytest.fixture(scope="module")
+def gateway(bundled_path, upstream, faults):
+    args = ["--model", "tiny:49152", "--tokenizer", str(bundled_path),
+            *_backend("up", upstream.url, DIRECT, model="tiny-up"),
+            *_backend("echo", faults, "echo"),
+            *_backend("stall", faults, "stall-first-byte", first_byte_timeout_s=1),
+            *_backend("stallmid", faults, "stall-mid", idle_timeout_s=1),
+            *_backend("closemid", faults, "close-mid"),
+            *_backend("malformed", faults, "malformed"),
+            *_backend("notjson", faults, "not-json"),
+            *_backend("err429", faults, "error-429"),
+            *_backend("err500", faults, "error-500", eject_s=600),
+            *_backend("flaky-a", faults, "error-500", model="flaky"),
+            *_backend("flaky-b", faults, "echo", model="flaky")]
+    server = start_server(*args)
+    yield server
+    stop_server(server)
+
+
+def record(url: str, trace_id: str) -> dict:
+    def get():
+        r = httpx.get(f"{url}/debug/requests/{trace_id}")
+        return r.json() if r.status_code == 200 else None
+    assert wait_for(lambda: get() is not None, 10), trace_id
+    return get()
+
+
+def post(gateway, model: str, **body) -> httpx.Response:
+    return httpx.post(f"{gateway.url}/v1/completions", timeout=30,
+                      json={"model": model, "prompt": "Hi", "max_tokens": 4, **body})
+
+
+def test_the_sdk_through_the_gateway_gets_what_the_upstream_gives(gateway, upstream):
+    via = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x")
+    direct = openai.OpenAI(base_url=f"{upstream.url}/v1", api_key="x")
+    ask = {"max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    a = via.completions.create(model="tiny-up", prompt="The sky is", **ask)
+    b = direct.completions.create(model=DIRECT, prompt="The sky is", **ask)
+    assert a.choices[0].text == b.choices[0].text and a.usage == b.usage
+    msgs = [{"role": "user", "content": "Hello"}]
+    c = via.chat.completions.create(model="tiny-up", messages=msgs, **ask)
+    d = direct.chat.completions.create(model=DIRECT, messages=msgs, **ask)
+    assert c.choices[0].message.content == d.choices[0].message.content
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in via.chat.completions.create(
+        model="tiny-up", messages=msgs, stream=True, **ask) if ch.choices)
+    assert streamed == d.choices[0].message.content
+    models = [m.id for m in via.models.list()]
+    assert models[0] == DIRECT and {"tiny-up", "echo", "flaky"} <= set(models)
+
+
+def test_a_proxied_request_has_one_record_joined_to_the_upstreams_trace(gateway, upstream):
+    r = post(gateway, "tiny-up", stream=True, temperature=0, ignore_eos=True)
+    assert r.status_code == 200
+    trace_id = r.headers["x-tailscope-trace-id"]
+    rec = record(gateway.url, trace_id)["record"]
+    events = [e["state"] for e in record(gateway.url, trace_id)["events"]]
+    assert rec["replica"] == "up" and rec["final_state"] == "FINISHED"
+    assert rec["model"] == "tiny-up" and rec["stream"] is True
+    assert events[:4] == ["RECEIVED", "ADMITTED", "TOKENIZED", "ROUTED"]
+    assert "UPSTREAM_HEADERS" in events and "FIRST_FLUSH" in events
+    assert len(rec["itl_ms"]) >= 2 and rec["e2e_ms"] == pytest.approx(
+        rec["ttft_ms"] + sum(rec["itl_ms"]) + rec["tail_ms"], abs=1e-6)
+    chunks = [json.loads(x[6:]) for x in r.text.splitlines()
+              if x.startswith("data: {")]
+    assert rec["response_id"] == chunks[0]["id"]
+    theirs = record(upstream.url, trace_id)["record"]  # the upstream continued our trace
+    assert theirs["parent_span_id"] == rec["span_id"] and theirs["emitted_tokens"] == 4
+
+
+def test_fields_reach_the_upstream_unchanged_and_its_fields_come_back(gateway):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    sent = {"tools": tools, "tool_choice": "auto", "vendor_knob": [1, {"a": None}],
+            "logit_bias": {"5": 1}}
+    r = post(gateway, "echo", **sent)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    got = json.loads(body["choices"][0]["text"])
+    assert got == {"model": "echo", "prompt": "Hi", "max_tokens": 4, **sent}
+    assert body["vendor_field"] == {"x": 1} and body["id"] == "cmpl-echo"
+    rec = record(gateway.url, r.headers["x-tailscope-trace-id"])["record"]
+    assert (rec["prompt_tokens"], rec["emitted_tokens"]) == (3, 7)
+
+
+@pytest.mark.parametrize("model,stream,status,state,code", [
+    ("stall", False, 504, "TIMED_OUT", "upstream_timeout"),
+    ("notjson", False, 502, "FAILED", "upstream_protocol"),
+    ("err429", False, 429, "REJECTED", "scripted_429"),
+    ("stallmid", True, 200, "TIMED_OUT", "upstream_timeout"),
+    ("closemid", True, 200, "FAILED", "upstream_closed"),
+    ("malformed", True, 200, "FAILED", "upstream_protocol"),
+])
+def test_each_fault_has_its_status_and_one_record(gateway, model, stream, status, state,
+                                                  code):
+    r = post(gateway, model, stream=stream)
+    assert r.status_code == status, r.text
+    if stream:  # the stream had begun: its end is an SSE error event
+        last = [x for x in r.text.splitlines() if x.startswith("data: ")][-1]
+        assert json.loads(last[6:])["error"]["code"] == code
+    else:
+        assert code in r.text
+    rec = record(gateway.url, r.headers["x-tailscope-trace-id"])["record"]
+    assert (rec["final_state"], rec["error_type"], rec["replica"]) == (state, code, model)
+    assert httpx.get(f"{gateway.url}/ready").status_code == 200  # and the gateway is fine
+    assert post(gateway, "echo").status_code == 200
+
+
+def test_an_error_answer_keeps_its_status_and_repeated_failures_eject_the_backend(gateway):
+    for _ in range(3):
+        r = post(gateway, "err500")
+        assert r.status_code == 500 and r.json()["error"]["message"] == "scripted 500"
+    r = post(gateway, "err500")
+    assert r.status_code == 503 and r.json()["error"]["code"] == "backend_unavailable"
+    info = httpx.get(f"{gateway.url}/debug/replicas").json()["err500"]
+    assert info["state"] == "ejected" and info["errors"] == 3
+    assert httpx.get(f"{gateway.url}/ready").json()["backends"]["err500"] == "ejected"
+
+
+def test_nothing_received_yet_is_retried_on_another_backend_of_the_model(gateway):
+    r = post(gateway, "flaky")
+    assert r.status_code == 200, r.text
+    rec = record(gateway.url, r.headers["x-tailscope-trace-id"])["record"]
+    assert rec["replica"] == "flaky-b" and rec["retries"] == 1
