@@ -1,6 +1,11 @@
 """What the gateway adds: short streamed requests through it vs straight to one replica.
 
     python bench/gateway_overhead.py [--rates 10,50,100,200] [--duration 5] [--quick]
+    python bench/gateway_overhead.py --upstream [--rates 10,25,50,100,200] [--no-litellm]
+
+``--upstream`` measures the gateway as a proxy instead: an instant OpenAI-compatible upstream
+called directly, through Tailscope (``--backend``) and through the LiteLLM proxy, side by side
+in one run (``bench/upstream_overhead.py`` says how).
 
 Both paths drive the same engine (one replica process of the tiny model, vocabulary sized to
 the bundled tokenizer) with the same prompts (token ids) and 4 output tokens (``ignore_eos``):
@@ -272,7 +277,24 @@ def main() -> int:
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--replica-threads", type=int, default=1,
                     help="torch threads of the replica on both paths")
+    ap.add_argument("--upstream", action="store_true",
+                    help="the gateway as a proxy: an instant upstream direct, through "
+                         "Tailscope and through LiteLLM")
+    ap.add_argument("--no-litellm", action="store_true", help="with --upstream: skip LiteLLM")
+    ap.add_argument("--litellm-version", default="1.108.7")
     args = ap.parse_args()
+    if args.upstream:
+        from bench import upstream_overhead as U
+
+        rates = [10.0, 50.0] if args.quick else [
+            float(r) for r in (args.rates if args.rates != "10,50,100,200"
+                               else "10,25,50,100,200").split(",")]
+        results = U.run(rates, 2.0 if args.quick else args.duration,
+                        None if args.no_litellm else args.litellm_version)
+        print(U.report(results))
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+        return 0
     THREADS["n"] = args.replica_threads
     rates = [10.0, 50.0] if args.quick else [float(r) for r in args.rates.split(",")]
     duration = 2.0 if args.quick else args.duration
