@@ -48,6 +48,8 @@ from gateway.errors import APIError
 from gateway.trace import RequestTrace
 
 log = logging.getLogger("tailscope.upstream")
+# httpx logs every request at INFO: one line per proxied request would be the gateway's log
+logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 @dataclass(frozen=True)

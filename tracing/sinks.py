@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections import deque
 from pathlib import Path
 from typing import Protocol
+
+import msgspec
 
 from tracing.record import RequestRecord
 
@@ -27,21 +28,37 @@ class RecordSink(Protocol):
 
 
 class MemorySink:
-    """The latest ``capacity`` records, newest last (for tests and ``/debug``)."""
+    """The latest ``capacity`` records (for tests and ``/debug``), kept encoded (msgpack bytes,
+    decoded on lookup): ten thousand records as objects were hundreds of thousands of objects
+    for the garbage collector to walk in every full pass, pausing the gateway's event loop."""
 
     def __init__(self, capacity: int = 10_000) -> None:
-        self.records: deque[RequestRecord] = deque(maxlen=capacity)
+        self.capacity = capacity
+        self._by_trace: dict[str, bytes] = {}  # insertion order = arrival order
         self.emitted = 0
 
     def emit(self, record: RequestRecord) -> None:
-        self.records.append(record)
+        self._by_trace.pop(record.trace_id, None)  # a re-used trace id: the latest wins
+        self._by_trace[record.trace_id] = _encode(record)
+        while len(self._by_trace) > self.capacity:
+            del self._by_trace[next(iter(self._by_trace))]
         self.emitted += 1
 
+    @property
+    def records(self) -> list[RequestRecord]:
+        return [_decode(b) for b in self._by_trace.values()]
+
     def find(self, trace_id: str) -> RequestRecord | None:
-        return next((r for r in reversed(self.records) if r.trace_id == trace_id), None)
+        data = self._by_trace.get(trace_id)
+        return None if data is None else _decode(data)
 
     def close(self) -> None:
         pass
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decoder = msgspec.msgpack.Decoder(RequestRecord)
+_decode = _decoder.decode
 
 
 class JsonlSink:
