@@ -81,6 +81,7 @@ class GatewayConfig:
     key_id_secret: str | None = None  # keys api_key_id (default: .tailscope/key-id-secret)
     # external OpenAI-compatible servers, each serving a model name of its own (gateway.upstream)
     backends: tuple[UpstreamConfig, ...] = ()
+    freeze_gc: bool = False  # gc.freeze() once started (``tailscope serve`` sets it)
 
 
 def resolved_config(config: GatewayConfig) -> dict:
@@ -126,6 +127,8 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
     upstreams = UpstreamPool(config.backends) if config.backends else None
     service = Service(config, tokenizer, pool, registry, versions, upstreams)
     metrics = GatewayMetrics(pool)
+    if upstreams is not None:
+        metrics.watch_backends(upstreams)
     memory = MemorySink(config.memory_records)
     sinks: list[RecordSink] = [memory]
     if config.records_jsonl:
@@ -161,8 +164,9 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
         # Everything loaded so far (modules, the tokenizer, the store client) lives as long as
         # the process: keep it out of the collector's full passes, which otherwise walk it all
         # and paused the event loop for 20-150 ms at a time under load (bench --upstream).
-        gc.collect()
-        gc.freeze()
+        if config.freeze_gc:  # the serving process only: not a test's own process
+            gc.collect()
+            gc.freeze()
         try:
             yield
         finally:

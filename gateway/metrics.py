@@ -108,6 +108,32 @@ class _WriterCollector:
         yield last
 
 
+class _BackendCollector:
+    """External backends (``gateway.upstream``): circuit-breaker state, load and errors."""
+
+    STATES = ("ready", "half_open", "ejected")
+
+    def __init__(self, upstreams) -> None:
+        self.upstreams = upstreams
+
+    def collect(self):
+        state = GaugeMetricFamily("tailscope:backend_state", "1 for the backend's current "
+                                  "circuit-breaker state", labels=["backend", "state"])
+        inflight = GaugeMetricFamily("tailscope:backend_inflight", "Requests in flight to the "
+                                     "backend", labels=["backend"])
+        requests = CounterMetricFamily("tailscope:backend_requests", "Attempts sent to the "
+                                       "backend", labels=["backend"])
+        errors = CounterMetricFamily("tailscope:backend_errors", "Attempts that failed "
+                                     "(timeouts, 5xx, broken streams)", labels=["backend"])
+        for name, d in self.upstreams.describe().items():
+            for st in self.STATES:
+                state.add_metric([name, st], 1.0 if d["state"] == st else 0.0)
+            inflight.add_metric([name], d["inflight"])
+            requests.add_metric([name], d["requests"])
+            errors.add_metric([name], d["errors"])
+        yield from (state, inflight, requests, errors)
+
+
 class GatewayMetrics:
     def __init__(self, pool) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -132,6 +158,9 @@ class GatewayMetrics:
         self.prefill = hist("tailscope:request_prefill_time_seconds", "Engine prefill time")
         self.decode = hist("tailscope:request_decode_time_seconds", "Engine decode time")
         r.register(_PoolCollector(pool))
+
+    def watch_backends(self, upstreams) -> None:
+        self.registry.register(_BackendCollector(upstreams))
 
     def watch_writer(self, writer) -> None:
         self.registry.register(_WriterCollector(writer))

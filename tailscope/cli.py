@@ -177,7 +177,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                        heartbeat_timeout_s=s.heartbeat_timeout_s,
                                        max_queue_mb=s.store_max_queue_mb,
                                        key_id_secret=s.key_id_secret or None,
-                                       backends=backends))
+                                       backends=backends, freeze_gc=True))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -168,6 +168,9 @@ def test_an_error_answer_keeps_its_status_and_repeated_failures_eject_the_backen
     info = httpx.get(f"{gateway.url}/debug/replicas").json()["err500"]
     assert info["state"] == "ejected" and info["errors"] == 3
     assert httpx.get(f"{gateway.url}/ready").json()["backends"]["err500"] == "ejected"
+    metrics = httpx.get(f"{gateway.url}/metrics").text
+    assert 'tailscope:backend_state{backend="err500",state="ejected"} 1.0' in metrics
+    assert 'tailscope:backend_errors_total{backend="err500"} 3.0' in metrics
 
 
 def test_nothing_received_yet_is_retried_on_another_backend_of_the_model(gateway):
