@@ -134,7 +134,7 @@ def arrow_type(ch_type: str) -> pa.DataType:
 # Rows per Arrow chunk. pyarrow holds the GIL while it converts one Python list, and the writer
 # runs in the gateway's process: converting 1000 records' token ids in one call stalled the event
 # loop (every stream) for ~10 ms; in chunks, other threads get the GIL back between them.
-ARROW_CHUNK_ROWS = 64
+ARROW_CHUNK_ROWS = 256
 
 
 def to_arrow(table: Table, rows: list) -> pa.Table:
@@ -150,7 +150,7 @@ def to_arrow(table: Table, rows: list) -> pa.Table:
         chunks = []
         for i in range(0, len(values), n):
             chunks.append(pa.array(values[i:i + n], type=kind))
-            if time.perf_counter() - held > 0.002:  # 2 ms of work: let the event loop run
+            if time.perf_counter() - held > 0.004:  # 4 ms of work: let the event loop run
                 time.sleep(0)  # now, not after the interpreter's 5 ms switch interval
                 held = time.perf_counter()
         arrays[col] = pa.chunked_array(chunks, type=kind)
