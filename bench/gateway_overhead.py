@@ -175,6 +175,36 @@ async def run_direct(rates: list[float], duration: float, model: str) -> dict[fl
 
 
 # ---- gateway: HTTP ----------------------------------------------------------------------
+async def timed_stream(http, url: str, body: dict, at: int, res: Result, is_content,
+                       headers: dict | None = None, need_content: bool = False) -> None:
+    """One streamed completion timed from its scheduled send ``at`` (ns): TTFT at the first
+    line ``is_content`` accepts (the end when none does, unless ``need_content``: then an
+    error), E2E at ``[DONE]``; a failed request counts as an error."""
+    import httpx
+
+    first = None
+    try:
+        async with http.stream("POST", url, json=body, headers=headers) as r:
+            if r.status_code != 200:
+                res.errors += 1
+                return
+            async for line in r.aiter_lines():
+                if first is None and is_content(line):
+                    first = time.monotonic_ns()
+                if line == "data: [DONE]":
+                    break
+    except httpx.HTTPError:
+        res.errors += 1
+        return
+    end = time.monotonic_ns()
+    if first is None and need_content:
+        res.errors += 1
+        return
+    res.ttft.append(((first or end) - at) / 1e6)
+    res.e2e.append((end - at) / 1e6)
+
+
+
 def cpu_ms(pid: int) -> float:
     import psutil
 
@@ -232,25 +262,9 @@ async def run_gateway(rates: list[float], duration: float, model: str, tokenizer
                     body = {"model": "SmolLM2-135M-Instruct", "prompt": ps[i % len(ps)],
                             "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0,
                             "stream": True}
-                    first = None
-                    try:
-                        async with http.stream("POST", f"{url}/v1/completions",
-                                               json=body) as r:
-                            if r.status_code != 200:
-                                res.errors += 1
-                                return
-                            async for line in r.aiter_lines():
-                                if first is None and line.startswith('data: {"id"') and \
-                                        '"text": ""' not in line:
-                                    first = time.monotonic_ns()
-                                if line == "data: [DONE]":
-                                    break
-                    except httpx.HTTPError:
-                        res.errors += 1
-                        return
-                    end = time.monotonic_ns()
-                    res.ttft.append(((first or end) - at) / 1e6)
-                    res.e2e.append((end - at) / 1e6)
+                    await timed_stream(http, f"{url}/v1/completions", body, at, res,
+                                       lambda line: line.startswith('data: {"id"')
+                                       and '"text": ""' not in line)
 
                 await open_loop(rate, min(duration, 2.0), one)
                 cpu0 = cpu_ms(proc.pid)

@@ -108,7 +108,7 @@ async def _drive(url: str, model: str, rates: list[float], duration: float, pid:
                  open_loop, Result) -> dict[float, dict]:
     import httpx
 
-    from bench.gateway_overhead import cpu_ms
+    from bench.gateway_overhead import cpu_ms, timed_stream
 
     out = {}
     async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(
@@ -117,28 +117,10 @@ async def _drive(url: str, model: str, rates: list[float], duration: float, pid:
             async def one(i: int, at: int, res) -> None:
                 body = {"model": model, "prompt": "Say hello", "max_tokens": 4,
                         "stream": True}
-                first = None
-                try:
-                    async with http.stream("POST", f"{url}/v1/completions", json=body,
-                                           headers={"Authorization": f"Bearer {KEY}"}) as r:
-                        if r.status_code != 200:
-                            res.errors += 1
-                            return
-                        async for line in r.aiter_lines():
-                            if first is None and line.startswith("data: {") and \
-                                    '"Hello"' in line:
-                                first = time.monotonic_ns()
-                            if line == "data: [DONE]":
-                                break
-                except httpx.HTTPError:
-                    res.errors += 1
-                    return
-                end = time.monotonic_ns()
-                if first is None:
-                    res.errors += 1
-                    return
-                res.ttft.append((first - at) / 1e6)
-                res.e2e.append((end - at) / 1e6)
+                await timed_stream(http, f"{url}/v1/completions", body, at, res,
+                                   lambda line: line.startswith("data: {") and '"Hello"' in line,
+                                   headers={"Authorization": f"Bearer {KEY}"},
+                                   need_content=True)
 
             await open_loop(rate, min(duration, 2.0), one)  # warm-up
             cpu0 = cpu_ms(pid) if pid else 0.0
