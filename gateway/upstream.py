@@ -269,6 +269,7 @@ class UpstreamPool:
         up.requests += 1
         trace.mark("ROUTED")
         resp = None
+        relayed = False  # a stream's relay owns the slot and the response from then on
         try:
             r = trace.record  # the upstream (another Tailscope, an OTel-aware server) joins
             req = up.client.build_request("POST", path, json=body, headers={  # our trace
@@ -308,15 +309,16 @@ class UpstreamPool:
                 _finish(trace, seen)
                 settle()
                 return Response(raw, media_type="application/json")
-        except BaseException:
-            up.inflight -= 1
-            if resp is not None:
-                await resp.aclose()
-            raise
-        up.succeeded()  # headers and a 200: the upstream is up
-        return StreamingResponse(self._relay(up, resp, trace, settle),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+            up.succeeded()  # headers and a 200: the upstream is up
+            relayed = True
+            return StreamingResponse(self._relay(up, resp, trace, settle),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        finally:
+            if not relayed:
+                up.inflight -= 1
+                if resp is not None:
+                    await resp.aclose()
 
     @staticmethod
     async def _read(resp: httpx.Response, c: UpstreamConfig) -> bytes:

@@ -134,6 +134,11 @@ def test_fields_reach_the_upstream_unchanged_and_its_fields_come_back(gateway):
     assert body["vendor_field"] == {"x": 1} and body["id"] == "cmpl-echo"
     rec = record(gateway.url, r.headers["x-tailscope-trace-id"])["record"]
     assert (rec["prompt_tokens"], rec["emitted_tokens"]) == (3, 7)
+    for _ in range(3):
+        assert post(gateway, "echo").status_code == 200
+        assert post(gateway, "echo", stream=True).status_code == 200
+    info = httpx.get(f"{gateway.url}/debug/replicas").json()["echo"]
+    assert info["inflight"] == 0 and info["requests"] >= 7  # every slot given back
 
 
 @pytest.mark.parametrize("model,stream,status,state,code", [
