@@ -42,7 +42,7 @@ class KVUsage:
     blocks_cached: int = 0
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # compared by identity (``data`` holds tensors)
 class SwappedKV:
     """A preempted request's computed KV in host memory: ``data`` is filled by the model runner
     when the queued swap-out runs, and read back by the queued swap-in."""
@@ -265,9 +265,9 @@ class KVCacheManager:
         if entry is None:
             return
         if not keep_ops:  # its queued copies will never run (a swap-out still does: harmless)
-            dropped = [op for op in self._ops if op.owner == request_id and op.kind != "out"]
-            self._ops = [op for op in self._ops if op not in dropped]
-            self.ops_done(dropped)
+            keep = [op.owner != request_id or op.kind == "out" for op in self._ops]
+            self.ops_done([op for op, k in zip(self._ops, keep, strict=True) if not k])
+            self._ops = [op for op, k in zip(self._ops, keep, strict=True) if k]
         self.pool.free(entry.table.blocks)
         entry.table.blocks.clear()
         self.reserved_total -= entry.reserved
