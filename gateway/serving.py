@@ -114,10 +114,11 @@ class Service:
         return b"".join(chunks)
 
     async def body_json(self, request: Request) -> tuple[dict, bytes]:
-        """The body (read once, then kept on the request) as a checked JSON object."""
-        body = getattr(request.state, "body", None)
-        if body is None:
-            body = request.state.body = await self.read_body(request)
+        """The body as a checked JSON object (read, parsed and checked once per request)."""
+        parsed = getattr(request.state, "body_json", None)
+        if parsed is not None:
+            return parsed
+        body = await self.read_body(request)
         try:
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -127,6 +128,7 @@ class Service:
         if not isinstance(data, dict):
             raise bad_request("request body must be a JSON object")
         check_body(data, body, self.limits)
+        request.state.body_json = data, body
         return data, body
 
     async def proxied(self, request: Request, tenant: Tenant, path: str) -> Response | None:
