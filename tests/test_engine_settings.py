@@ -85,3 +85,18 @@ def test_the_replica_receives_the_whole_config(bundled_path):
         assert engine["max_num_seqs"] == 3 and engine["num_kv_blocks"] == 40
     finally:
         stop_server(server)
+
+
+@pytest.mark.parametrize("name", ["vllm", "sglang", "llamacpp"])
+def test_the_documented_backend_configs_load(name):
+    from pathlib import Path
+
+    file = load(Path(__file__).resolve().parents[1] / "deploy" / "backends" / f"{name}.yaml")
+    assert file.backends and all(b.url.startswith("http") and b.model for b in file.backends)
+
+
+def test_a_backend_entry_with_a_typo_is_refused(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("backends:\n  - {name: a, url: 'http://x', model: m, idle_timeout: 3}\n")
+    with pytest.raises(ConfigFileError, match="idle_timeout"):
+        load(path)
