@@ -345,7 +345,7 @@ class UpstreamPool:
         c = up.config
         seen = _Stream()
         lines = resp.aiter_lines()
-        code, message, done = "", "", False
+        code, message, done, ended = "", "", False, False
         try:
             while True:
                 try:
@@ -385,11 +385,15 @@ class UpstreamPool:
                 up.failed(message)
                 if code != "upstream_error":  # the upstream's own error event already went
                     yield _sse_error(message, code)
-        finally:
+            ended = True
+        finally:  # also when the client left: the upstream's stream is closed at once
             up.inflight -= 1
             await resp.aclose()
             if code:
                 _fail(trace, 504 if code == "upstream_timeout" else 502, code, message)
+            elif not ended:
+                trace.fail("CANCELLED", "cancelled", "client_disconnected",
+                           "the client went away before the stream ended")
             else:
                 _finish(trace, seen)
             settle()

@@ -6,7 +6,9 @@ model. ``python tests/gateway/fault_upstream.py PORT``; what it does is chosen b
 - ``stall-first-byte``: sleeps 30 s before answering; ``stall-mid``: streams one chunk, then
   sleeps 30 s; ``close-mid``: streams one chunk, then drops the connection;
 - ``error-500`` / ``error-429``: an OpenAI-style error body with that status;
-- ``malformed``: a stream whose second event is not JSON; ``not-json``: a 200 with a text body.
+- ``malformed``: a stream whose second event is not JSON; ``not-json``: a 200 with a text body;
+- ``slow-stream``: a chunk every 0.1 s for 20 s; ``GET /stats`` says how many such streams were
+  cut off by the caller (``{"cancelled": n}``).
 """
 
 from __future__ import annotations
@@ -28,9 +30,26 @@ def chunk(text: str, finish: str | None = None) -> str:
                                                "finish_reason": finish}]}) + "\n\n"
 
 
+STATS = {"cancelled": 0}
+
+
+async def stats(request: Request):
+    return JSONResponse(STATS)
+
+
 async def completions(request: Request):
     body = await request.json()
     mode = body.get("model")
+    if mode == "slow-stream":
+        async def slow():
+            try:
+                for i in range(200):
+                    yield chunk(f"t{i} ")
+                    await asyncio.sleep(0.1)
+            except (asyncio.CancelledError, GeneratorExit):
+                STATS["cancelled"] += 1
+                raise
+        return StreamingResponse(slow(), media_type="text/event-stream")
     if mode == "echo":
         text = json.dumps(body, sort_keys=True)
         if body.get("stream"):
@@ -65,7 +84,8 @@ async def completions(request: Request):
     return JSONResponse({"error": {"message": f"unknown mode {mode!r}"}}, status_code=400)
 
 
-app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
+app = Starlette(routes=[Route("/stats", stats),
+                        Route("/v1/completions", completions, methods=["POST"]),
                         Route("/v1/chat/completions", completions, methods=["POST"])])
 
 if __name__ == "__main__":

@@ -64,6 +64,7 @@ def gateway(bundled_path, upstream, faults):
             *_backend("notjson", faults, "not-json"),
             *_backend("err429", faults, "error-429"),
             *_backend("err500", faults, "error-500", eject_s=600),
+            *_backend("slow", faults, "slow-stream"),
             *_backend("flaky-a", faults, "error-500", model="flaky"),
             *_backend("flaky-b", faults, "echo", model="flaky")]
     server = start_server(*args)
@@ -183,3 +184,19 @@ def test_nothing_received_yet_is_retried_on_another_backend_of_the_model(gateway
     assert r.status_code == 200, r.text
     rec = record(gateway.url, r.headers["x-tailscope-trace-id"])["record"]
     assert rec["replica"] == "flaky-b" and rec["retries"] == 1
+
+
+def test_a_client_that_leaves_closes_the_upstream_stream_at_once(gateway, faults):
+    before = httpx.get(f"{faults}/stats").json()["cancelled"]
+    with httpx.stream("POST", f"{gateway.url}/v1/completions", timeout=30, json={
+            "model": "slow", "prompt": "Hi", "stream": True}) as r:
+        assert r.status_code == 200
+        trace_id = r.headers["x-tailscope-trace-id"]
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # one event, then the client hangs up
+    assert wait_for(lambda: httpx.get(f"{faults}/stats").json()["cancelled"] > before, 5)
+    rec = record(gateway.url, trace_id)["record"]
+    assert (rec["final_state"], rec["error_type"]) == ("CANCELLED", "client_disconnected")
+    assert wait_for(lambda: httpx.get(f"{gateway.url}/debug/replicas").json()["slow"][
+        "inflight"] == 0, 5)
