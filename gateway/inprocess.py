@@ -21,6 +21,7 @@ from engine.protocol import StepReport, TokenDelta
 from engine.replica import step_report
 from engine.sampling_params import SamplingParams
 from gateway.backend import DeadlineExceeded, DeltaQueue, ReplicaFailed, Route
+from gateway.replicas import KV_COUNTERS
 
 
 class InProcessBackend:
@@ -149,6 +150,5 @@ class InProcessBackend:
             "ready": self.ready, "state": self.states()[self.id], "inflight": len(self.queues),
             "running": rep.running if rep else 0, "waiting": rep.waiting if rep else 0,
             "kv_blocks_used": usage.blocks_used, "kv_blocks_total": usage.blocks_total,
-            "restarts": 0, **{k: 0 for k in ("prefix_queries", "prefix_hits", "evictions",
-                                               "preemptions")},
+            "restarts": 0, **dict.fromkeys(KV_COUNTERS, 0),
             "kv_books": (rep.kv_books or {}) if rep else {}}}

@@ -57,7 +57,6 @@ SUBSTAGES: tuple[Stage, ...] = (
 # Sent to a replica whose timeline never came back (the client left first): unattributed.
 IN_ENGINE = Stage("", "in the engine (no timeline)", "engine", ("ROUTED",))
 PREEMPTING = ("PREEMPTED", "SWAPPED")  # each one counts as a preemption
-MARKERS = ("FIRST_FLUSH", "UPSTREAM_HEADERS")  # points on the timeline that change no stage
 END = "END"
 
 E2E_STAGES: tuple[str, ...] = tuple(s.column for s in STAGES)
@@ -80,7 +79,8 @@ class Window:
 
 def _spans(events: Sequence[RecordEvent], opens: dict[str, Stage | None]) -> list[Window]:
     """Contiguous windows of the stages ``opens`` maps states to (None: no stage of interest);
-    a point in neither ``opens`` nor MARKERS changes nothing; END closes the last window."""
+    any other point (FIRST_FLUSH, UPSTREAM_HEADERS: markers) changes nothing; END closes the
+    last window."""
     out: list[Window] = []
     current: Stage | None = None
     start = 0
