@@ -58,6 +58,22 @@ def _delta(out: RequestOutput, engine: Engine) -> TokenDelta:
     )
 
 
+def control(engine: Engine, msg) -> bool:
+    """Apply a per-request control message (abort, stop, pause, resume) to the engine; False
+    if ``msg`` is not one. Shared by the replica process and the in-process backend."""
+    if isinstance(msg, AbortRequest):
+        engine.abort(msg.request_id, error=msg.error)
+    elif isinstance(msg, StopRequest):
+        engine.stop(msg.request_id, msg.stop_reason)
+    elif isinstance(msg, PauseRequest):
+        engine.pause(msg.request_id)
+    elif isinstance(msg, ResumeRequest):
+        engine.resume(msg.request_id)
+    else:
+        return False
+    return True
+
+
 def step_report(replica_id: str, engine: Engine, outputs: list[RequestOutput],
                 steps_before: int) -> StepReport | None:
     """What one ``engine.step()`` produced, as the gateway receives it (None: nothing ran and
@@ -102,21 +118,15 @@ class Replica:
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             log.error("replica %s: bad message: %s", self.id, exc)
             return
-        if isinstance(msg, AddRequest):
+        if control(self.engine, msg):
+            pass
+        elif isinstance(msg, AddRequest):
             try:  # a rejection is reported by the next step's outputs
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
                                         msg.deadline_s, queue_timeout_s=msg.queue_timeout_s,
                                         cache_salt=msg.cache_salt, branch_of=msg.branch_of)
             except ValueError as exc:  # duplicate live id: a gateway bug, never fatal here
                 log.error("replica %s: %s", self.id, exc)
-        elif isinstance(msg, AbortRequest):
-            self.engine.abort(msg.request_id, error=msg.error)
-        elif isinstance(msg, StopRequest):
-            self.engine.stop(msg.request_id, msg.stop_reason)
-        elif isinstance(msg, PauseRequest):
-            self.engine.pause(msg.request_id)
-        elif isinstance(msg, ResumeRequest):
-            self.engine.resume(msg.request_id)
         elif isinstance(msg, Shutdown):
             self.running = False
 

@@ -4,9 +4,10 @@ code (OpenAI API, streaming, records) without replica subprocesses.
 The engine is stepped on a worker thread (``asyncio.to_thread``) so the event loop stays free,
 and every call into it holds one lock (the engine is not thread-safe). Its deltas and step
 reports are the replica process's own (``engine.replica.step_report``), so what the serving code
-receives is exactly what it receives over ZeroMQ. No flow control (a slow client's deltas just
-queue) and no supervision: this is for tests and embedding, not for serving traffic. Importing
-it loads torch, so nothing on the gateway's default path imports it.
+receives is exactly what it receives over ZeroMQ. Flow control and the gateway's deadline are the
+replica pool's own (``gateway.flow``), applied to the engine directly. No supervision and no
+routing (one engine): this is for tests and embedding, not for serving traffic. Importing it
+loads torch, so nothing on the gateway's default path imports it.
 """
 
 from __future__ import annotations
@@ -17,29 +18,31 @@ import threading
 import time
 
 from engine import Engine
-from engine.protocol import StepReport, TokenDelta
-from engine.replica import step_report
+from engine.protocol import AbortRequest, StepReport, StopRequest, TokenDelta
+from engine.replica import control, step_report
 from engine.sampling_params import SamplingParams
 from gateway.backend import DeadlineExceeded, DeltaQueue, ReplicaFailed, Route
+from gateway.flow import FlowControl
 from gateway.replicas import KV_COUNTERS
 
 
 class InProcessBackend:
-    def __init__(self, engine: Engine, replica_id: str = "local") -> None:
+    def __init__(self, engine: Engine, replica_id: str = "local",
+                 max_buffered_deltas: int = 256, slow_client_timeout_s: float = 30.0) -> None:
         self.engine = engine
         self.id = replica_id
         self.on_step = None
         self.on_abandoned = None
         self.queues: dict[str, DeltaQueue] = {}
+        self.flow = FlowControl(self._control, max_buffered_deltas, slow_client_timeout_s)
         self._lock = threading.Lock()
         self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
-        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._tasks: list[asyncio.Task] = []
         self.last_report: StepReport | None = None
 
     @property
     def ready(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return bool(self._tasks) and not self._tasks[0].done()
 
     @property
     def max_model_len(self) -> int:
@@ -47,15 +50,13 @@ class InProcessBackend:
 
     async def start(self) -> None:
         self._wake = asyncio.Event()
-        self._task = asyncio.create_task(self._loop())
+        self._tasks = [asyncio.create_task(self._loop()), asyncio.create_task(self._watch())]
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        for t in self._timers.values():
-            t.cancel()
+                await task
 
     def _tick(self) -> StepReport | None:
         with self._lock:
@@ -85,6 +86,20 @@ class InProcessBackend:
             queue = self.queues.get(delta.request_id)
             if queue is not None:
                 queue.put_nowait(delta)
+                if self.flow.delivered(delta.request_id, delta.finish_reason is not None):
+                    self.release(delta.request_id)  # its reader holds the queue
+                    if self.on_abandoned is not None:
+                        self.on_abandoned(delta.request_id)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(0.2)
+            self.flow.tick()
+
+    def _control(self, request_id: str, msg) -> None:
+        with self._lock:
+            control(self.engine, msg)
+        self._wake.set()
 
     async def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
                      queue_timeout_s: float | None = None,
@@ -104,41 +119,26 @@ class InProcessBackend:
             except ValueError as exc:
                 self.queues.pop(request_id, None)
                 raise ReplicaFailed(str(exc)) from None
-        if deadline is not None:
-            loop = asyncio.get_running_loop()
-            self._timers[request_id] = loop.call_at(
-                loop.time() + max(0.0, deadline - time.monotonic()), self._expire, request_id)
+        self.flow.track(request_id, queue, deadline)
         self._wake.set()
         mc = self.engine.model.config
         return Route(self.id, 0, "the in-process engine", mc.revision, sent), queue
 
-    def _expire(self, request_id: str) -> None:
-        queue = self.queues.get(request_id)
-        if queue is not None:
-            queue.put_nowait(DeadlineExceeded("the request passed the gateway's deadline"))
-        with self._lock:
-            self.engine.abort(request_id)
-        self._wake.set()
-
     async def next_delta(self, request_id: str, queue: DeltaQueue
                          ) -> TokenDelta | ReplicaFailed | DeadlineExceeded:
-        return await queue.get()
+        item = await queue.get()
+        self.flow.taken(request_id)
+        return item
 
     async def stop(self, request_id: str, stop_reason: str | int | None) -> None:
-        with self._lock:
-            self.engine.stop(request_id, stop_reason)
-        self._wake.set()
+        self._control(request_id, StopRequest(request_id, stop_reason))
 
     async def abort(self, request_id: str) -> None:
-        with self._lock:
-            self.engine.abort(request_id)
-        self._wake.set()
+        self._control(request_id, AbortRequest(request_id))
 
     def release(self, request_id: str) -> None:
         self.queues.pop(request_id, None)
-        timer = self._timers.pop(request_id, None)
-        if timer is not None:
-            timer.cancel()
+        self.flow.forget(request_id)
 
     def states(self) -> dict[str, str]:
         return {self.id: "ready" if self.ready else "starting"}
@@ -150,5 +150,6 @@ class InProcessBackend:
             "ready": self.ready, "state": self.states()[self.id], "inflight": len(self.queues),
             "running": rep.running if rep else 0, "waiting": rep.waiting if rep else 0,
             "kv_blocks_used": usage.blocks_used, "kv_blocks_total": usage.blocks_total,
+            "paused": sum(1 for rid in self.queues if self.flow.paused(rid)),
             "restarts": 0, **dict.fromkeys(KV_COUNTERS, 0),
             "kv_books": (rep.kv_books or {}) if rep else {}}}
