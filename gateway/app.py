@@ -119,11 +119,6 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
         log.warning("no API keys configured: open local mode, every request is tenant 'local'")
     versions = {"engine": engine_version, "gateway": gateway_version,
                 "tokenizer": tokenizer.revision or "", "config_id": config_id(config)}
-    shared = [b.name for b in config.backends if b.model == config.served_model_name]
-    if shared:
-        raise ValueError(f"backends {shared} serve {config.served_model_name!r}, the bundled "
-                         "replicas' model name: one model name is served by replicas or by "
-                         "backends, not both (yet)")
     upstreams = UpstreamPool(config.backends) if config.backends else None
     service = Service(config, tokenizer, pool, registry, versions, upstreams)
     metrics = GatewayMetrics(pool)
@@ -161,6 +156,8 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         await pool.start()
+        if upstreams is not None:
+            await upstreams.start()  # health probes
         # Everything loaded so far (modules, the tokenizer, the store client) lives as long as
         # the process: keep it out of the collector's full passes, which otherwise walk it all
         # and paused the event loop for 20-150 ms at a time under load (bench --upstream).
@@ -256,7 +253,8 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
 
     @app.get("/v1/models")
     async def models() -> dict:
-        names = [config.served_model_name, *(upstreams.models if upstreams else [])]
+        names = list(dict.fromkeys([config.served_model_name,  # a mixed pool's model once
+                                    *(upstreams.models if upstreams else [])]))
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
                                             "owned_by": "tailscope"} for name in names]}
 

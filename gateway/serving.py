@@ -141,6 +141,13 @@ class Service:
         if not isinstance(model, str) or not self.upstreams.serves(model):
             return None
         trace: RequestTrace = request.state.trace
+        if model == self.config.served_model_name:  # a mixed pool: replicas and backends
+            if not self._mixed_route(model, trace):
+                return None  # the bundled replicas take it
+            # the served model's sampling defaults apply whoever serves it
+            data = {**self.config.sampling_defaults, **data, **self.config.sampling_overrides}
+        r = trace.record
+        r.gateway_version, r.config_id = self.versions["gateway"], self.versions["config_id"]
         trace.mark("ADMITTED")
         settled = False
 
@@ -152,6 +159,27 @@ class Service:
 
         request.state.settled_by_run = True
         return await self.upstreams.proxy(request, data, path, trace, settle)
+
+    def _mixed_route(self, model: str, trace: RequestTrace) -> bool:
+        """Bundled replicas and external backends serve ``model``: the side with fewer requests
+        in flight per server takes the request (ties: the bundled replicas, whose records have
+        token ids and the engine's own timeline). True for a backend; either way the record's
+        route reason starts with why (``trace.route_note``)."""
+        ready = [d for d in self.pool.describe().values() if d.get("ready")]
+        bundled = sum(d.get("inflight", 0) for d in ready) / len(ready) if ready else None
+        external = self.upstreams.least_loaded(model)
+        if external is None and bundled is None:
+            return True  # nobody can take it: the backends' path answers 503
+        if external is not None and (bundled is None or external.inflight < bundled):
+            trace.route_note = "mixed pool: a backend, " + (
+                "no bundled replica is ready" if bundled is None else
+                f"{external.inflight} in flight vs {bundled:g} per bundled replica")
+            return True
+        trace.route_note = "mixed pool: the bundled replicas, " + (
+            "no backend can take it" if external is None else
+            f"{bundled:g} in flight per replica vs {external.inflight} on the least loaded "
+            "backend")
+        return False
 
     async def parse(self, request: Request, model: type[SamplingFields]) -> SamplingFields:
         data, _ = await self.body_json(request)
@@ -306,7 +334,8 @@ class Service:
             if i == 0:
                 first_sent = route.sent_ns
                 r = trace.record
-                r.replica, r.route_reason = route.replica, route.reason
+                r.replica = route.replica
+                r.route_reason = "; ".join(filter(None, (trace.route_note, route.reason)))
                 r.prefix_hit_tokens = route.prefix_hit_tokens
                 r.model_revision = route.model_revision or r.model_revision
             choices.append(Choice(i, engine_id, TextStream(self.tokenizer, stop, include_stop),

@@ -58,6 +58,7 @@ class RequestTrace:
         self.flushes: list[int] = []
         self.end_ns: int | None = None
         self.engine_stats: RequestStats | None = None  # the replica's (its timeline), at the end
+        self.route_note = ""  # why this side of a mixed pool (ahead of the router's reason)
 
     def mark(self, stage: str, at_ns: int | None = None) -> None:
         self.marks[stage] = time.monotonic_ns() if at_ns is None else at_ns
@@ -95,6 +96,7 @@ class RequestTrace:
         s = self.engine_stats
         if s is not None:
             r.cached_tokens = s.cached_tokens
+        r.timing_source = r.timing_source or ("engine" if s is not None else "gateway")
         events = [RecordEvent(self.arrival_wall_us, "RECEIVED")]
         events += [RecordEvent(self._wall(ns), stage) for stage, ns in
                    sorted(m.items(), key=lambda kv: kv[1])]
@@ -146,7 +148,11 @@ class TraceMiddleware:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message = {**message, "headers": [*message.get("headers", []), *extra]}
+                routed = [(b"x-tailscope-replica", trace.record.replica.encode("latin-1",
+                                                                              "replace"))
+                          ] if trace is not None and trace.record.replica else []
+                message = {**message, "headers": [*message.get("headers", []), *extra,
+                                                  *routed]}
             elif message["type"] == "http.response.body" and not message.get("more_body"):
                 if trace is not None:
                     if not trace.flushes and status == 200 and not trace.record.stream:

@@ -17,22 +17,31 @@ as an OpenAI-style error: connecting (``connect_timeout_s``), the first byte of 
 504 before the response started, an SSE ``error`` event after. An upstream error answer keeps
 its status and message; an upstream that breaks the protocol or closes mid-stream is 502 (or an
 SSE ``error`` event once streaming). A request that has received nothing yet is retried once on
-another backend of the same model. After ``eject_after`` failures in a row a backend is ejected
-for ``eject_s`` seconds (a circuit breaker), then tried again by the next request (half-open):
-a success closes it, a failure ejects it again. The router takes the backend with the fewest
-requests in flight (ties: fewest failures, then the name).
+another backend of the same model; one whose pooled connection the upstream had just closed is
+sent again on a fresh one. After ``eject_after`` failures in a row a backend is ejected for
+``eject_s`` seconds (a circuit breaker), then tried again by the next request or health probe
+(half-open): a success closes it, a failure ejects it again. Health probes (``GET /health``,
+else ``/v1/models``, every ``probe_interval_s``) find a dead backend before a request does, and
+the first one reads the served model's revision and the server's version for the records. The
+router takes the backend with the fewest requests in flight (ties: fewest failures, then the
+name); a model the bundled replicas serve too is a mixed pool (``gateway.serving`` decides the
+side).
 
 The record: ``replica`` is the backend's name, ``route_reason`` why, the timeline has ROUTED
 (request sent), UPSTREAM_HEADERS (status and headers back: the upstream's time to first byte),
 FIRST_FLUSH and END, so TTFT, every ITL, tail and E2E keep their identities; counts come from
 the upstream's ``usage`` (streams: when it sends one, e.g. with ``stream_options``), the
-``finish_reason`` and response id from its body. The engine stage columns stay 0: the time the
-upstream held the request is the unattributed "in the engine" window of ``tracing.timing``.
+``finish_reason`` and response id from its body. When the upstream reports its own timings
+(llama.cpp's ``timings``), they become engine events on the gateway's clock (``_timeline``), so
+``tracing.timing`` makes the engine stage columns from them (``timing_source = "upstream"``);
+otherwise those columns stay 0 and the upstream's time is the unattributed "in the engine"
+window (``timing_source = "gateway"``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -44,6 +53,7 @@ import httpx
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from engine.observer import RequestStats, TimelineEvent
 from gateway.errors import APIError
 from gateway.trace import RequestTrace
 
@@ -65,6 +75,7 @@ class UpstreamConfig:
     idle_timeout_s: float = 60.0
     eject_after: int = 3  # failures in a row that eject it
     eject_s: float = 10.0  # how long an ejected backend is left alone
+    probe_interval_s: float = 5.0  # health probe period (0: no probes)
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
@@ -79,11 +90,19 @@ class UpstreamConfig:
         for f in ("connect_timeout_s", "first_byte_timeout_s", "idle_timeout_s", "eject_s"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"backend {self.name}: {f} must be > 0")
+        if self.probe_interval_s < 0:
+            raise ValueError(f"backend {self.name}: probe_interval_s must be >= 0")
 
     @property
     def base(self) -> str:
         base = self.url.rstrip("/")
         return base if base.endswith("/v1") else base + "/v1"
+
+    @property
+    def root(self) -> str:
+        """The server's root (where ``/health`` and version endpoints live)."""
+        base = self.url.rstrip("/")
+        return base[:-3] if base.endswith("/v1") else base
 
     @classmethod
     def from_mapping(cls, values: dict, where: str = "backend") -> UpstreamConfig:
@@ -130,6 +149,13 @@ class Upstream:
     errors: int = 0
     last_error: str = ""
     server: str = ""  # the upstream's Server header, as last seen
+    model_revision: str = ""  # from its /v1/models (vLLM/SGLang ``root``, else the id)
+    version: str = ""  # its engine and version, from its version endpoint (once)
+    probes: int = 0
+    probe_failures: int = 0
+    probe_streak: int = 0  # failed probes in the current run of failures
+    resends: int = 0  # requests sent again after a pooled connection turned out closed
+    last_probe: str = ""  # what the latest probe found
 
     @property
     def state(self) -> str:
@@ -138,10 +164,26 @@ class Upstream:
         return "half_open" if self.failures >= self.config.eject_after else "ready"
 
     def succeeded(self) -> None:
-        self.failures, self.ejected_until = 0, 0.0
+        if self.failures >= self.config.eject_after:
+            log.info("backend %s is back in", self.config.name)
+        self.failures, self.ejected_until, self.probe_streak = 0, 0.0, 0
 
-    def failed(self, why: str) -> None:
-        self.errors += 1
+    def probe_succeeded(self) -> None:
+        """A probe closes a half-open breaker and takes back the failures probes added; it
+        does not clear request failures (a server whose /health is fine while every request
+        fails must still be ejected)."""
+        if self.state == "half_open":
+            self.succeeded()
+        else:
+            self.failures = max(0, self.failures - self.probe_streak)
+            self.probe_streak = 0
+
+    def failed(self, why: str, probe: bool = False) -> None:
+        if probe:
+            self.probe_failures += 1
+            self.probe_streak += 1
+        else:
+            self.errors += 1
         self.failures += 1
         self.last_error = why
         if self.failures >= self.config.eject_after:
@@ -169,6 +211,8 @@ class _Stream:
     finish_reason: str = ""
     usage: dict = field(default_factory=dict)
     content_chunks: int = 0
+    timings: dict | None = None  # llama.cpp's own per-request timings object
+    timings_ns: int = 0  # monotonic time it arrived (the end of generation, upstream)
 
 
 class UpstreamPool:
@@ -186,14 +230,89 @@ class UpstreamPool:
                                     max_keepalive_connections=c.max_concurrency))
             self.backends.setdefault(c.model, []).append(Upstream(c, client))
 
+        self._probe_task: asyncio.Task | None = None
+
     @property
     def models(self) -> list[str]:
         return list(self.backends)
+
+    # ---- health probes ------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Probe every backend now (their revision and version come with the first answer),
+        then every ``probe_interval_s``."""
+        self._probe_task = asyncio.create_task(self._probe_loop())
+
+    async def _probe_loop(self) -> None:
+        ups = [u for us in self.backends.values() for u in us if u.config.probe_interval_s > 0]
+        due = dict.fromkeys(range(len(ups)), 0.0)
+        while ups:
+            now = time.monotonic()
+            ready = [i for i, at in due.items() if at <= now]
+            await asyncio.gather(*(self.probe(ups[i]) for i in ready))
+            for i in ready:
+                due[i] = time.monotonic() + ups[i].config.probe_interval_s
+            await asyncio.sleep(max(0.01, min(due.values()) - time.monotonic()))
+
+    async def probe(self, up: Upstream) -> bool:
+        """``GET /health`` at the server's root (``/v1/models`` when it has none). While the
+        backend is ejected nothing is sent to it; once its ejection has run out a probe is the
+        half-open trial: a success brings it back in, a failure ejects it again. Failed probes
+        of a backend in service count as failures in a row too, so a dead backend is ejected
+        before a request finds it."""
+        if up.state == "ejected":
+            return False
+        c = up.config
+        up.probes += 1
+        timeout = httpx.Timeout(min(5.0, c.first_byte_timeout_s), connect=c.connect_timeout_s)
+        try:
+            resp = await up.client.get(f"{c.root}/health", timeout=timeout)
+            if resp.status_code in (401, 403, 404, 405):  # none (or not for us): the API's own
+                resp = await up.client.get("/models", timeout=timeout)
+            ok = resp.status_code == 200
+            up.last_probe = f"HTTP {resp.status_code} from {resp.url.path}"
+        except httpx.HTTPError as exc:
+            ok, up.last_probe = False, f"{type(exc).__name__}: {exc}"
+        if not ok:
+            up.failed(f"health probe: {up.last_probe}", probe=True)
+            return False
+        up.probe_succeeded()
+        if not up.model_revision:
+            await self._discover(up, timeout)
+        return True
+
+    async def _discover(self, up: Upstream, timeout: httpx.Timeout) -> None:
+        """The served model's revision (``/v1/models``: vLLM and SGLang name the weights in
+        ``root``; else the id) and the server's version (vLLM ``/version``, llama.cpp
+        ``/props``' ``build_info``, SGLang ``/get_server_info``), cached for the records."""
+        c = up.config
+        want = c.upstream_model or c.model
+        try:
+            models = (await up.client.get("/models", timeout=timeout)).json().get("data") or []
+            entry = next((m for m in models if isinstance(m, dict) and m.get("id") == want),
+                         models[0] if len(models) == 1 and isinstance(models[0], dict) else {})
+            up.model_revision = str(entry.get("root") or entry.get("id") or "")[:200]
+        except (httpx.HTTPError, ValueError, AttributeError):
+            pass
+        for path, key, engine in (("/version", "version", "vllm"),
+                                  ("/props", "build_info", "llama.cpp"),
+                                  ("/get_server_info", "version", "sglang")):
+            try:
+                resp = await up.client.get(f"{c.root}{path}", timeout=timeout)
+                found = resp.json().get(key) if resp.status_code == 200 else None
+            except (httpx.HTTPError, ValueError, AttributeError):
+                continue
+            if isinstance(found, str | int | float) and str(found):
+                up.version = f"{engine} {found}"[:100]
+                return
 
     def serves(self, model: str) -> bool:
         return model in self.backends
 
     async def close(self) -> None:
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probe_task
         for ups in self.backends.values():
             for u in ups:
                 await u.client.aclose()
@@ -204,18 +323,28 @@ class UpstreamPool:
             "state": u.state, "ready": u.state != "ejected", "inflight": u.inflight,
             "max_concurrency": u.config.max_concurrency, "requests": u.requests,
             "errors": u.errors, "failures_in_a_row": u.failures, "last_error": u.last_error,
-            "server": u.server} for ups in self.backends.values() for u in ups}
+            "server": u.server, "model_revision": u.model_revision, "version": u.version,
+            "probes": u.probes, "probe_failures": u.probe_failures, "last_probe": u.last_probe,
+            "resends": u.resends,
+            } for ups in self.backends.values() for u in ups}
 
-    def choose(self, model: str, exclude: frozenset[str] = frozenset()) -> Upstream:
+    def least_loaded(self, model: str, exclude: frozenset[str] = frozenset()
+                     ) -> Upstream | None:
         """Fewest in flight among the backends of ``model`` that are not ejected or full."""
         candidates = [u for u in self.backends.get(model, [])
                       if u.config.name not in exclude and u.state != "ejected"
                       and u.inflight < u.config.max_concurrency]
         if not candidates:
+            return None
+        return min(candidates, key=lambda u: (u.inflight, u.failures, u.config.name))
+
+    def choose(self, model: str, exclude: frozenset[str] = frozenset()) -> Upstream:
+        up = self.least_loaded(model, exclude)
+        if up is None:
             raise APIError(503, f"no backend for model {model!r} can take the request now",
                            "server_error", code="backend_unavailable",
                            headers={"Retry-After": "1"})
-        return min(candidates, key=lambda u: (u.inflight, u.failures, u.config.name))
+        return up
 
     # ---- one request ------------------------------------------------------------------------
     async def proxy(self, request: Request, data: dict, path: str, trace: RequestTrace,
@@ -240,8 +369,10 @@ class UpstreamPool:
             up = self.choose(model, frozenset(tried))
             tried.add(up.config.name)
             r.replica = up.config.name
-            r.route_reason = (f"fewest in flight ({up.inflight}) of "
-                              f"{len(self.backends[model])} backends for {model}")
+            r.route_reason = "; ".join(filter(None, (trace.route_note, (
+                f"fewest in flight ({up.inflight}) of {len(self.backends[model])} backends "
+                f"for {model}"))))
+            r.model_revision = up.model_revision
             body = {**data, "model": up.config.upstream_model or model}
             try:
                 return await self._attempt(up, request, body, path, stream, trace, settle)
@@ -275,8 +406,7 @@ class UpstreamPool:
             req = up.client.build_request("POST", path, json=body, headers={  # our trace
                 "traceparent": f"00-{r.trace_id}-{r.span_id}-01"})
             try:
-                resp = await asyncio.wait_for(up.client.send(req, stream=True),
-                                              c.first_byte_timeout_s)
+                resp = await asyncio.wait_for(self._send(up, req), c.first_byte_timeout_s)
             except TimeoutError:
                 raise self._failure(up, 504, "upstream_timeout", f"backend {c.name} sent no "
                                     f"response within {c.first_byte_timeout_s:g} s") from None
@@ -288,6 +418,7 @@ class UpstreamPool:
                                     f"backend {c.name}: {type(exc).__name__}: {exc}") from None
             trace.mark("UPSTREAM_HEADERS")
             up.server = resp.headers.get("server", up.server)
+            trace.record.engine_version = up.version or up.server
             if resp.status_code != 200:
                 raw = await self._read(resp, c)
                 message, code = _error_of(raw, resp.status_code)
@@ -319,6 +450,21 @@ class UpstreamPool:
                 up.inflight -= 1
                 if resp is not None:
                     await resp.aclose()
+
+    @staticmethod
+    async def _send(up: Upstream, req: httpx.Request) -> httpx.Response:
+        """Send on a pooled connection; when the server had just closed it (it disconnects
+        without a byte of response: llama-server does this now and then between keep-alive
+        requests), send once more on a fresh one: nothing reached the engine."""
+        try:
+            return await up.client.send(req, stream=True)
+        except httpx.RemoteProtocolError as exc:
+            if "without sending a response" not in str(exc):
+                raise
+            up.resends += 1
+            log.info("backend %s closed a pooled connection as it was reused; sending again",
+                     up.config.name)
+            return await up.client.send(req, stream=True)
 
     @staticmethod
     async def _read(resp: httpx.Response, c: UpstreamConfig) -> bytes:
@@ -407,6 +553,8 @@ def _note(seen: _Stream, chunk) -> bool:
     seen.response_id = seen.response_id or str(chunk.get("id") or "")
     if isinstance(chunk.get("usage"), dict):
         seen.usage = chunk["usage"]
+    if isinstance(chunk.get("timings"), dict):
+        seen.timings, seen.timings_ns = chunk["timings"], time.monotonic_ns()
     content = False
     for choice in chunk.get("choices") or []:
         if not isinstance(choice, dict):
@@ -426,10 +574,54 @@ def _finish(trace: RequestTrace, seen: _Stream) -> None:
     r = trace.record
     r.response_id = seen.response_id
     r.final_state, r.finish_reason = "FINISHED", seen.finish_reason or "stop"
-    u = seen.usage
-    r.prompt_tokens = int(u.get("prompt_tokens") or 0)
-    r.generated_tokens = r.emitted_tokens = int(u.get("completion_tokens")
-                                                or seen.content_chunks)
+    u, t = seen.usage, _upstream_timings(seen.timings)
+    r.prompt_tokens = int(u.get("prompt_tokens") or (t.prompt_n + t.cache_n if t else 0))
+    r.generated_tokens = r.emitted_tokens = int(u.get("completion_tokens") or (
+        t.predicted_n if t else 0) or seen.content_chunks)
+    routed = trace.marks.get("ROUTED")
+    if t is not None and routed is not None:
+        trace.engine_stats = _timeline(t, seen.timings_ns - routed)
+        r.timing_source = "upstream"
+
+
+@dataclass(frozen=True)
+class _Timings:
+    prompt_n: int
+    prompt_ms: float
+    predicted_n: int
+    predicted_ms: float
+    cache_n: int
+
+
+def _upstream_timings(raw: dict | None) -> _Timings | None:
+    """llama.cpp's ``timings`` (prompt_n/ms, predicted_n/ms, cache_n), checked; None when
+    absent or not numbers (it is then only what the gateway saw)."""
+    if not raw:
+        return None
+    try:
+        t = _Timings(int(raw["prompt_n"]), float(raw["prompt_ms"]), int(raw["predicted_n"]),
+                     float(raw["predicted_ms"]), int(raw.get("cache_n") or 0))
+    except (KeyError, TypeError, ValueError):
+        return None
+    ok = min(t.prompt_n, t.predicted_n, t.cache_n) >= 0 and min(t.prompt_ms, t.predicted_ms) >= 0
+    return t if ok else None
+
+
+def _timeline(t: _Timings, end_ms_after_routed_ns: int) -> RequestStats:
+    """The upstream's report as an engine timeline on the gateway's clock, so the one timing
+    owner (``tracing.timing``) makes every stage column, span and chart from it: generation
+    ended when the report arrived; decode took ``predicted_ms`` before that and prefill
+    ``prompt_ms`` before decode; what is left after the request was sent is its queue wait
+    (network included). Clamped to the time the upstream held the request."""
+    end = max(0.0, end_ms_after_routed_ns / 1e6)
+    decode = max(0.0, end - t.predicted_ms)
+    prefill = max(0.0, decode - t.prompt_ms)
+    why = "upstream-reported"
+    return RequestStats(events=(TimelineEvent("QUEUED", 0.0, why),
+                                TimelineEvent("PREFILLING", prefill, why),
+                                TimelineEvent("DECODING", decode, why),
+                                TimelineEvent("FINISHED", end, why)),
+                        token_offsets_ms=(), cached_tokens=t.cache_n)
 
 
 def _fail(trace: RequestTrace, status: int, code: str, message: str) -> None:

@@ -439,7 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="an external OpenAI-compatible server as a recorded replica "
                          "(repeatable); keys: model (default NAME), upstream_model, "
                          "api_key_env, max_concurrency, connect_timeout_s, "
-                         "first_byte_timeout_s, idle_timeout_s, eject_after, eject_s")
+                         "first_byte_timeout_s, idle_timeout_s, eject_after, eject_s, "
+                         "probe_interval_s (gateway.upstream.UpstreamConfig)")
     sv.add_argument("--config", help="TOML file with [[tenants]] (API keys and limits)")
     sv.add_argument("--max-inflight", type=int,
                     help="in-flight requests per replica before new ones get 503 "

@@ -18,7 +18,8 @@ policy, so an eval run (or a rollout) is reproducible from the file alone::
         url: http://gpu-1:8000       # with or without /v1
         model: llama-3-8b            # the model name clients send
         upstream_model: meta-llama/Meta-Llama-3-8B-Instruct
-        api_key_env: VLLM_KEY        # optional; timeouts, max_concurrency, eject_* too
+        api_key_env: VLLM_KEY        # optional; timeouts, max_concurrency, eject_*,
+                                     # probe_interval_s too (gateway.upstream.UpstreamConfig)
 
 ``tailscope serve --engine-config FILE`` starts a gateway with it; the gateway's ``config_id``
 (on every request record and in ``GET /debug/config``) is a hash of the resolved config.

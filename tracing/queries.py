@@ -291,6 +291,7 @@ STEPS_BETWEEN = ("SELECT * FROM tailscope.engine_steps WHERE replica = {r:String
 RECORDS_FOUND = ("SELECT uniqExact(trace_id) FROM tailscope.requests WHERE "
                  "trace_id IN {ids:Array(String)}")
 REQUEST_COUNT = "SELECT count() FROM tailscope.requests"
+RECORDS_BY_TRACE = "SELECT * FROM tailscope.requests WHERE trace_id IN {ids:Array(String)}"
 
 
 def records_found(source, trace_ids: list[str]) -> int:

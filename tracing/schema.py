@@ -107,7 +107,7 @@ class BenchRunRow:
 
 # Strings with few distinct values: stored as LowCardinality(String).
 _LOW_CARDINALITY = {"tenant", "api_key_id", "endpoint", "final_state", "finish_reason",
-                    "error_type", "model", "model_revision", "engine_version",
+                    "timing_source", "error_type", "model", "model_revision", "engine_version",
                     "tokenizer_revision", "gateway_version", "config_id", "replica", "state",
                     "suite", "mode", "bench_run"}
 _TIME_COLUMNS = {"ts_us": "ts", "arrival_ts_us": "arrival_ts"}  # µs ints -> DateTime64(6)
@@ -196,6 +196,8 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
         "LowCardinality(String)"]),
     (6, "requests.response_id", [f"ALTER TABLE {DATABASE}.requests ADD COLUMN IF NOT EXISTS "
                                  "response_id String AFTER request_id"]),
+    (7, "requests.timing_source", [f"ALTER TABLE {DATABASE}.requests ADD COLUMN IF NOT EXISTS "
+                                   "timing_source LowCardinality(String) AFTER retries"]),
 ]
 
 __all__ = ["DATABASE", "TABLES", "MIGRATIONS", "EngineStepRow", "EventRow", "EvalRunRow",

@@ -8,7 +8,12 @@ model. ``python tests/gateway/fault_upstream.py PORT``; what it does is chosen b
 - ``error-500`` / ``error-429``: an OpenAI-style error body with that status;
 - ``malformed``: a stream whose second event is not JSON; ``not-json``: a 200 with a text body;
 - ``slow-stream``: a chunk every 0.1 s for 20 s; ``GET /stats`` says how many such streams were
-  cut off by the caller (``{"cancelled": n}``).
+  cut off by the caller (``{"cancelled": n}``);
+- ``llama``: after 0.15 s, a three-token answer with llama.cpp's ``timings`` object (prompt 5
+  tokens in 40 ms, 2 more from its cache, 3 predicted in 100 ms), streamed or not.
+
+It also answers health probes like vLLM: ``GET /health``, ``GET /v1/models`` (``root`` names
+scripted weights) and ``GET /version``.
 """
 
 from __future__ import annotations
@@ -37,9 +42,41 @@ async def stats(request: Request):
     return JSONResponse(STATS)
 
 
+TIMINGS = {"prompt_n": 5, "prompt_ms": 40.0, "predicted_n": 3, "predicted_ms": 100.0,
+           "cache_n": 2, "prompt_per_second": 125.0, "predicted_per_second": 30.0}
+
+
+async def health(request: Request):
+    return JSONResponse({"status": "ok"})
+
+
+async def models(request: Request):
+    return JSONResponse({"object": "list", "data": [
+        {"id": "echo", "object": "model", "root": "scripted/echo-weights@rev1"},
+        {"id": "llama", "object": "model", "root": "scripted/llama-weights@rev2"}]})
+
+
+async def version(request: Request):
+    return JSONResponse({"version": "fault-1.0"})
+
+
 async def completions(request: Request):
     body = await request.json()
     mode = body.get("model")
+    if mode == "llama":
+        await asyncio.sleep(0.15)
+        if body.get("stream"):
+            async def llama():
+                for t in ("a", " b", " c"):
+                    yield chunk(t)
+                last = json.loads(chunk("", "length")[6:])
+                last["timings"] = TIMINGS
+                yield "data: " + json.dumps(last) + "\n\n"
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(llama(), media_type="text/event-stream")
+        return JSONResponse({"id": "cmpl-llama", "object": "text_completion",
+                             "choices": [{"index": 0, "text": "a b c", "finish_reason": "length"}],
+                             "timings": TIMINGS})
     if mode == "slow-stream":
         async def slow():
             try:
@@ -84,7 +121,8 @@ async def completions(request: Request):
     return JSONResponse({"error": {"message": f"unknown mode {mode!r}"}}, status_code=400)
 
 
-app = Starlette(routes=[Route("/stats", stats),
+app = Starlette(routes=[Route("/stats", stats), Route("/health", health),
+                        Route("/v1/models", models), Route("/version", version),
                         Route("/v1/completions", completions, methods=["POST"]),
                         Route("/v1/chat/completions", completions, methods=["POST"])])
 

@@ -30,19 +30,23 @@ def upstream(bundled_path):
     stop_server(server)
 
 
-@pytest.fixture(scope="module")
-def faults():
-    port = free_port()
+def start_faults(port: int) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, str(FAULTS), str(port)])
-    url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
-            httpx.get(url, timeout=1)
+            httpx.get(f"http://127.0.0.1:{port}", timeout=1)
             break
         except httpx.HTTPError:
             time.sleep(0.1)
-    yield url
+    return proc
+
+
+@pytest.fixture(scope="module")
+def faults():
+    port = free_port()
+    proc = start_faults(port)
+    yield f"http://127.0.0.1:{port}"
     proc.kill()
     proc.wait()
 
@@ -66,7 +70,10 @@ def gateway(bundled_path, upstream, faults):
             *_backend("err500", faults, "error-500", eject_s=600),
             *_backend("slow", faults, "slow-stream"),
             *_backend("flaky-a", faults, "error-500", model="flaky"),
-            *_backend("flaky-b", faults, "echo", model="flaky")]
+            *_backend("flaky-b", faults, "echo", model="flaky"),
+            *_backend("llama", faults, "llama"),
+            *_backend("dead", f"http://127.0.0.1:{free_port()}", "echo", probe_interval_s=0.2,
+                      eject_after=2, eject_s=600)]
     server = start_server(*args)
     yield server
     stop_server(server)
@@ -200,3 +207,152 @@ def test_a_client_that_leaves_closes_the_upstream_stream_at_once(gateway, faults
     assert (rec["final_state"], rec["error_type"]) == ("CANCELLED", "client_disconnected")
     assert wait_for(lambda: httpx.get(f"{gateway.url}/debug/replicas").json()["slow"][
         "inflight"] == 0, 5)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_llama_cpp_timings_fill_the_engine_stages_and_say_so(gateway, stream):
+    r = post(gateway, "llama", stream=stream)
+    assert r.status_code == 200, r.text
+    got = record(gateway.url, r.headers["x-tailscope-trace-id"])
+    rec, events = got["record"], got["events"]
+    assert rec["timing_source"] == "upstream"
+    # the upstream's own figures, placed on the gateway's clock (µs rounding only)
+    assert rec["prefill_ms"] == pytest.approx(40.0, abs=0.01)
+    assert rec["decode_ms"] == pytest.approx(100.0, abs=0.01)
+    assert (rec["cached_tokens"], rec["prompt_tokens"], rec["generated_tokens"]) == (2, 7, 3)
+    # it answered after 0.15 s: what is left of the upstream's time is its queue wait
+    assert rec["engine_queue_ms"] > 0 and rec["engine_queue_ms"] + 140 < rec["e2e_ms"]
+    assert [e["detail"] for e in events if e["state"] == "PREFILLING"] == ["upstream-reported"]
+    e2e = sum(rec[c] for c in ("ingress_ms", "tokenize_ms", "route_ms", "engine_queue_ms",
+                               "prefill_ms", "decode_ms", "preempted_ms"))
+    assert e2e <= rec["e2e_ms"] + 1e-3
+    plain = post(gateway, "echo")  # no timings: only what the gateway saw
+    assert record(gateway.url, plain.headers["x-tailscope-trace-id"])["record"][
+        "timing_source"] == "gateway"
+
+
+def test_probes_find_revision_version_and_eject_a_dead_backend_with_no_traffic(gateway):
+    def info():
+        return httpx.get(f"{gateway.url}/debug/replicas").json()
+
+    assert wait_for(lambda: info()["echo"]["model_revision"] == "scripted/echo-weights@rev1", 10)
+    assert info()["echo"]["version"] == "vllm fault-1.0" and info()["echo"]["probes"] >= 1
+    r = post(gateway, "echo")
+    rec = record(gateway.url, r.headers["x-tailscope-trace-id"])["record"]
+    assert rec["model_revision"] == "scripted/echo-weights@rev1"
+    assert rec["engine_version"] == "vllm fault-1.0"
+    # nothing listens behind "dead": its probes eject it before any request finds it
+    assert wait_for(lambda: info()["dead"]["state"] == "ejected", 10), info()["dead"]
+    dead = info()["dead"]
+    assert dead["requests"] == 0 and dead["errors"] == 0 and dead["probe_failures"] >= 2
+    assert "ConnectError" in dead["last_probe"]
+    # a backend whose health is fine while its requests fail is still ejected (err500 above)
+
+
+@pytest.fixture(scope="module")
+def pair(bundled_path):
+    """Two scripted upstreams behind one model name, probed often."""
+    ports = [free_port(), free_port()]
+    procs = [start_faults(p) for p in ports]
+    args = ["--model", "tiny:49152", "--tokenizer", str(bundled_path)]
+    for name, port in zip("ab", ports, strict=True):
+        args += _backend(f"pair-{name}", f"http://127.0.0.1:{port}", "slow-stream",
+                         model="pair", probe_interval_s=0.2, eject_after=2, eject_s=1)
+    server = start_server(*args)
+    yield server, ports, procs
+    stop_server(server)
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def test_two_backends_one_dies_mid_stream_the_other_takes_over_and_it_comes_back(pair):
+    server, ports, procs = pair
+
+    def info():
+        return httpx.get(f"{server.url}/debug/replicas").json()
+
+    http = httpx.Client(timeout=30)
+    streams = []
+    for _ in range(4):  # load spreads: two streams on each
+        cm = http.stream("POST", f"{server.url}/v1/completions", json={
+            "model": "pair", "prompt": "Hi", "stream": True})
+        r = cm.__enter__()
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        streams.append((cm, r, lines))
+    assert (info()["pair-a"]["inflight"], info()["pair-b"]["inflight"]) == (2, 2)
+    procs[0].kill()  # pair-a dies mid-stream
+    procs[0].wait()
+    ended = {}
+    for cm, r, lines in streams:
+        trace_id = r.headers["x-tailscope-trace-id"]
+        if r.headers["x-tailscope-replica"] == "pair-a":
+            last = [line for line in lines if line.startswith("data: ")][-1]
+            ended[trace_id] = json.loads(last[6:])["error"]["code"]
+        cm.__exit__(None, None, None)
+    assert list(ended.values()) == ["upstream_closed"] * 2
+    for trace_id in ended:
+        rec = record(server.url, trace_id)["record"]
+        assert (rec["final_state"], rec["error_type"]) == ("FAILED", "upstream_closed")
+    # requests with nothing received yet go to pair-b (retried there if pair-a was chosen)
+    for _ in range(3):
+        with http.stream("POST", f"{server.url}/v1/completions", json={
+                "model": "pair", "prompt": "Hi", "stream": True}) as r:
+            assert r.status_code == 200
+            assert next(line for line in r.iter_lines() if line.startswith("data: {"))
+            assert r.headers["x-tailscope-replica"] == "pair-b"
+    assert wait_for(lambda: info()["pair-a"]["state"] == "ejected", 5), info()["pair-a"]
+    procs[0] = start_faults(ports[0])  # it restarts: probes bring it back
+    assert wait_for(lambda: info()["pair-a"]["state"] == "ready", 10), info()["pair-a"]
+    assert wait_for(lambda: info()["pair-a"]["inflight"] + info()["pair-b"]["inflight"] == 0,
+                    10)
+    with http.stream("POST", f"{server.url}/v1/completions", json={
+            "model": "pair", "prompt": "Hi", "stream": True}) as r:  # ties: the first name
+        assert next(line for line in r.iter_lines() if line.startswith("data: {"))
+        assert r.headers["x-tailscope-replica"] == "pair-a"
+    http.close()
+
+
+@pytest.fixture(scope="module")
+def mixed(bundled_path, faults):
+    server = start_server("--model", "tiny:49152", "--tokenizer", str(bundled_path),
+                          *_backend("ext", faults, "echo", model=DIRECT))
+    yield server
+    stop_server(server)
+
+
+def test_a_mixed_pool_serves_one_model_from_a_replica_and_a_backend(mixed):
+    import asyncio
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=60) as http:
+            return await asyncio.gather(*(http.post(f"{mixed.url}/v1/completions", json={
+                "model": DIRECT, "prompt": f"Count {i}", "max_tokens": 48,
+                "ignore_eos": True}) for i in range(8)))
+
+    replicas: dict[str, list[dict]] = {}
+    for _ in range(3):
+        for r in asyncio.run(burst()):
+            assert r.status_code == 200, r.text
+            rec = record(mixed.url, r.headers["x-tailscope-trace-id"])["record"]
+            replicas.setdefault(rec["replica"], []).append(rec)
+        if {"r0", "ext"} <= set(replicas):
+            break
+    assert {"r0", "ext"} <= set(replicas), {k: len(v) for k, v in replicas.items()}
+    assert all(x["route_reason"].startswith("mixed pool:") for v in replicas.values()
+               for x in v)
+    assert all(x["timing_source"] == "engine" and x["generated_tokens"] == 48
+               for x in replicas["r0"])
+    assert all(x["timing_source"] == "gateway" and x["model"] == DIRECT
+               for x in replicas["ext"])
+    info = httpx.get(f"{mixed.url}/debug/replicas").json()
+    assert info["r0"]["ready"] and info["ext"]["kind"] == "external"
+    assert [m["id"] for m in httpx.get(f"{mixed.url}/v1/models").json()["data"]] == [DIRECT]
+    # the store (what the drill-down and Grafana read) groups both as replicas of the model
+    def stored() -> set[str]:
+        return {row[0] for row in httpx.post(f"{mixed.url}/debug/query", json={"sql": (
+            "SELECT DISTINCT replica FROM tailscope.requests WHERE model = "
+            f"'{DIRECT}'")}).json()["rows"]}
+
+    assert wait_for(lambda: stored() >= {"ext", "r0"}, 10), stored()
