@@ -38,6 +38,8 @@ class RequestOutput:
     error: str | None = None
     stats: RequestStats | None = None
     new_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # with the request's first token: its prompt tokens' logprobs (the first one None)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -98,6 +100,8 @@ class Engine:
                       deadline_ns=None if deadline_s is None else now + int(deadline_s * 1e9),
                       queue_deadline_ns=None if queue_timeout_s is None
                       else now + int(queue_timeout_s * 1e9), cache_salt=cache_salt)
+        if req.params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]  # the first prompt token has nothing before it
         self.requests[request_id] = req
         reason = self._rejection(req)
         if reason is not None:
@@ -127,6 +131,7 @@ class Engine:
             if self.kv.fork(parent.request_id, b.request_id, n, reserve):
                 b.num_computed_tokens = n
                 b.num_cached_tokens = n
+                b.prompt_logprobs = list(parent.prompt_logprobs)
                 b.transition(S.PREFILLING, f"forked from {parent.request_id}", ts_ns=t_ns)
                 self.scheduler.add_running(b)
             else:
@@ -216,7 +221,14 @@ class Engine:
         times = [req.token_times_ns[-1]] if tokens else []
         lps = [req.output_logprobs[-1]] if tokens else []
         self._ended.append(RequestOutput(req.request_id, tokens, times, state, reason, error,
-                                         stats, lps))
+                                         stats, lps, self._prompt_logprobs(req)))
+
+    @staticmethod
+    def _prompt_logprobs(req: Request) -> list[TokenLogprobs | None] | None:
+        """The prompt logprobs, once: with the request's first token."""
+        if req.params.prompt_logprobs is None or len(req.output_token_ids) != 1:
+            return None
+        return req.prompt_logprobs
 
     def _reclaim(self, req: Request) -> None:
         """Release everything the request holds: batch slot, KV blocks (shared ones return to
@@ -298,6 +310,8 @@ class Engine:
             self.kv.commit(req.request_id, req.all_token_ids, req.num_computed_tokens)
             if req.pending_branches and req.num_computed_tokens == req.num_tokens:
                 self._fork_branches(req, t_tok)
+        for req, entries in result.prompt_logprobs:
+            req.prompt_logprobs.extend(entries)
         for req, error in result.failed:  # only its own request fails
             self._end(req, S.FAILED, "error", error=error)
         outputs = []
@@ -320,7 +334,8 @@ class Engine:
                 self._end(req, S.FINISHED, reason, last_token=token)
             else:
                 outputs.append(RequestOutput(req.request_id, [token], [t_tok], req.state,
-                                             new_logprobs=[logprobs]))
+                                             new_logprobs=[logprobs],
+                                             prompt_logprobs=self._prompt_logprobs(req)))
         return outputs
 
     def _record_step(self, sched: SchedulerOutput, result: RunnerResult, start: int,

@@ -27,6 +27,8 @@ class RunnerResult:
     forward_ms: float
     sample_ms: float
     failed: list[tuple[Request, str]] = field(default_factory=list)  # rows that could not sample
+    # requests that asked for prompt logprobs: (request, entries for its next prompt tokens)
+    prompt_logprobs: list[tuple[Request, list[TokenLogprobs]]] = field(default_factory=list)
 
 
 def _tune_allocator() -> None:
@@ -116,6 +118,7 @@ class ModelRunner:
         slots: list[int] = []
         logits_idx: list[int] = []
         samplers: list[Request] = []
+        scored: list[tuple[Request, int, list[int]]] = []  # prompt logprobs: request, rows
         tables, ctx_lens = [], []
         for s in sched.decodes:
             req = s.request
@@ -140,6 +143,14 @@ class ModelRunner:
             table = kv.block_table(req.request_id)
             meta.prefills.append(PrefillSeq(len(ids), len(ids) + s.num_new_tokens, end,
                                             torch.tensor(table.blocks, dtype=torch.long)))
+            if req.params.prompt_logprobs is not None:
+                # logits at position p score prompt token p + 1: the rows of this chunk that
+                # score prompt tokens not scored yet (a recompute after preemption skips them)
+                first = max(start, len(req.prompt_logprobs) - 1)
+                last = min(end, len(req.prompt_token_ids) - 1)
+                if first < last:
+                    base = len(ids) - start
+                    scored.append((req, first + 1, [base + p for p in range(first, last)]))
             ids.extend(req.all_token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table.slot(p) for p in range(start, end))
@@ -150,20 +161,46 @@ class ModelRunner:
                     logits_idx.append(len(ids) - 1)  # first token from the same logits
                     samplers.append(branch)
         meta.slot_mapping = torch.tensor(slots, dtype=torch.long)
+        for _, _, rows in scored:  # after the sampling rows: the sampler sees only those
+            logits_idx.extend(rows)
         return (torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
-                meta, torch.tensor(logits_idx, dtype=torch.long), samplers)
+                meta, torch.tensor(logits_idx, dtype=torch.long), samplers, scored)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> RunnerResult:
         t0 = time.perf_counter_ns()
         self.run_pending_ops(kv)  # queued copies before anything writes into their blocks
-        ids, positions, meta, logits_idx, samplers = self._inputs(sched, kv)
+        ids, positions, meta, logits_idx, samplers, scored = self._inputs(sched, kv)
         t1 = time.perf_counter_ns()
         logits = self.model.forward(ids, positions, meta, self.kv_caches, logits_idx)
         t2 = time.perf_counter_ns()
-        sampled, failed = self._sample(logits, samplers)
+        prompt_lps = self._score(logits[len(samplers):], scored) if scored else []
+        sampled, failed = self._sample(logits[:len(samplers)], samplers)
         t3 = time.perf_counter_ns()
-        return RunnerResult(sampled, (t1 - t0) / 1e6, (t2 - t1) / 1e6, (t3 - t2) / 1e6, failed)
+        return RunnerResult(sampled, (t1 - t0) / 1e6, (t2 - t1) / 1e6, (t3 - t2) / 1e6, failed,
+                            prompt_lps)
+
+    @staticmethod
+    def _score(logits: torch.Tensor, scored: list[tuple[Request, int, list[int]]]
+               ) -> list[tuple[Request, list[TokenLogprobs]]]:
+        """Prompt logprobs from the raw model distribution (log-softmax in fp32): each row's
+        logprob of the prompt token that follows it, and its top alternatives."""
+        logp = torch.log_softmax(logits.float(), -1)
+        out, at = [], 0
+        for req, target, rows in scored:
+            n, k = len(rows), req.params.prompt_logprobs or 0
+            block = logp[at:at + n]
+            tokens = req.prompt_token_ids[target:target + n]
+            chosen = block.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
+            tops: list[tuple[tuple[int, float], ...]] = [()] * n
+            if k:
+                vals, idx = torch.topk(block, k, dim=-1)
+                tops = [tuple(zip(i, v, strict=True))
+                        for i, v in zip(idx.tolist(), vals.tolist(), strict=True)]
+            out.append((req, [TokenLogprobs(t, lp, top)
+                              for t, lp, top in zip(tokens, chosen, tops, strict=True)]))
+            at += n
+        return out
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]):
         """Sample the batch; if that fails, sample each row alone from the untouched logits

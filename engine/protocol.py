@@ -58,6 +58,8 @@ class TokenDelta(msgspec.Struct):
     stats: RequestStats | None = None  # the state timeline, at the end only
     # per token, when requested: (logprob, [(token id, logprob), ...top])
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # with the first token, when requested: per prompt token, the same shape (the first None)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
 
 
 class StepReport(msgspec.Struct, tag="step"):

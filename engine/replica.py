@@ -55,6 +55,8 @@ def _delta(out: RequestOutput, engine: Engine) -> TokenDelta:
         stats=out.stats,
         logprobs=[(lp.logprob, list(lp.top)) for lp in out.new_logprobs if lp is not None]
         if any(lp is not None for lp in out.new_logprobs) else None,
+        prompt_logprobs=None if out.prompt_logprobs is None else
+        [None if lp is None else (lp.logprob, list(lp.top)) for lp in out.prompt_logprobs],
     )
 
 

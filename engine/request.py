@@ -100,6 +100,9 @@ class Request:
     error: str | None = None
     reclaim_count: int = 0  # how many times reclaim ran (must end at exactly 1)
     output_logprobs: list[Any] = field(default_factory=list)  # TokenLogprobs | None per token
+    # params.prompt_logprobs: one TokenLogprobs per prompt token (None for the first), filled
+    # as its prefill chunks run
+    prompt_logprobs: list[Any] = field(default_factory=list)
     constraint: Any = None  # engine.constrained.TokenConstraint for structured output
     cache_salt: str = ""  # prefix-cache namespace (the tenant's): hits only within it
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission

@@ -73,6 +73,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    # the prompt tokens' log-probabilities (raw model distribution; the first token has none),
+    # with this many alternatives each; None: not computed. Such a request skips the prefix
+    # cache (a cached token has no logits).
+    prompt_logprobs: int | None = None
     structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
@@ -99,6 +103,9 @@ class SamplingParams:
                    f"logit_bias values must be in [-100, 100], got {bias} for token {tok}")
         _check(0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
+               "prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
+               f"{self.prompt_logprobs}")
         _check(self.seed is None or isinstance(self.seed, int), "seed",
                f"seed must be an integer, got {self.seed!r}")
 

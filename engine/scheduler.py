@@ -165,7 +165,8 @@ class Scheduler:
         if req.branch_parent is not None:
             return False  # a branch is forked from its parent, never admitted on its own
         cached = self.kv.admit(req.request_id, req.all_token_ids, self._reserve_tokens(req),
-                               req.cache_salt, headroom=headroom)
+                               req.cache_salt, headroom=headroom,
+                               use_cache=req.params.prompt_logprobs is None)
         if cached is None:
             return False
         req.num_computed_tokens = cached

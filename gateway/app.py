@@ -263,8 +263,9 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
         the tenant's slot is released here on early errors, otherwise by the service."""
         tenant, key_id = registry.authenticate(request.headers.get("authorization"))
         trace = request.state.trace
-        trace.record.tenant, trace.record.api_key_id = tenant.name, key_id
-        trace.record.ttl_days = tenant.ttl_days or config.store_ttl_days
+        if trace is not None:  # /tokenize and /detokenize have no record
+            trace.record.tenant, trace.record.api_key_id = tenant.name, key_id
+            trace.record.ttl_days = tenant.ttl_days or config.store_ttl_days
         registry.admit_request(tenant)
         try:
             return await handler(request, tenant)
@@ -279,9 +280,18 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
     async def completions(request: Request) -> Response:
         return await gated(request, service.completions)
 
+    async def tokenize(request: Request) -> Response:
+        return await gated(request, service.tokenize)
+
+    async def detokenize(request: Request) -> Response:
+        return await gated(request, service.detokenize)
+
     # Plain Starlette routes: the endpoints parse their own bodies (pydantic, OpenAI errors), so
     # FastAPI's per-request dependency solving would be pure overhead on the hot path.
     app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_route("/v1/completions", completions, methods=["POST"])
+    # vLLM's utility endpoints (their paths and shapes): the bundled model's tokenizer
+    app.add_route("/tokenize", tokenize, methods=["POST"])
+    app.add_route("/detokenize", detokenize, methods=["POST"])
 
     return app

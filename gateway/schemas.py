@@ -5,6 +5,15 @@ Int64 and UInt32 columns), so an out-of-range value is a 400 naming its field, n
 overflow further in: integers fit int64 (ids and counts int32), floats are finite. Limits that
 are settings (number of stop strings, messages, logit_bias entries, ...) are checked by
 ``gateway.limits``.
+
+Unknown fields: the rule is OpenAI's. A field the bundled engine does not know is a 400 naming
+it (``unknown_parameter``), never silently dropped: a client that sends ``reasoning_effort`` or
+``audio`` learns at once that it has no effect here. Known OpenAI fields that the engine cannot
+honour yet (``tools`` with a choice other than ``none``, ``suffix``, ``best_of`` other than
+``n``) are 400s naming them too (``unsupported_parameter``). Fields that change nothing in the
+answer are accepted: ``user``, ``metadata`` and ``store`` (every request is recorded anyway).
+Requests for an external backend's model are not parsed here: their bodies go to the upstream as
+sent (``gateway.upstream``).
 """
 
 from __future__ import annotations
@@ -24,8 +33,16 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class Unsupported(ValueError):
+    """A known OpenAI field the bundled engine cannot honour (yet): a 400 naming it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str
     max_tokens: Count | None = None
@@ -40,6 +57,11 @@ class SamplingFields(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    metadata: dict[str, str] | None = None  # accepted: changes nothing in the answer
+    store: bool | None = None  # accepted: every request is recorded anyway
+    tools: list[dict[str, Any]] | None = None  # refused unless empty (unsupported())
+    tool_choice: str | dict[str, Any] | None = None  # "none" only, for now
+    parallel_tool_calls: bool | None = None  # meaningful with tools only
     # engine extras (vLLM names)
     top_k: int = Field(-1, ge=-1, le=INT32_MAX)  # and at most the vocabulary (serving.py)
     min_p: float = 0.0
@@ -49,12 +71,22 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
 
+    def unsupported(self) -> None:
+        """Raise ``Unsupported`` for a field the engine would otherwise ignore."""
+        if self.tools and self.tool_choice != "none":
+            raise Unsupported("tools", "tool calling is not supported by the bundled engine "
+                              "yet: send no tools, or tool_choice \"none\"")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise Unsupported("tool_choice", "tool_choice needs tools, which the bundled engine "
+                              "does not support yet")
+
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None  # passed to the chat template (the bundled one does not show it)
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -70,8 +102,39 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize``: a prompt, or chat messages rendered by the chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[TokenId]
+
+
 class CompletionRequest(SamplingFields):
     prompt: str | list[TokenId]
     logprobs: Count | None = None
     echo: bool = False
     response_format: dict[str, Any] | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        if self.suffix:
+            raise Unsupported("suffix", "suffix (insertion) is not supported by the bundled "
+                              "engine")
+        if self.best_of is not None and self.best_of != self.n:
+            raise Unsupported("best_of", "best_of other than n is not supported: send n "
+                              "samples and choose among them")

@@ -37,7 +37,14 @@ from gateway.backend import (
 )
 from gateway.errors import APIError, bad_request
 from gateway.limits import RequestLimits, check_body, check_counts
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingFields,
+    TokenizeRequest,
+    Unsupported,
+)
 from gateway.tenants import Tenant, TenantRegistry
 from gateway.trace import RequestTrace
 from gateway.upstream import UpstreamPool
@@ -78,6 +85,11 @@ class Choice:
     retries: int = 0
     cache_salt: str = ""
     deadline: float | None = None  # monotonic seconds (the gateway's request timeout)
+    echo: str | None = None  # completions' echo: the prompt text, put before the completion
+    echo_sent: bool = False  # (streams) the echo chunk went out
+    scoring: bool = False  # max_tokens 0 with echo: the sampled token is not emitted
+    # echo with logprobs: (token, logprob, top) per prompt token, the first (token, None, None)
+    prompt_logprobs: list | None = None
 
 
 class Service:
@@ -190,7 +202,16 @@ class Service:
         except pydantic.ValidationError as exc:
             err = exc.errors()[0]
             param = ".".join(str(p) for p in err["loc"]) or None
+            if err["type"] == "extra_forbidden":
+                raise APIError(400, f"unknown parameter {param!r}: the bundled engine does not "
+                               "know it (it is refused rather than ignored)",
+                               "invalid_request_error", param, code="unknown_parameter") from None
             raise bad_request(f"{param}: {err['msg']}", param) from None
+        try:
+            parsed.unsupported()
+        except Unsupported as exc:
+            raise APIError(400, str(exc), "invalid_request_error", exc.param,
+                           code="unsupported_parameter") from None
         if parsed.model != self.config.served_model_name:
             raise APIError(404, f"model {parsed.model!r} does not exist; this gateway serves "
                            f"{self.config.served_model_name!r}", param="model",
@@ -199,7 +220,8 @@ class Service:
         return parsed
 
     async def sampling(self, req: SamplingFields, prompt_len: int, max_tokens: int | None,
-                       logprobs: bool, top_logprobs: int, response_format) -> SamplingParams:
+                       logprobs: bool, top_logprobs: int, response_format,
+                       prompt_logprobs: int | None = None) -> SamplingParams:
         limit = self.pool.max_model_len
         if max_tokens is None:
             max_tokens = max(1, min(DEFAULT_MAX_TOKENS, limit - prompt_len))
@@ -224,7 +246,7 @@ class Service:
                 frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
                 logit_bias=bias, seed=req.seed, ignore_eos=req.ignore_eos,
                 stop_token_ids=tuple(req.stop_token_ids or ()), logprobs=logprobs,
-                top_logprobs=top_logprobs,
+                top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
                 structured=StructuredOutput.from_response_format(response_format))
             params.check_vocab(vocab)
         except SamplingParamsError as exc:
@@ -264,6 +286,69 @@ class Service:
         return await asyncio.to_thread(self.tokenizer.encode_releasing_gil, text,
                                        add_special_tokens)
 
+    # ---- utility endpoints (vLLM's shapes) ----------------------------------------------------
+    async def _utility_body(self, request: Request, model: type[pydantic.BaseModel]
+                            ) -> pydantic.BaseModel:
+        data, _ = await self.body_json(request)
+        try:
+            parsed = model.model_validate(data)
+        except pydantic.ValidationError as exc:
+            err = exc.errors()[0]
+            param = ".".join(str(p) for p in err["loc"]) or None
+            raise bad_request(f"{param}: {err['msg']}", param) from None
+        name = parsed.model
+        if name is not None and name != self.config.served_model_name:
+            raise APIError(404, f"model {name!r}: tokenize and detokenize use the bundled "
+                           f"model's tokenizer ({self.config.served_model_name!r})",
+                           param="model", code="model_not_found")
+        return parsed
+
+    async def tokenize(self, request: Request, tenant: Tenant) -> Response:
+        request.state.settled_by_run = True  # nothing is generated: the slot is given back here
+        try:
+            return await self._tokenize(request)
+        finally:
+            self.registry.finish(tenant)
+
+    async def detokenize(self, request: Request, tenant: Tenant) -> Response:
+        request.state.settled_by_run = True
+        try:
+            return await self._detokenize(request)
+        finally:
+            self.registry.finish(tenant)
+
+    async def _tokenize(self, request: Request) -> Response:
+        req = await self._utility_body(request, TokenizeRequest)
+        assert isinstance(req, TokenizeRequest)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("send either prompt or messages", "prompt")
+        if req.messages is not None:
+            if len(req.messages) > self.limits.max_messages:
+                raise bad_request(f"{len(req.messages)} messages; at most "
+                                  f"{self.limits.max_messages} are accepted", "messages")
+            messages = [{"role": m.role, "content": m.text(),
+                         **({"name": m.name} if m.name else {})} for m in req.messages]
+            try:
+                text = self.tokenizer.apply_chat_template(messages, req.add_generation_prompt)
+            except ValueError as exc:
+                raise bad_request(str(exc), "messages") from None
+            special = bool(req.add_special_tokens)
+        else:
+            text = req.prompt or ""
+            special = req.add_special_tokens is not False
+        ids = await self.encode(text, add_special_tokens=special)
+        return JSONResponse({
+            "count": len(ids), "max_model_len": self.pool.max_model_len, "tokens": ids,
+            "token_strs": [self._token_text(t) for t in ids] if req.return_token_strs else None})
+
+    async def _detokenize(self, request: Request) -> Response:
+        req = await self._utility_body(request, DetokenizeRequest)
+        assert isinstance(req, DetokenizeRequest)
+        if any(t >= self.tokenizer.vocab_size for t in req.tokens):
+            raise bad_request("tokens has ids outside the vocabulary", "tokens")
+        return JSONResponse({"prompt": self.tokenizer.decode(req.tokens,
+                                                             skip_special_tokens=False)})
+
     # ---- endpoints ------------------------------------------------------------------------
     async def chat(self, request: Request, tenant: Tenant) -> Response:
         if (proxied := await self.proxied(request, tenant, "/chat/completions")) is not None:
@@ -272,7 +357,8 @@ class Service:
         assert isinstance(req, ChatCompletionRequest)
         trace: RequestTrace = request.state.trace
         trace.mark("ADMITTED")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in req.messages]
         try:
             text = self.tokenizer.apply_chat_template(messages)
         except ValueError as exc:
@@ -299,9 +385,20 @@ class Service:
                 raise bad_request("prompt has token ids outside the vocabulary", "prompt")
         if not prompt:
             raise bad_request("prompt is empty", "prompt")
-        params = await self.sampling(req, len(prompt), req.max_tokens, req.logprobs is not None,
-                               req.logprobs or 0, req.response_format)
-        return await self.run(request, req, prompt, params, chat=False, tenant=tenant)
+        scoring = req.max_tokens == 0  # echo only: the prompt and its logprobs, nothing more
+        if scoring and not req.echo:
+            raise bad_request("max_tokens must be >= 1 (0 only with echo, to score the prompt)",
+                              "max_tokens")
+        params = await self.sampling(
+            req, len(prompt), 1 if scoring else req.max_tokens, req.logprobs is not None,
+            req.logprobs or 0, req.response_format,
+            prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None)
+        echo = None
+        if req.echo:
+            echo = req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(
+                prompt, skip_special_tokens=False)
+        return await self.run(request, req, prompt, params, chat=False, tenant=tenant,
+                              echo=echo, scoring=scoring)
 
     # ---- the engine side -----------------------------------------------------------------------
     async def start_choices(self, request_id: str, prompt: list[int], params: SamplingParams,
@@ -380,10 +477,17 @@ class Service:
         delta: TokenDelta = item
         text = ""
         c.token_ids.extend(delta.token_ids)
-        if c.logprobs is not None and delta.logprobs:
+        if delta.prompt_logprobs is not None and c.prompt_logprobs is None:
+            c.prompt_logprobs = [(tok, *(lp if lp is not None else (None, None)))
+                                 for tok, lp in zip(c.prompt, delta.prompt_logprobs,
+                                                    strict=False)]
+        if c.scoring:  # the one sampled token is not part of the answer
+            if delta.finish_reason is None:
+                return "", False
+        elif c.logprobs is not None and delta.logprobs:
             for tok, (lp, top) in zip(delta.token_ids, delta.logprobs, strict=False):
                 c.logprobs.append((tok, lp, top))
-        if delta.token_ids and not c.stream.stopped:
+        if delta.token_ids and not c.stream.stopped and not c.scoring:
             d = c.stream.push(delta.token_ids)
             text = d.text
             if d.stop_matched is not None:
@@ -423,9 +527,14 @@ class Service:
                  "top_logprobs": [{"token": t(i), "logprob": v(x), "bytes": list(t(i).encode())}
                                   for i, x in top]}
                 for tok, lp, top in entries]}
-        return {"tokens": [t(tok) for tok, _, _ in entries],
-                "token_logprobs": [v(lp) for _, lp, _ in entries],
-                "top_logprobs": [{t(i): v(x) for i, x in top} for _, _, top in entries]}
+        return {"tokens": [t(tok) for tok, _, _ in entries],  # an echoed first token: None
+                "token_logprobs": [None if lp is None else v(lp) for _, lp, _ in entries],
+                "top_logprobs": [None if top is None else {t(i): v(x) for i, x in top}
+                                 for _, _, top in entries]}
+
+    def echoed(self, c: Choice) -> tuple[str, list]:
+        """An echoing choice's prompt text and (with logprobs) its prompt entries."""
+        return c.echo or "", (c.prompt_logprobs or []) if c.logprobs is not None else []
 
     def new_logprobs(self, c: Choice) -> list:
         """Entries for tokens emitted since the last call (a stop string's tokens never are)."""
@@ -487,7 +596,8 @@ class Service:
 
     # ---- one request ---------------------------------------------------------------------------
     async def run(self, request: Request, req: SamplingFields, prompt: list[int],
-                  params: SamplingParams, chat: bool, tenant: Tenant) -> Response:
+                  params: SamplingParams, chat: bool, tenant: Tenant, echo: str | None = None,
+                  scoring: bool = False) -> Response:
         trace: RequestTrace = request.state.trace
         self._fill_static(trace, params)
         trace.record.prompt_tokens, trace.record.stream, trace.record.n = \
@@ -506,6 +616,8 @@ class Service:
         except APIError:
             registry.give_back_tokens(tenant, params.max_tokens * req.n)
             raise
+        for c in choices:
+            c.echo, c.scoring = echo, scoring
 
         held = True
 
@@ -574,8 +686,10 @@ class Service:
                                code="generation_failed")
         body_choices = []
         for c in choices:
-            lp = self.logprobs_body(self.new_logprobs(c), chat) if c.logprobs is not None \
-                else None
+            head, head_lps = self.echoed(c)
+            texts[c.index] = head + texts[c.index]
+            lp = self.logprobs_body(head_lps + self.new_logprobs(c), chat) \
+                if c.logprobs is not None else None
             if chat:
                 body_choices.append({"index": c.index, "message": {
                     "role": "assistant", "content": texts[c.index]}, "logprobs": lp,
@@ -593,8 +707,9 @@ class Service:
         model = self.config.served_model_name
         chunk_obj = obj + (".chunk" if chat else "")
 
-        def chunk(c: Choice, text: str | None, finish: str | None, first: bool = False) -> str:
-            entries = self.new_logprobs(c)
+        def chunk(c: Choice, text: str | None, finish: str | None, first: bool = False,
+                  head: list | None = None) -> str:
+            entries = head if head is not None else self.new_logprobs(c)
             lp = self.logprobs_body(entries, chat) if entries else None
             if chat:
                 delta: dict = {}
@@ -625,6 +740,11 @@ class Service:
                     for fut in done:
                         c = pending.pop(fut)
                         text, finished = fut.result()
+                        if c.echo is not None and not c.echo_sent:  # with the prompt's logprobs
+                            c.echo_sent = True
+                            head, head_lps = self.echoed(c)
+                            yield chunk(c, head, None, head=head_lps)
+                            trace.flush()
                         if text:
                             yield chunk(c, text, None)
                             trace.flush()

@@ -1,0 +1,140 @@
+"""Scoring with echo (lm-evaluation-harness's loglikelihood requests: ``echo``, ``logprobs``,
+``max_tokens: 0``) and the unknown-field rule, over the in-process backend with the real
+engine and tokenizer. The echoed logprobs must equal the engine's own dense scoring."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+import torch
+from starlette.testclient import TestClient
+
+from engine import Engine, EngineConfig, load_model
+from gateway.app import GatewayConfig, create_app
+from gateway.inprocess import InProcessBackend
+from tracing.sinks import MemorySink
+
+CFG = EngineConfig(num_kv_blocks=64, block_size=16, max_batched_tokens=16)  # chunked prompts
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny:49152", dtype="float32")
+
+
+@pytest.fixture
+def client(model, bundled_path):
+    sink = MemorySink(100)
+    app = create_app(GatewayConfig(model="tiny:49152", tokenizer=str(bundled_path), engine=CFG),
+                     extra_sinks=[sink], backend=InProcessBackend(Engine(model, CFG)))
+    with TestClient(app) as c:
+        c.sink = sink
+        yield c
+
+
+def dense_logprobs(model, ids: list[int]) -> list[float]:
+    with torch.no_grad():
+        logp = torch.log_softmax(model.dense_forward(torch.tensor(ids)).float(), -1)
+    return [float(logp[i - 1, ids[i]]) for i in range(1, len(ids))]
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_like_the_engine(client, model):
+    prompt = "The capital of France is Paris, and the capital of Italy is Rome."
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "echo": True,
+                                             "logprobs": 2, "max_tokens": 0})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"] == prompt and choice["finish_reason"] == "length"
+    lp = choice["logprobs"]
+    rec = client.sink.find(r.headers["x-tailscope-trace-id"])
+    ids = rec.input_token_ids
+    assert len(lp["tokens"]) == len(ids) and "".join(lp["tokens"]) == prompt
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx(dense_logprobs(model, ids), abs=1e-4)
+    assert all(len(top) <= 2 for top in lp["top_logprobs"][1:])
+    assert r.json()["usage"]["completion_tokens"] == 0 and rec.emitted_tokens == 0
+
+
+def test_echo_with_a_completion_streamed_and_not(client):
+    body = {"model": MODEL, "prompt": "Hello there", "echo": True, "logprobs": 0,
+            "max_tokens": 3, "ignore_eos": True, "temperature": 0}
+    whole = client.post("/v1/completions", json=body).json()["choices"][0]
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    texts = [c["choices"][0]["text"] for c in chunks]
+    assert texts[0] == "Hello there" and "".join(texts) == whole["text"]
+    assert whole["text"].startswith("Hello there") and len(whole["text"]) > len("Hello there")
+    first = chunks[0]["choices"][0]["logprobs"]
+    assert first["token_logprobs"][0] is None and len(first["tokens"]) >= 2
+    n_prompt = len(first["tokens"])
+    assert len(whole["logprobs"]["tokens"]) == n_prompt + 3
+
+
+def test_the_openai_sdk_scores_with_echo(client):
+    sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client)
+    out = sdk.completions.create(model=MODEL, prompt="One two three", echo=True, logprobs=1,
+                                 max_tokens=0)
+    lp = out.choices[0].logprobs
+    assert out.choices[0].text == "One two three" and lp.token_logprobs[0] is None
+    assert all(x < 0 for x in lp.token_logprobs[1:])
+
+
+@pytest.mark.parametrize("body,status,code,param", [
+    ({"max_tokens": 0}, 400, None, "max_tokens"),  # 0 only with echo
+    ({"reasoning_effort": "high"}, 400, "unknown_parameter", "reasoning_effort"),
+    ({"prompt_logprobs": 1}, 400, "unknown_parameter", "prompt_logprobs"),
+    ({"suffix": "end"}, 400, "unsupported_parameter", "suffix"),
+    ({"best_of": 3}, 400, "unsupported_parameter", "best_of"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     "unsupported_parameter", "tools"),
+    ({"tool_choice": "required"}, 400, "unsupported_parameter", "tool_choice"),
+    # accepted: they change nothing in the answer, or say to use no tool
+    ({"metadata": {"k": "v"}, "store": False, "user": "u"}, 200, None, None),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"},
+     200, None, None),
+])
+def test_the_unknown_field_rule(client, body, status, code, param):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2,
+                                             **body})
+    assert r.status_code == status, r.text
+    if status == 400:
+        err = r.json()["error"]
+        assert err["param"] == param and err["code"] == code, err
+
+
+def test_message_fields_follow_the_rule_too(client):
+    msg = {"role": "user", "content": "Hi"}
+    ok = client.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2,
+                                                   "messages": [{**msg, "name": "ann"}]})
+    assert ok.status_code == 200, ok.text
+    bad = client.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2,
+                                                    "messages": [{**msg, "tool_call_id": "x"}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages.0.tool_call_id"
+
+
+def test_tokenize_and_detokenize_in_vllms_shapes(client):
+    r = client.post("/tokenize", json={"model": MODEL, "prompt": "Hello world",
+                                       "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["count"] == len(body["tokens"]) >= 2 and body["max_model_len"] > 0
+    assert "".join(body["token_strs"]) == "Hello world"
+    back = client.post("/detokenize", json={"model": MODEL, "tokens": body["tokens"]})
+    assert back.json() == {"prompt": "Hello world"}
+    chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]})
+    plain = client.post("/tokenize", json={"prompt": "Hi"}).json()
+    assert chat.status_code == 200 and chat.json()["count"] > plain["count"]
+    # the chat prompt is what /v1/chat/completions sends to the engine
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 1,
+                                                  "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.json()["usage"]["prompt_tokens"] == chat.json()["count"]
+    for path, body, param in (("/tokenize", {"prompt": "x", "messages": []}, "prompt"),
+                              ("/tokenize", {"prompt": "x", "extra": 1}, "extra"),
+                              ("/detokenize", {"tokens": [10**8]}, "tokens"),
+                              ("/detokenize", {"tokens": [1], "model": "nope"}, "model")):
+        bad = client.post(path, json=body)
+        assert bad.status_code in (400, 404) and bad.json()["error"]["param"] == param, bad.text
