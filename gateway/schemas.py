@@ -9,8 +9,8 @@ are settings (number of stop strings, messages, logit_bias entries, ...) are che
 Unknown fields: the rule is OpenAI's. A field the bundled engine does not know is a 400 naming
 it (``unknown_parameter``), never silently dropped: a client that sends ``reasoning_effort`` or
 ``audio`` learns at once that it has no effect here. Known OpenAI fields that the engine cannot
-honour yet (``tools`` with a choice other than ``none``, ``suffix``, ``best_of`` other than
-``n``) are 400s naming them too (``unsupported_parameter``). Fields that change nothing in the
+honour (``suffix``, ``best_of`` other than ``n``) are 400s naming them too
+(``unsupported_parameter``). Fields that change nothing in the
 answer are accepted: ``user``, ``metadata`` and ``store`` (every request is recorded anyway).
 Requests for an external backend's model are not parsed here: their bodies go to the upstream as
 sent (``gateway.upstream``).
@@ -59,9 +59,6 @@ class SamplingFields(BaseModel):
     user: str | None = None
     metadata: dict[str, str] | None = None  # accepted: changes nothing in the answer
     store: bool | None = None  # accepted: every request is recorded anyway
-    tools: list[dict[str, Any]] | None = None  # refused unless empty (unsupported())
-    tool_choice: str | dict[str, Any] | None = None  # "none" only, for now
-    parallel_tool_calls: bool | None = None  # meaningful with tools only
     # engine extras (vLLM names)
     top_k: int = Field(-1, ge=-1, le=INT32_MAX)  # and at most the vocabulary (serving.py)
     min_p: float = 0.0
@@ -73,12 +70,6 @@ class SamplingFields(BaseModel):
 
     def unsupported(self) -> None:
         """Raise ``Unsupported`` for a field the engine would otherwise ignore."""
-        if self.tools and self.tool_choice != "none":
-            raise Unsupported("tools", "tool calling is not supported by the bundled engine "
-                              "yet: send no tools, or tool_choice \"none\"")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise Unsupported("tool_choice", "tool_choice needs tools, which the bundled engine "
-                              "does not support yet")
 
 
 class ChatMessage(BaseModel):
@@ -87,6 +78,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None  # passed to the chat template (the bundled one does not show it)
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls (gateway.tools)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -100,6 +93,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Count | None = None
     response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # gateway.tools
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(BaseModel):

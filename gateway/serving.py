@@ -46,6 +46,15 @@ from gateway.schemas import (
     Unsupported,
 )
 from gateway.tenants import Tenant, TenantRegistry
+from gateway.tools import (
+    ToolCall,
+    ToolError,
+    ToolSpec,
+    ToolStream,
+    check_message,
+    parse,
+    render_messages,
+)
 from gateway.trace import RequestTrace
 from gateway.upstream import UpstreamPool
 
@@ -90,6 +99,11 @@ class Choice:
     scoring: bool = False  # max_tokens 0 with echo: the sampled token is not emitted
     # echo with logprobs: (token, logprob, top) per prompt token, the first (token, None, None)
     prompt_logprobs: list | None = None
+    tools: ToolSpec | None = None  # chat with tools (gateway.tools)
+    tool_stream: ToolStream | None = None  # (streams) a forced call's deltas
+    held: str | None = None  # (streams, tool_choice auto) text held until it is known
+    calls: list = field(default_factory=list)  # the gateway.tools.ToolCall it made
+    called: list[str] = field(default_factory=list)  # the tools it called
 
 
 class Service:
@@ -221,7 +235,8 @@ class Service:
 
     async def sampling(self, req: SamplingFields, prompt_len: int, max_tokens: int | None,
                        logprobs: bool, top_logprobs: int, response_format,
-                       prompt_logprobs: int | None = None) -> SamplingParams:
+                       prompt_logprobs: int | None = None,
+                       grammar_param: str = "response_format") -> SamplingParams:
         limit = self.pool.max_model_len
         if max_tokens is None:
             max_tokens = max(1, min(DEFAULT_MAX_TOKENS, limit - prompt_len))
@@ -253,15 +268,15 @@ class Service:
             raise bad_request(str(exc), exc.param) from None
         if params.structured is not None:  # an invalid schema is the caller's 400
             if len(params.structured.schema) > self.limits.max_schema_bytes:
-                raise bad_request(f"response_format's schema is {len(params.structured.schema)}"
+                raise bad_request(f"{grammar_param}'s schema is {len(params.structured.schema)}"
                                   f" bytes; at most {self.limits.max_schema_bytes} are accepted",
-                                  "response_format")
+                                  grammar_param)
             # compiled in a worker thread: a large schema takes a second, and the event loop
             # serves every other stream meanwhile
             try:
                 await asyncio.to_thread(self._compile, params.structured)
             except ValueError as exc:
-                raise bad_request(f"invalid response_format: {exc}", "response_format") from None
+                raise bad_request(f"invalid {grammar_param}: {exc}", grammar_param) from None
         return params
 
     def _compile(self, structured: StructuredOutput) -> None:
@@ -357,8 +372,23 @@ class Service:
         assert isinstance(req, ChatCompletionRequest)
         trace: RequestTrace = request.state.trace
         trace.mark("ADMITTED")
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in req.messages]
+        response_format, grammar_param = req.response_format, "response_format"
+        try:
+            spec = ToolSpec.parse(req.tools, req.tool_choice, req.parallel_tool_calls)
+            for i, m in enumerate(req.messages):
+                check_message(m, i)
+            messages = render_messages(
+                [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {}),
+                  "tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id}
+                 for m in req.messages], spec)
+        except ToolError as exc:
+            raise bad_request(str(exc), exc.param) from None
+        if spec is not None and spec.forced:  # the call is enforced by the grammar engine
+            if response_format and response_format.get("type", "text") != "text":
+                raise bad_request("a required tool call cannot be combined with "
+                                  "response_format", "tool_choice")
+            response_format = {"type": "json_schema", "json_schema": {"schema": spec.schema()}}
+            grammar_param = "tools"
         try:
             text = self.tokenizer.apply_chat_template(messages)
         except ValueError as exc:
@@ -367,8 +397,10 @@ class Service:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         params = await self.sampling(req, len(prompt), max_tokens, req.logprobs,
-                               req.top_logprobs or 0, req.response_format)
-        return await self.run(request, req, prompt, params, chat=True, tenant=tenant)
+                                     req.top_logprobs or 0, response_format,
+                                     grammar_param=grammar_param)
+        return await self.run(request, req, prompt, params, chat=True, tenant=tenant,
+                              tools=spec if spec is not None and spec.mode != "none" else None)
 
     async def completions(self, request: Request, tenant: Tenant) -> Response:
         if (proxied := await self.proxied(request, tenant, "/completions")) is not None:
@@ -559,6 +591,7 @@ class Service:
         r.generated_tokens = sum(c.stream.generated_tokens for c in choices)
         r.emitted_tokens = sum(c.stream.emitted_tokens for c in choices)
         r.retries = sum(c.retries for c in choices)
+        r.tool_calls = [name for c in choices for name in c.called]
         if self.config.record_token_ids and tenant.capture == "full":
             r.input_token_ids = list(prompt)
             r.output_token_ids = list(choices[0].token_ids) if choices else []
@@ -597,7 +630,7 @@ class Service:
     # ---- one request ---------------------------------------------------------------------------
     async def run(self, request: Request, req: SamplingFields, prompt: list[int],
                   params: SamplingParams, chat: bool, tenant: Tenant, echo: str | None = None,
-                  scoring: bool = False) -> Response:
+                  scoring: bool = False, tools: ToolSpec | None = None) -> Response:
         trace: RequestTrace = request.state.trace
         self._fill_static(trace, params)
         trace.record.prompt_tokens, trace.record.stream, trace.record.n = \
@@ -617,7 +650,11 @@ class Service:
             registry.give_back_tokens(tenant, params.max_tokens * req.n)
             raise
         for c in choices:
-            c.echo, c.scoring = echo, scoring
+            c.echo, c.scoring, c.tools = echo, scoring, tools
+            if tools is not None and tools.forced:
+                c.tool_stream = ToolStream()
+            elif tools is not None:
+                c.held = ""
 
         held = True
 
@@ -645,6 +682,18 @@ class Service:
             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @staticmethod
+    def _calls(c: Choice, text: str) -> list[ToolCall]:
+        """A finished choice's tool calls (none: it answered in text); notes them on it."""
+        if c.tools is None or c.final_state != "FINISHED":
+            return []
+        calls = parse(text, c.tools) or []
+        if calls:
+            c.calls, c.called = calls, [x.name for x in calls]
+            if c.finish_reason == "stop":
+                c.finish_reason = "tool_calls"
+        return calls
+
+    @staticmethod
     async def _client_gone(request: Request) -> None:
         """Returns when the client disconnects (the body is read: only that can arrive)."""
         while (await request.receive())["type"] != "http.disconnect":
@@ -660,6 +709,7 @@ class Service:
                 while not done:
                     text, done = await self.next_text(c)
                     texts[c.index] += text
+                self._calls(c, texts[c.index])  # before the record is written
 
         work = asyncio.ensure_future(collect())
         gone = asyncio.ensure_future(self._client_gone(request))
@@ -690,7 +740,12 @@ class Service:
             texts[c.index] = head + texts[c.index]
             lp = self.logprobs_body(head_lps + self.new_logprobs(c), chat) \
                 if c.logprobs is not None else None
-            if chat:
+            if c.calls:
+                body_choices.append({"index": c.index, "message": {
+                    "role": "assistant", "content": None,
+                    "tool_calls": [x.body() for x in c.calls]}, "logprobs": lp,
+                    "finish_reason": c.finish_reason})
+            elif chat:
                 body_choices.append({"index": c.index, "message": {
                     "role": "assistant", "content": texts[c.index]}, "logprobs": lp,
                     "finish_reason": c.finish_reason})
@@ -708,14 +763,16 @@ class Service:
         chunk_obj = obj + (".chunk" if chat else "")
 
         def chunk(c: Choice, text: str | None, finish: str | None, first: bool = False,
-                  head: list | None = None) -> str:
+                  head: list | None = None, tool_calls: list | None = None) -> str:
             entries = head if head is not None else self.new_logprobs(c)
             lp = self.logprobs_body(entries, chat) if entries else None
             if chat:
                 delta: dict = {}
                 if first:
                     delta["role"] = "assistant"
-                if text is not None:
+                if tool_calls:
+                    delta["tool_calls"] = tool_calls
+                elif text is not None:
                     delta["content"] = text
                 body = {"index": c.index, "delta": delta, "logprobs": lp,
                         "finish_reason": finish}
@@ -745,9 +802,31 @@ class Service:
                             head, head_lps = self.echoed(c)
                             yield chunk(c, head, None, head=head_lps)
                             trace.flush()
+                        if c.tool_stream is not None:  # a forced call: its deltas as they come
+                            calls = c.tool_stream.feed(text) if text else []
+                            if calls:
+                                yield chunk(c, None, None, tool_calls=calls)
+                                trace.flush()
+                            text = ""
+                        elif c.held is not None:  # auto: a call or text? hold until known
+                            c.held += text
+                            text = ""
+                            if c.held.strip() and not c.held.lstrip().startswith("{"):
+                                text, c.held = c.held, None  # text: from here on as it comes
                         if text:
                             yield chunk(c, text, None)
                             trace.flush()
+                        if finished and c.held is not None:
+                            held, c.held = c.held, None
+                            calls = self._calls(c, held)
+                            if calls:
+                                yield chunk(c, None, None, tool_calls=[
+                                    {"index": i, **x.body()} for i, x in enumerate(calls)])
+                            elif held:
+                                yield chunk(c, held, None)
+                            trace.flush()
+                        elif finished and c.tool_stream is not None:
+                            self._calls(c, c.tool_stream.text)
                         if finished:
                             if c.finish_reason in ("error", "rejected", "timeout", "cancelled"):
                                 code = {"timeout": "timeout", "rejected": "rejected"}.get(

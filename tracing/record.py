@@ -62,6 +62,7 @@ class RequestRecord:
     route_reason: str = ""  # why the router chose the replica (cost, prefix locality)
     prefix_hit_tokens: int = 0  # leading prompt tokens the chosen replica served recently
     retries: int = 0  # re-submissions after a replica failure before the first token
+    tool_calls: list[str] = field(default_factory=list)  # the names of the tools it called
     # where the engine stage columns come from: "engine" (the bundled engine's timeline),
     # "upstream" (an external backend's own report, e.g. llama.cpp's timings), "gateway"
     # (only what the gateway saw: the upstream's time stays unattributed)

@@ -113,7 +113,8 @@ _LOW_CARDINALITY = {"tenant", "api_key_id", "endpoint", "final_state", "finish_r
 _TIME_COLUMNS = {"ts_us": "ts", "arrival_ts_us": "arrival_ts"}  # µs ints -> DateTime64(6)
 _SCALARS = {str: "String", int: "Int64", float: "Float64", bool: "Bool"}
 _ARRAYS = {"input_token_ids": "Array(UInt32)", "output_token_ids": "Array(UInt32)",
-           "itl_ms": "Array(Float32)", "tags": "Array(LowCardinality(String))"}
+           "itl_ms": "Array(Float32)", "tags": "Array(LowCardinality(String))",
+           "tool_calls": "Array(LowCardinality(String))"}
 _NARROW = {"ttl_days": "UInt16", "http_status": "UInt16", "prompt_tokens": "UInt32",
            "cached_tokens": "UInt32", "generated_tokens": "UInt32", "emitted_tokens": "UInt32",
            "n": "UInt16", "retries": "UInt8", "preemptions": "UInt32", "step": "UInt64",
@@ -198,6 +199,8 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
                                  "response_id String AFTER request_id"]),
     (7, "requests.timing_source", [f"ALTER TABLE {DATABASE}.requests ADD COLUMN IF NOT EXISTS "
                                    "timing_source LowCardinality(String) AFTER retries"]),
+    (8, "requests.tool_calls", [f"ALTER TABLE {DATABASE}.requests ADD COLUMN IF NOT EXISTS "
+                                "tool_calls Array(LowCardinality(String)) AFTER retries"]),
 ]
 
 __all__ = ["DATABASE", "TABLES", "MIGRATIONS", "EngineStepRow", "EventRow", "EvalRunRow",

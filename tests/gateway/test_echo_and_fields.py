@@ -89,13 +89,10 @@ def test_the_openai_sdk_scores_with_echo(client):
     ({"prompt_logprobs": 1}, 400, "unknown_parameter", "prompt_logprobs"),
     ({"suffix": "end"}, 400, "unsupported_parameter", "suffix"),
     ({"best_of": 3}, 400, "unsupported_parameter", "best_of"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
-     "unsupported_parameter", "tools"),
-    ({"tool_choice": "required"}, 400, "unsupported_parameter", "tool_choice"),
-    # accepted: they change nothing in the answer, or say to use no tool
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400,  # chat only
+     "unknown_parameter", "tools"),
+    # accepted: they change nothing in the answer
     ({"metadata": {"k": "v"}, "store": False, "user": "u"}, 200, None, None),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"},
-     200, None, None),
 ])
 def test_the_unknown_field_rule(client, body, status, code, param):
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2,
@@ -112,8 +109,8 @@ def test_message_fields_follow_the_rule_too(client):
                                                    "messages": [{**msg, "name": "ann"}]})
     assert ok.status_code == 200, ok.text
     bad = client.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2,
-                                                    "messages": [{**msg, "tool_call_id": "x"}]})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages.0.tool_call_id"
+                                                    "messages": [{**msg, "refusal": "x"}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages.0.refusal"
 
 
 def test_tokenize_and_detokenize_in_vllms_shapes(client):
