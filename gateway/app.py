@@ -294,4 +294,14 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
     app.add_route("/tokenize", tokenize, methods=["POST"])
     app.add_route("/detokenize", detokenize, methods=["POST"])
 
+    def openapi() -> dict:  # built once, on first request (gateway.openapi)
+        if app.openapi_schema is None:
+            from gateway import openapi as doc
+
+            app.openapi_schema = doc.build(app, list(dict.fromkeys(
+                [config.served_model_name, *(upstreams.models if upstreams else [])])),
+                config.served_model_name)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app

@@ -134,3 +134,81 @@ class CompletionRequest(SamplingFields):
         if self.best_of is not None and self.best_of != self.n:
             raise Unsupported("best_of", "best_of other than n is not supported: send n "
                               "samples and choose among them")
+
+
+# ---- documented shapes (the OpenAPI document; gateway.openapi) --------------------------------
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx and 5xx body (OpenAI's shape)."""
+
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str  # chatcmpl-...
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[dict[str, Any]]  # index, message (content or tool_calls), logprobs, finish
+    usage: Usage
+
+
+class CompletionResponse(BaseModel):
+    id: str  # cmpl-...
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[dict[str, Any]]  # index, text, logprobs, finish_reason
+    usage: Usage
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class DebugQuery(BaseModel):
+    """``POST /debug/query``: one read-only SELECT, ``{name:Type}`` placeholders bound from
+    ``params`` by ClickHouse."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sql: str
+    params: dict[str, Any] | None = None
+    format: Literal["json", "arrow"] = "json"
+
+
+class BenchRunBody(BaseModel):
+    """``POST /debug/bench-runs`` (``tailscope bench`` posts it)."""
+
+    run_id: str
+    mode: str
+    target: str = ""
+    config_id: str | None = None
+    params: dict[str, Any] = Field(default_factory=dict)
+    results: dict[str, Any] = Field(default_factory=dict)
+
+
+class EvalRunBody(BaseModel):
+    """``POST /debug/eval-runs`` (``tailscope eval run`` posts it)."""
+
+    run: dict[str, Any]  # run_id, suite, config_id, config, url
+    results: list[dict[str, Any]]  # case_id, trace_id, score, passed, detail, tags, ...

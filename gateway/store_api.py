@@ -18,11 +18,13 @@ import time
 import uuid
 from pathlib import Path
 
+import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.observer import StepStats
 from gateway.errors import APIError, bad_request
+from gateway.schemas import DebugQuery
 from tracing import queries as Q
 from tracing.schema import BenchRunRow, EngineStepRow, EvalResultRow, EvalRunRow
 from tracing.store import (
@@ -169,13 +171,15 @@ def register(app: FastAPI, handle: StoreHandle | None, memory, require_admin,
     async def debug_query(request: Request) -> Response:
         """A read-only SELECT: {"sql": ..., "params": {...}, "format": "json" | "arrow"}."""
         require_admin(request)
-        body = await json_body(request)
-        if not isinstance(body, dict) or not isinstance(body.get("sql"), str):
-            raise bad_request("body must be a JSON object with a string 'sql'", "sql")
-        params = body.get("params") or {}
-        if not isinstance(params, dict):
-            raise bad_request("'params' must be an object", "params")
-        fmt = body.get("format", "json")
+        try:
+            query = DebugQuery.model_validate(await json_body(request))
+        except pydantic.ValidationError as exc:
+            err = exc.errors()[0]
+            param = ".".join(str(p) for p in err["loc"]) or "sql"
+            raise bad_request(f"{param}: {err['msg']} (body: {{\"sql\": \"SELECT ...\", "
+                              "\"params\": {...}, \"format\": \"json\" | \"arrow\"})",
+                              param) from None
+        body, params, fmt = {"sql": query.sql}, query.params or {}, query.format
         if fmt == "arrow":
             import pyarrow.ipc as ipc
 
@@ -185,8 +189,6 @@ def register(app: FastAPI, handle: StoreHandle | None, memory, require_admin,
             with ipc.new_stream(sink, table.schema) as w:
                 w.write_table(table)
             return Response(sink.getvalue(), media_type="application/vnd.apache.arrow.stream")
-        if fmt != "json":
-            raise bad_request("format must be 'json' or 'arrow'", "format")
         cols, rows = await read_until_gone(
             request, lambda qid: handle.get().select(body["sql"], params, qid))
         return JSONResponse({"columns": cols, "rows": _jsonable([list(r) for r in rows])})

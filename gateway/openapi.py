@@ -1,0 +1,93 @@
+"""The published OpenAPI document (``GET /openapi.json``, ``/docs``).
+
+The OpenAI endpoints are plain Starlette routes (FastAPI's per-request dependency solving would
+be pure overhead on the hot path), so FastAPI's generator does not see them: their operations
+are added here from the same pydantic models the endpoints validate with (``gateway.schemas``),
+and the debug endpoints that read raw bodies get theirs from the models they validate with. The
+document is built once, on first request; nothing here runs per API request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from gateway import schemas as S
+
+_REF = "#/components/schemas/{model}"
+
+
+def _error(description: str) -> dict:
+    return {"description": description, "content": {"application/json": {
+        "schema": {"$ref": _REF.format(model="ErrorResponse")}}}}
+
+
+def _operation(summary: str, body: type[BaseModel], answer: str, stream: bool = False,
+               tag: str = "OpenAI API") -> dict:
+    content: dict[str, Any] = {"application/json": {"schema": {"$ref": _REF.format(
+        model=answer)}}}
+    if stream:
+        content["text/event-stream"] = {"schema": {"type": "string", "description":
+                                                   "SSE: data: <chunk JSON> ... data: [DONE]"}}
+    return {"post": {
+        "summary": summary, "tags": [tag],
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": _REF.format(model=body.__name__)}}}},
+        "responses": {"200": {"description": "OK", "content": content},
+                      "400": _error("invalid request (OpenAI error body, naming the field)"),
+                      "401": _error("missing or unknown API key"),
+                      "404": _error("unknown model"),
+                      "413": _error("body too large"),
+                      "429": _error("rate or concurrency limit"),
+                      "503": _error("no replica can take it now"),
+                      "504": _error("the gateway's deadline passed")}}}
+
+
+# (path, summary, request model, response model, streams, tag)
+_MANUAL = [
+    ("/v1/chat/completions", "Chat completion (tools, logprobs, response_format, streaming)",
+     S.ChatCompletionRequest, "ChatCompletionResponse", True, "OpenAI API"),
+    ("/v1/completions", "Text completion (echo, logprobs, streaming)", S.CompletionRequest,
+     "CompletionResponse", True, "OpenAI API"),
+    ("/tokenize", "Token ids of a prompt or of chat messages (vLLM's shape)",
+     S.TokenizeRequest, "TokenizeResponse", False, "Utility"),
+    ("/detokenize", "Text of token ids (vLLM's shape)", S.DetokenizeRequest,
+     "DetokenizeResponse", False, "Utility"),
+]
+# debug endpoints whose handlers validate a raw body with these models
+_BODIES = {"/debug/query": S.DebugQuery, "/debug/bench-runs": S.BenchRunBody,
+           "/debug/eval-runs": S.EvalRunBody}
+
+
+def build(app: FastAPI, models: list[str], bundled: str) -> dict:
+    """``models``: every served model name (the ``model`` of an API request is one of them);
+    ``bundled``: the bundled replicas' (the only one ``/tokenize`` knows)."""
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                      description="Tailscope gateway: the OpenAI API over the bundled engine "
+                      "and external backends, every request recorded.")
+    documented = [m for _, _, m, _, _, _ in _MANUAL] + list(_BODIES.values()) + [
+        S.ChatCompletionResponse, S.CompletionResponse, S.TokenizeResponse,
+        S.DetokenizeResponse, S.ErrorResponse]
+    _, defs = models_json_schema([(m, "validation") for m in documented], ref_template=_REF)
+    components = doc.setdefault("components", {}).setdefault("schemas", {})
+    components.update(defs.get("$defs", {}))
+    for name in ("ChatCompletionRequest", "CompletionRequest"):  # the served names
+        components[name]["properties"]["model"] = {"type": "string", "enum": models,
+                                                   "title": "Model"}
+    for name in ("TokenizeRequest", "DetokenizeRequest"):
+        components[name]["properties"]["model"] = {"anyOf": [
+            {"type": "string", "enum": [bundled]}, {"type": "null"}], "title": "Model"}
+    paths = doc.setdefault("paths", {})
+    for path, summary, body, answer, stream, tag in _MANUAL:
+        paths[path] = _operation(summary, body, answer, stream, tag)
+    for path, body in _BODIES.items():
+        op = paths.get(path, {}).get("post")
+        if op is not None:
+            op["requestBody"] = {"required": True, "content": {"application/json": {
+                "schema": {"$ref": _REF.format(model=body.__name__)}}}}
+            op.setdefault("responses", {})["400"] = _error("invalid body")
+    return doc
