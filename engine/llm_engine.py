@@ -16,7 +16,7 @@ from engine.constrained import GrammarCompiler
 from engine.kv_manager import KVCacheManager
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner, RunnerResult
-from engine.observer import OutputObserver, RequestStats, StepStats
+from engine.observer import OutputObserver, RequestStats, StepMember, StepStats
 from engine.request import Request, RequestState
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
@@ -40,6 +40,7 @@ class RequestOutput:
     new_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     # with the request's first token: its prompt tokens' logprobs (the first one None)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    step: int = 0  # the engine step that produced new_token_ids (StepStats.step)
 
     @property
     def finished(self) -> bool:
@@ -220,8 +221,10 @@ class Engine:
         tokens = [] if last_token is None else [last_token]
         times = [req.token_times_ns[-1]] if tokens else []
         lps = [req.output_logprobs[-1]] if tokens else []
+        # a last token is sampled in the step being run (recorded right after _postprocess)
         self._ended.append(RequestOutput(req.request_id, tokens, times, state, reason, error,
-                                         stats, lps, self._prompt_logprobs(req)))
+                                         stats, lps, self._prompt_logprobs(req),
+                                         self.step_count + 1 if tokens else 0))
 
     @staticmethod
     def _prompt_logprobs(req: Request) -> list[TokenLogprobs | None] | None:
@@ -335,7 +338,8 @@ class Engine:
             else:
                 outputs.append(RequestOutput(req.request_id, [token], [t_tok], req.state,
                                              new_logprobs=[logprobs],
-                                             prompt_logprobs=self._prompt_logprobs(req)))
+                                             prompt_logprobs=self._prompt_logprobs(req),
+                                             step=self.step_count + 1))
         return outputs
 
     def _record_step(self, sched: SchedulerOutput, result: RunnerResult, start: int,
@@ -353,6 +357,9 @@ class Engine:
             kv_blocks_total=usage.blocks_total, forward_ms=result.forward_ms,
             sample_ms=result.sample_ms, host_ms=result.host_ms, prefix_queries=delta[0],
             prefix_hits=delta[1], evictions=delta[2], preemptions=delta[3],
+            members=tuple([StepMember(s.request.request_id, 0, 1) for s in sched.decodes]
+                          + [StepMember(s.request.request_id, s.num_new_tokens, 0)
+                             for s in sched.prefills]),
         ))
 
     def _drain_ended(self, outputs: list[RequestOutput]) -> list[RequestOutput]:

@@ -34,6 +34,14 @@ class RequestStats(msgspec.Struct, frozen=True):
     cached_tokens: int = 0  # prompt tokens served by the prefix cache
 
 
+class StepMember(msgspec.Struct, frozen=True, array_like=True):
+    """One request's share of a step: its prefill chunk and/or its decode token."""
+
+    request_id: str
+    prefill_tokens: int
+    decode_tokens: int
+
+
 class StepStats(msgspec.Struct, frozen=True):
     """One engine tick; crosses to the gateway as it is (``StepReport.stats``)."""
 
@@ -54,6 +62,7 @@ class StepStats(msgspec.Struct, frozen=True):
     prefix_hits: int = 0
     evictions: int = 0
     preemptions: int = 0
+    members: tuple[StepMember, ...] = ()  # who ran in this step, and with how many tokens
 
 
 def request_stats(req: Request) -> RequestStats:

@@ -60,6 +60,7 @@ class TokenDelta(msgspec.Struct):
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     # with the first token, when requested: per prompt token, the same shape (the first None)
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+    step: int = 0  # the engine step that produced token_ids (StepStats.step; 0: none)
 
 
 class StepReport(msgspec.Struct, tag="step"):

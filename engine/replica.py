@@ -57,6 +57,7 @@ def _delta(out: RequestOutput, engine: Engine) -> TokenDelta:
         if any(lp is not None for lp in out.new_logprobs) else None,
         prompt_logprobs=None if out.prompt_logprobs is None else
         [None if lp is None else (lp.logprob, list(lp.top)) for lp in out.prompt_logprobs],
+        step=out.step,
     )
 
 

@@ -135,7 +135,7 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
                                     config.query_limits, config.max_queue_mb << 20)
         sinks.append(writer)
         pool.on_step = lambda replica, incarnation, msg: writer.emit_step(
-            step_row(replica, incarnation, msg, config.store_ttl_days))
+            step_row(replica, incarnation, msg, config.store_ttl_days, service.trace_of))
         metrics.watch_writer(writer)
     if config.otlp_endpoint:
         from tracing.otel import OtelSink, make_exporter

@@ -104,6 +104,7 @@ class Choice:
     held: str | None = None  # (streams, tool_choice auto) text held until it is known
     calls: list = field(default_factory=list)  # the gateway.tools.ToolCall it made
     called: list[str] = field(default_factory=list)  # the tools it called
+    token_steps: list[int] = field(default_factory=list)  # the engine step of each token
 
 
 class Service:
@@ -122,8 +123,14 @@ class Service:
         # cancelled because its client stopped reading (its socket may stay open for long)
         self._abandon: dict[str, Callable[[], None]] = {}
         pool.on_abandoned = lambda engine_id: self._abandon.pop(engine_id, lambda: None)()
+        # engine request id -> trace id while in flight: step membership is stored by trace
+        self._traces: dict[str, str] = {}
         self._grammar: GrammarCompiler | None = None  # built on first use (~1 s)
         self._grammar_lock = threading.Lock()
+
+    def trace_of(self, engine_id: str) -> str:
+        """The trace id of an in-flight engine request (the id itself once it is gone)."""
+        return self._traces.get(engine_id, engine_id)
 
     # ---- parsing and validation (nothing here reaches a replica) ---------------------------
     async def read_body(self, request: Request) -> bytes:
@@ -460,6 +467,7 @@ class Service:
                 code = "overloaded" if isinstance(exc, Overloaded) else "replica_unavailable"
                 raise APIError(503, str(exc), "server_error", code=code,
                                headers={"Retry-After": "1"}) from None
+            self._traces[engine_id] = trace.record.trace_id
             if i == 0:
                 first_sent = route.sent_ns
                 r = trace.record
@@ -509,6 +517,7 @@ class Service:
         delta: TokenDelta = item
         text = ""
         c.token_ids.extend(delta.token_ids)
+        c.token_steps.extend([delta.step] * len(delta.token_ids))
         if delta.prompt_logprobs is not None and c.prompt_logprobs is None:
             c.prompt_logprobs = [(tok, *(lp if lp is not None else (None, None)))
                                  for tok, lp in zip(c.prompt, delta.prompt_logprobs,
@@ -595,6 +604,7 @@ class Service:
         if self.config.record_token_ids and tenant.capture == "full":
             r.input_token_ids = list(prompt)
             r.output_token_ids = list(choices[0].token_ids) if choices else []
+            r.token_steps = list(choices[0].token_steps) if choices else []
         if choices:
             c0 = choices[0]
             r.replica = c0.replica
@@ -648,6 +658,8 @@ class Service:
                                                tenant.cache_salt)
         except APIError:
             registry.give_back_tokens(tenant, params.max_tokens * req.n)
+            for i in range(req.n):
+                self._traces.pop(f"{rid}-{i}", None)
             raise
         for c in choices:
             c.echo, c.scoring, c.tools = echo, scoring, tools
@@ -666,6 +678,7 @@ class Service:
                 registry.finish(tenant, unused)
                 for c in choices:
                     self._abandon.pop(c.engine_id, None)
+                    self._traces.pop(c.engine_id, None)
 
         def settle(client_gone: bool) -> None:  # tenant slot, unused token budget, record
             free_slot()

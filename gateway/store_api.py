@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pydantic
@@ -102,13 +103,19 @@ _STEP_FIELDS = tuple(f.name for f in dataclasses.fields(EngineStepRow)
                      if f.name in StepStats.__struct_fields__)
 
 
-def step_row(replica: str, incarnation: int, msg, ttl_days: int) -> EngineStepRow:
+def step_row(replica: str, incarnation: int, msg, ttl_days: int,
+             trace_of: Callable[[str], str] | None = None) -> EngineStepRow:
     """The engine_steps row of a StepReport: its StepStats field for field, plus where and
-    when (the replica, its incarnation, the wall clock) and the queue lengths."""
+    when (the replica, its incarnation, the wall clock), the queue lengths, and its members
+    (engine request ids turned into trace ids by ``trace_of``)."""
     s = msg.stats
+    name = trace_of or (lambda rid: rid)
     return EngineStepRow(replica=replica, incarnation=incarnation,
                          ts_us=s.wall_ns // 1000, running=msg.running, waiting=msg.waiting,
-                         ttl_days=ttl_days, **{f: getattr(s, f) for f in _STEP_FIELDS})
+                         ttl_days=ttl_days, **{f: getattr(s, f) for f in _STEP_FIELDS},
+                         member_traces=[name(m.request_id) for m in s.members],
+                         member_prefill=[m.prefill_tokens for m in s.members],
+                         member_decode=[m.decode_tokens for m in s.members])
 
 
 def _jsonable(v):
@@ -207,7 +214,7 @@ def register(app: FastAPI, handle: StoreHandle | None, memory, require_admin,
         return [dict(zip(cols, r, strict=True)) for r in rows]
 
     @app.get("/debug/requests/{trace_id}")
-    async def debug_request(trace_id: str, request: Request) -> dict:
+    async def debug_request(trace_id: str, request: Request, top: int = 5) -> dict:
         """The request's record, its state events, and its replica's overlapping steps."""
         require_admin(request)
         trace_id = trace_id.lower()
@@ -232,6 +239,11 @@ def register(app: FastAPI, handle: StoreHandle | None, memory, require_admin,
                 start = int(rec["arrival_ts"].timestamp() * 1e6)
             end = start + int((rec.get("e2e_ms") or 0) * 1000) + 1
             out["engine_steps"] = await in_thread(_steps, rec["replica"], start, end)
+            if rec.get("token_steps") and out["source"] != "memory":  # its steps are stored
+                gaps, sentence = await in_thread(Q.why, handle.get(), trace_id,
+                                                 max(1, min(top, 100)))
+                out["why"] = {"sentence": sentence, "gaps": json.loads(
+                    gaps.drop(columns=["neighbours"]).to_json(orient="records"))}
         return _jsonable(out)
 
     @app.post("/debug/bench-runs")

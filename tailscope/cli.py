@@ -272,6 +272,26 @@ def cmd_store(args: argparse.Namespace) -> int:
     return 2
 
 
+def cmd_why(args: argparse.Namespace) -> int:
+    """Why a request was slow: its slowest gaps and the steps and neighbours inside them."""
+    from tracing import queries as Q
+
+    s = Settings.from_env()
+    kind, target = _store_target(args, s)
+    source = Q.GatewaySource(target, s.admin_key or None) if kind == "gateway" else target
+    try:
+        gaps, sentence = Q.why(source, args.trace_id, top=args.top)
+    except Q.QueryError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(sentence)
+    if not gaps.empty:
+        shown = gaps.assign(neighbours=[", ".join(f"{t[:12]}…:{p}" for t, p in n.items())
+                                        for n in gaps["neighbours"]])
+        print(shown.to_string(index=False, float_format=lambda x: f"{x:.1f}"))
+    return 0
+
+
 def cmd_drill(args: argparse.Namespace) -> int:
     """Serve the Streamlit drill-down on a data source (default: the running gateway)."""
     from pathlib import Path
@@ -464,6 +484,13 @@ def build_parser() -> argparse.ArgumentParser:
     d = sst.add_parser("delete", help="delete every stored row of a tenant")
     d.add_argument("--tenant", required=True)
     st.set_defaults(func=cmd_store)
+    w = sub.add_parser("why", help="why a request was slow: its slowest gaps, the engine steps "
+                                   "and the other requests (and tenants) inside them")
+    w.add_argument("trace_id")
+    w.add_argument("--top", type=int, default=5, help="how many of its slowest gaps")
+    w.add_argument("--url", help="a gateway to go through (default: the running one, if any)")
+    w.add_argument("--dsn", help="store DSN (default TAILSCOPE_STORE_DSN)")
+    w.set_defaults(func=cmd_why)
     dr = sub.add_parser("drill", help="serve the Streamlit p99 drill-down")
     dr.add_argument("--source", help="chdb:///path or http(s)://host:8123 DSN, or "
                                      "gateway:URL (default: the gateway at TAILSCOPE_GATEWAY_URL)")

@@ -75,6 +75,8 @@ class RequestRecord:
     n: int = 1
     input_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)  # choice 0
+    # choice 0: the engine step (engine_steps.step on its replica) that produced each token
+    token_steps: list[int] = field(default_factory=list)
     # sampling params
     temperature: float | None = None
     top_p: float | None = None

@@ -50,6 +50,13 @@ class EngineStepRow:
     prefix_hits: int = 0  # tokens it served
     evictions: int = 0  # cached blocks evicted
     preemptions: int = 0  # requests preempted
+    # Step membership, as parallel arrays on the step's own row rather than a step_members
+    # table: a request's steps are read by (replica, time range), the table's sort order, and
+    # their members come with them, with no second insert stream and no join; "which steps
+    # carried request X" is has(member_traces, X) over that same bounded range.
+    member_traces: list[str] = dataclasses.field(default_factory=list)  # trace id per member
+    member_prefill: list[int] = dataclasses.field(default_factory=list)  # its prefill tokens
+    member_decode: list[int] = dataclasses.field(default_factory=list)  # its decode tokens
     ttl_days: int = 30
 
 
@@ -114,7 +121,9 @@ _TIME_COLUMNS = {"ts_us": "ts", "arrival_ts_us": "arrival_ts"}  # µs ints -> Da
 _SCALARS = {str: "String", int: "Int64", float: "Float64", bool: "Bool"}
 _ARRAYS = {"input_token_ids": "Array(UInt32)", "output_token_ids": "Array(UInt32)",
            "itl_ms": "Array(Float32)", "tags": "Array(LowCardinality(String))",
-           "tool_calls": "Array(LowCardinality(String))"}
+           "tool_calls": "Array(LowCardinality(String))", "token_steps": "Array(UInt32)",
+           "member_traces": "Array(String)", "member_prefill": "Array(UInt32)",
+           "member_decode": "Array(UInt32)"}
 _NARROW = {"ttl_days": "UInt16", "http_status": "UInt16", "prompt_tokens": "UInt32",
            "cached_tokens": "UInt32", "generated_tokens": "UInt32", "emitted_tokens": "UInt32",
            "n": "UInt16", "retries": "UInt8", "preemptions": "UInt32", "step": "UInt64",
@@ -201,6 +210,15 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
                                    "timing_source LowCardinality(String) AFTER retries"]),
     (8, "requests.tool_calls", [f"ALTER TABLE {DATABASE}.requests ADD COLUMN IF NOT EXISTS "
                                 "tool_calls Array(LowCardinality(String)) AFTER retries"]),
+    (9, "step membership: requests.token_steps, engine_steps.member_*", [
+        f"ALTER TABLE {DATABASE}.requests ADD COLUMN IF NOT EXISTS token_steps Array(UInt32) "
+        "AFTER output_token_ids",
+        f"ALTER TABLE {DATABASE}.engine_steps ADD COLUMN IF NOT EXISTS member_traces "
+        "Array(String) AFTER preemptions",
+        f"ALTER TABLE {DATABASE}.engine_steps ADD COLUMN IF NOT EXISTS member_prefill "
+        "Array(UInt32) AFTER member_traces",
+        f"ALTER TABLE {DATABASE}.engine_steps ADD COLUMN IF NOT EXISTS member_decode "
+        "Array(UInt32) AFTER member_prefill"]),
 ]
 
 __all__ = ["DATABASE", "TABLES", "MIGRATIONS", "EngineStepRow", "EventRow", "EvalRunRow",

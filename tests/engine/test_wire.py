@@ -28,5 +28,7 @@ def test_step_and_request_stats_round_trip_as_structs():
 
 def test_every_step_stat_has_its_engine_steps_column():
     columns = {f.name for f in dataclasses.fields(EngineStepRow)}
-    # wall_ns becomes the row's ts; every other field is stored under its own name
-    assert set(StepStats.__struct_fields__) - {"wall_ns"} <= columns
+    # wall_ns becomes the row's ts; members become three parallel arrays (trace id, prefill
+    # and decode tokens); every other field is stored under its own name
+    assert set(StepStats.__struct_fields__) - {"wall_ns", "members"} <= columns
+    assert {"member_traces", "member_prefill", "member_decode"} <= columns

@@ -1,0 +1,103 @@
+"""Why a request was slow, over real HTTP: a victim tenant's stream decodes while another tenant's
+long prompts are prefilled in chunks beside it; ``queries.why`` on the victim names those
+requests and that tenant as the prefill in its slowest gaps. A victim alone names nobody."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.gateway.conftest import start_server, stop_server
+from tests.gateway.test_faults import wait_for
+from tracing import queries as Q
+
+TENANTS = """
+[[tenants]]
+name = "victim"
+keys = ["sk-victim"]
+admin = true
+
+[[tenants]]
+name = "globex"
+keys = ["sk-globex"]
+"""
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, bundled_path):
+    cfg = tmp_path_factory.mktemp("why") / "tenants.toml"
+    cfg.write_text(TENANTS)
+    s = start_server("--model", "tiny:49152", "--tokenizer", str(bundled_path), "--config",
+                     str(cfg), "--max-batched-tokens", "32", "--no-prefix-caching")
+    yield s
+    stop_server(s)
+
+
+def victim(server, noisy: bool) -> str:
+    """Streams the victim; with ``noisy``, globex sends three long prompts once it decodes."""
+    long_prompt = " ".join(f"word{i}" for i in range(90))  # about 330 tokens: 11 chunks
+    threads = []
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=120, headers={
+            "Authorization": "Bearer sk-victim"}, json={
+            "model": MODEL, "prompt": "Count slowly:", "max_tokens": 120, "ignore_eos": True,
+            "stream": True}) as r:
+        trace_id = r.headers["x-tailscope-trace-id"]
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))  # it is decoding now
+        if noisy:
+            for _ in range(3):
+                t = threading.Thread(target=httpx.post, args=(f"{server.url}/v1/completions",),
+                                     kwargs={"timeout": 120, "json": {
+                                         "model": MODEL, "prompt": long_prompt, "max_tokens": 2},
+                                         "headers": {"Authorization": "Bearer sk-globex"}})
+                t.start()
+                threads.append(t)
+        for _ in lines:
+            pass
+    for t in threads:
+        t.join()
+    return trace_id
+
+
+def why(server, trace_id: str, top: int = 5):
+    source = Q.GatewaySource(server.url, admin_key="sk-victim")
+    assert wait_for(lambda: Q.records_found(source, [trace_id]) == 1, 10)
+    time.sleep(1.0)  # the steps are flushed by the same writer, in their own batches
+    return Q.why(source, trace_id, top=top)
+
+
+def test_why_names_the_neighbour_tenant_whose_prefill_sat_in_the_slowest_gaps(server):
+    trace_id = victim(server, noisy=True)
+    gaps, sentence = why(server, trace_id, top=20)
+    assert not gaps.empty, sentence
+    crowded = gaps[gaps["neighbour_prefill_tokens"] > 0]
+    assert len(crowded) >= 1, gaps
+    assert all(t == ["globex"] for t in crowded["neighbour_tenants"]), gaps
+    # each gap splits into its steps' time and the time between steps (the engine idle or
+    # descheduled): on 2 shared cores some slow gaps are the latter, and the table says so
+    assert ((gaps["step_ms"] + gaps["idle_ms"] - gaps["gap_ms"]).abs() < 1e-6).all()
+    assert "tenant globex" in sentence and "prefill chunks of" in sentence, sentence
+    neighbours = {t for n in crowded["neighbours"] for t in n}
+    assert trace_id not in neighbours and 1 <= len(neighbours) <= 3
+    # the same answer from GET /debug/requests/{id} and from `tailscope why`
+    got = httpx.get(f"{server.url}/debug/requests/{trace_id}?top=20",
+                    headers={"Authorization": "Bearer sk-victim"}).json()
+    assert "tenant globex" in got["why"]["sentence"] and got["why"]["gaps"]
+    cli = subprocess.run([sys.executable, "-m", "tailscope.cli", "why", trace_id, "--url",
+                          server.url, "--top", "20"], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "TAILSCOPE_ADMIN_KEY": "sk-victim"})
+    assert cli.returncode == 0 and "tenant globex" in cli.stdout, cli.stderr[-500:]
+
+
+def test_a_victim_alone_names_no_neighbour(server):
+    trace_id = victim(server, noisy=False)
+    gaps, sentence = why(server, trace_id)
+    assert not gaps.empty and (gaps["neighbour_prefill_tokens"] == 0).all(), gaps
+    assert "no other request's prefill" in sentence, sentence
