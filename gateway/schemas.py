@@ -67,9 +67,15 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
+    # vLLM's extra: each prompt token's logprob and this many alternatives, in the response's
+    # top-level "prompt_logprobs" (non-streamed responses)
+    prompt_logprobs: Count | None = None
 
     def unsupported(self) -> None:
         """Raise ``Unsupported`` for a field the engine would otherwise ignore."""
+        if self.prompt_logprobs is not None and self.stream:
+            raise Unsupported("prompt_logprobs", "prompt_logprobs is returned in non-streamed "
+                              "responses only (or use echo with logprobs on /v1/completions)")
 
 
 class ChatMessage(BaseModel):

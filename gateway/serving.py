@@ -405,6 +405,7 @@ class Service:
             else req.max_tokens
         params = await self.sampling(req, len(prompt), max_tokens, req.logprobs,
                                      req.top_logprobs or 0, response_format,
+                                     prompt_logprobs=req.prompt_logprobs,
                                      grammar_param=grammar_param)
         return await self.run(request, req, prompt, params, chat=True, tenant=tenant,
                               tools=spec if spec is not None and spec.mode != "none" else None)
@@ -431,7 +432,8 @@ class Service:
         params = await self.sampling(
             req, len(prompt), 1 if scoring else req.max_tokens, req.logprobs is not None,
             req.logprobs or 0, req.response_format,
-            prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None)
+            prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None
+            else req.prompt_logprobs)
         echo = None
         if req.echo:
             echo = req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(
@@ -765,9 +767,30 @@ class Service:
             else:
                 body_choices.append({"index": c.index, "text": texts[c.index], "logprobs": lp,
                                      "finish_reason": c.finish_reason})
-        return JSONResponse({"id": rid, "object": obj, "created": created,
-                             "model": self.config.served_model_name, "choices": body_choices,
-                             "usage": self.usage(len(prompt), choices)})
+        body = {"id": rid, "object": obj, "created": created,
+                "model": self.config.served_model_name, "choices": body_choices,
+                "usage": self.usage(len(prompt), choices)}
+        if req.prompt_logprobs is not None and choices:
+            body["prompt_logprobs"] = self.vllm_prompt_logprobs(choices[0].prompt_logprobs)
+        return JSONResponse(body)
+
+    def vllm_prompt_logprobs(self, entries: list | None) -> list:
+        """vLLM's shape: per prompt token None (the first) or {token id: {logprob, rank,
+        decoded_token}} for the token itself and its alternatives (rank: its place among the
+        alternatives, None when it is not among them)."""
+        out: list = []
+        for tok, lp, top in entries or []:
+            if lp is None:
+                out.append(None)
+                continue
+            ranked = {i: (r, x) for r, (i, x) in enumerate(top or (), start=1)}
+            item = {str(tok): {"logprob": _finite_logprob(lp), "rank": ranked.get(tok, (None,))[0],
+                               "decoded_token": self._token_text(tok)}}
+            for i, (r, x) in ranked.items():
+                item.setdefault(str(i), {"logprob": _finite_logprob(x), "rank": r,
+                                         "decoded_token": self._token_text(i)})
+            out.append(item)
+        return out
 
     async def _events(self, req, prompt, choices, chat, rid, obj, created, settle,
                       trace: RequestTrace) -> AsyncIterator[str]:

@@ -86,7 +86,7 @@ def test_the_openai_sdk_scores_with_echo(client):
 @pytest.mark.parametrize("body,status,code,param", [
     ({"max_tokens": 0}, 400, None, "max_tokens"),  # 0 only with echo
     ({"reasoning_effort": "high"}, 400, "unknown_parameter", "reasoning_effort"),
-    ({"prompt_logprobs": 1}, 400, "unknown_parameter", "prompt_logprobs"),
+    ({"prompt_logprobs": 1, "stream": True}, 400, "unsupported_parameter", "prompt_logprobs"),
     ({"suffix": "end"}, 400, "unsupported_parameter", "suffix"),
     ({"best_of": 3}, 400, "unsupported_parameter", "best_of"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400,  # chat only
@@ -135,3 +135,20 @@ def test_tokenize_and_detokenize_in_vllms_shapes(client):
                               ("/detokenize", {"tokens": [1], "model": "nope"}, "model")):
         bad = client.post(path, json=body)
         assert bad.status_code in (400, 404) and bad.json()["error"]["param"] == param, bad.text
+
+
+def test_prompt_logprobs_vllm_extra_on_chat(client, model):
+    r = client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Name a colour."}],
+        "max_tokens": 2, "prompt_logprobs": 2})
+    assert r.status_code == 200, r.text
+    plp = r.json()["prompt_logprobs"]
+    rec = client.sink.find(r.headers["x-tailscope-trace-id"])
+    ids = rec.input_token_ids
+    assert len(plp) == len(ids) == r.json()["usage"]["prompt_tokens"] and plp[0] is None
+    dense = dense_logprobs(model, ids)
+    for i, entry in enumerate(plp[1:], start=1):
+        own = entry[str(ids[i])]
+        assert own["logprob"] == pytest.approx(dense[i - 1], abs=1e-4)
+        ranks = sorted(v["rank"] for v in entry.values() if v["rank"] is not None)
+        assert ranks == [1, 2] and len(entry) in (2, 3)
