@@ -2,11 +2,37 @@ from __future__ import annotations
 
 import subprocess
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
 
 from tracing.client import GatewayProcess, GatewayStartError, free_port  # noqa: F401
+
+
+@contextmanager
+def inprocess_client(model, tokenizer_path, engine_config, tokenizer=None) -> Iterator:
+    """A TestClient on a gateway over the in-process backend (a real engine of ``model``, no
+    replica subprocess), with its records in ``client.sink``; ``tokenizer`` (the engine's)
+    gives the engine a grammar compiler for response_format and tool calls."""
+    from starlette.testclient import TestClient
+
+    from engine import Engine
+    from engine.constrained import GrammarCompiler
+    from gateway.app import GatewayConfig, create_app
+    from gateway.inprocess import InProcessBackend
+    from tracing.sinks import MemorySink
+
+    grammar = None if tokenizer is None else GrammarCompiler.from_tokenizer(
+        tokenizer, model.config.vocab_size)
+    sink = MemorySink(100)
+    app = create_app(GatewayConfig(model="tiny:49152", tokenizer=str(tokenizer_path),
+                                   engine=engine_config), extra_sinks=[sink],
+                     backend=InProcessBackend(Engine(model, engine_config, grammar=grammar)))
+    with TestClient(app) as client:
+        client.sink = sink
+        yield client
 
 
 @dataclass

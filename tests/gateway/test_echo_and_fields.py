@@ -9,12 +9,9 @@ import json
 import openai
 import pytest
 import torch
-from starlette.testclient import TestClient
 
-from engine import Engine, EngineConfig, load_model
-from gateway.app import GatewayConfig, create_app
-from gateway.inprocess import InProcessBackend
-from tracing.sinks import MemorySink
+from engine import EngineConfig, load_model
+from tests.gateway.conftest import inprocess_client
 
 CFG = EngineConfig(num_kv_blocks=64, block_size=16, max_batched_tokens=16)  # chunked prompts
 MODEL = "SmolLM2-135M-Instruct"
@@ -27,11 +24,7 @@ def model():
 
 @pytest.fixture
 def client(model, bundled_path):
-    sink = MemorySink(100)
-    app = create_app(GatewayConfig(model="tiny:49152", tokenizer=str(bundled_path), engine=CFG),
-                     extra_sinks=[sink], backend=InProcessBackend(Engine(model, CFG)))
-    with TestClient(app) as c:
-        c.sink = sink
+    with inprocess_client(model, bundled_path, CFG) as c:
         yield c
 
 

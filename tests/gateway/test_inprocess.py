@@ -6,12 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from starlette.testclient import TestClient
 
 from engine import Engine, EngineConfig, SamplingParams, load_model
-from gateway.app import GatewayConfig, create_app
-from gateway.inprocess import InProcessBackend
-from tracing.sinks import MemorySink
+from tests.gateway.conftest import inprocess_client
 
 CFG = EngineConfig(num_kv_blocks=64, block_size=16)
 
@@ -23,11 +20,7 @@ def model():
 
 @pytest.fixture
 def client(model, bundled_path):
-    sink = MemorySink(100)
-    app = create_app(GatewayConfig(model="tiny:49152", tokenizer=str(bundled_path), engine=CFG),
-                     extra_sinks=[sink], backend=InProcessBackend(Engine(model, CFG)))
-    with TestClient(app) as c:
-        c.sink = sink
+    with inprocess_client(model, bundled_path, CFG) as c:
         yield c
 
 

@@ -9,14 +9,10 @@ import json
 import jsonschema
 import openai
 import pytest
-from starlette.testclient import TestClient
 
-from engine import Engine, EngineConfig, load_model
-from engine.constrained import GrammarCompiler
-from gateway.app import GatewayConfig, create_app
-from gateway.inprocess import InProcessBackend
+from engine import EngineConfig, load_model
 from gateway.tools import ToolSpec, ToolStream, parse, scan
-from tracing.sinks import MemorySink
+from tests.gateway.conftest import inprocess_client
 
 CFG = EngineConfig(num_kv_blocks=128, block_size=16)
 MODEL = "SmolLM2-135M-Instruct"
@@ -40,13 +36,7 @@ def model():
 
 @pytest.fixture
 def client(model, bundled_path, bundled_tokenizer):
-    sink = MemorySink(100)
-    grammar = GrammarCompiler.from_tokenizer(bundled_tokenizer, model.config.vocab_size)
-    app = create_app(GatewayConfig(model="tiny:49152", tokenizer=str(bundled_path), engine=CFG),
-                     extra_sinks=[sink],
-                     backend=InProcessBackend(Engine(model, CFG, grammar=grammar)))
-    with TestClient(app) as c:
-        c.sink = sink
+    with inprocess_client(model, bundled_path, CFG, bundled_tokenizer) as c:
         yield c
 
 
