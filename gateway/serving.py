@@ -401,6 +401,7 @@ class Service:
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from None
         prompt = await self.encode(text, add_special_tokens=False)
+        trace.record.prompt_tokens = len(prompt)  # kept by a request refused from here on
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         params = await self.sampling(req, len(prompt), max_tokens, req.logprobs,
@@ -423,6 +424,7 @@ class Service:
             prompt = list(req.prompt)
             if any(not 0 <= t < self.tokenizer.vocab_size for t in prompt):
                 raise bad_request("prompt has token ids outside the vocabulary", "prompt")
+        trace.record.prompt_tokens = len(prompt)  # kept by a request refused from here on
         if not prompt:
             raise bad_request("prompt is empty", "prompt")
         scoring = req.max_tokens == 0  # echo only: the prompt and its logprobs, nothing more

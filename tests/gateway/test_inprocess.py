@@ -54,3 +54,5 @@ def test_streaming_and_refusals_through_the_backend(client):
     too_long = client.post("/v1/completions", json={
         "model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 10**6})
     assert too_long.status_code == 400 and "max_tokens" in too_long.text
+    rec = client.sink.find(too_long.headers["x-tailscope-trace-id"])
+    assert rec.final_state == "REJECTED" and rec.prompt_tokens > 0  # it was tokenized
