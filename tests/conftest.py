@@ -21,6 +21,15 @@ def tiny_model():
 
 
 @pytest.fixture(scope="session")
+def tiny49k():
+    """The tiny random Llama (float32) with the bundled tokenizer's vocabulary, for tests that
+    drive the real text side (tokenizer, chat template, grammars) over a fast engine."""
+    from engine import load_model
+
+    return load_model("tiny:49152", dtype="float32")
+
+
+@pytest.fixture(scope="session")
 def bundled_path():
     from engine import default_model_path
 

@@ -5,18 +5,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-import pytest
-
-from engine import Engine, EngineConfig, SamplingParams, load_model
+from engine import Engine, EngineConfig, SamplingParams
 
 
-@pytest.fixture(scope="module")
-def model():
-    return load_model("tiny:49152", dtype="float32")
-
-
-def test_members_add_up_to_each_step_and_every_token_names_a_step_it_ran_in(model):
-    engine = Engine(model, EngineConfig(num_kv_blocks=64, block_size=16, max_batched_tokens=24,
+def test_members_add_up_to_each_step_and_every_token_names_a_step_it_ran_in(tiny49k):
+    engine = Engine(tiny49k, EngineConfig(num_kv_blocks=64, block_size=16, max_batched_tokens=24,
                                         prefix_caching=False))
     prompts = {f"r{i}": list(range(10 + i, 10 + i + n)) for i, n in enumerate((40, 7, 25, 3))}
     out_tokens = {"r0": 5, "r1": 9, "r2": 4, "r3": 12}

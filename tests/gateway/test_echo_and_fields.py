@@ -10,31 +10,26 @@ import openai
 import pytest
 import torch
 
-from engine import EngineConfig, load_model
+from engine import EngineConfig
 from tests.gateway.conftest import inprocess_client
 
 CFG = EngineConfig(num_kv_blocks=64, block_size=16, max_batched_tokens=16)  # chunked prompts
 MODEL = "SmolLM2-135M-Instruct"
 
 
-@pytest.fixture(scope="module")
-def model():
-    return load_model("tiny:49152", dtype="float32")
-
-
 @pytest.fixture
-def client(model, bundled_path):
-    with inprocess_client(model, bundled_path, CFG) as c:
+def client(tiny49k, bundled_path):
+    with inprocess_client(tiny49k, bundled_path, CFG) as c:
         yield c
 
 
-def dense_logprobs(model, ids: list[int]) -> list[float]:
+def dense_logprobs(tiny49k, ids: list[int]) -> list[float]:
     with torch.no_grad():
-        logp = torch.log_softmax(model.dense_forward(torch.tensor(ids)).float(), -1)
+        logp = torch.log_softmax(tiny49k.dense_forward(torch.tensor(ids)).float(), -1)
     return [float(logp[i - 1, ids[i]]) for i in range(1, len(ids))]
 
 
-def test_echo_with_max_tokens_0_scores_the_prompt_like_the_engine(client, model):
+def test_echo_with_max_tokens_0_scores_the_prompt_like_the_engine(client, tiny49k):
     prompt = "The capital of France is Paris, and the capital of Italy is Rome."
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "echo": True,
                                              "logprobs": 2, "max_tokens": 0})
@@ -46,7 +41,7 @@ def test_echo_with_max_tokens_0_scores_the_prompt_like_the_engine(client, model)
     ids = rec.input_token_ids
     assert len(lp["tokens"]) == len(ids) and "".join(lp["tokens"]) == prompt
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-    assert lp["token_logprobs"][1:] == pytest.approx(dense_logprobs(model, ids), abs=1e-4)
+    assert lp["token_logprobs"][1:] == pytest.approx(dense_logprobs(tiny49k, ids), abs=1e-4)
     assert all(len(top) <= 2 for top in lp["top_logprobs"][1:])
     assert r.json()["usage"]["completion_tokens"] == 0 and rec.emitted_tokens == 0
 
@@ -130,7 +125,7 @@ def test_tokenize_and_detokenize_in_vllms_shapes(client):
         assert bad.status_code in (400, 404) and bad.json()["error"]["param"] == param, bad.text
 
 
-def test_prompt_logprobs_vllm_extra_on_chat(client, model):
+def test_prompt_logprobs_vllm_extra_on_chat(client, tiny49k):
     r = client.post("/v1/chat/completions", json={
         "model": MODEL, "messages": [{"role": "user", "content": "Name a colour."}],
         "max_tokens": 2, "prompt_logprobs": 2})
@@ -139,7 +134,7 @@ def test_prompt_logprobs_vllm_extra_on_chat(client, model):
     rec = client.sink.find(r.headers["x-tailscope-trace-id"])
     ids = rec.input_token_ids
     assert len(plp) == len(ids) == r.json()["usage"]["prompt_tokens"] and plp[0] is None
-    dense = dense_logprobs(model, ids)
+    dense = dense_logprobs(tiny49k, ids)
     for i, entry in enumerate(plp[1:], start=1):
         own = entry[str(ids[i])]
         assert own["logprob"] == pytest.approx(dense[i - 1], abs=1e-4)

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-
-from engine import Engine, EngineConfig, SamplingParams, load_model
+from engine import Engine, EngineConfig, SamplingParams
 from engine.protocol import AbortRequest, PauseRequest, ResumeRequest
 from engine.request import RequestState
 from gateway.backend import DeadlineExceeded
@@ -80,18 +78,13 @@ def test_deadline_puts_one_error_in_the_queue_and_aborts_once():
     assert "d" not in flow.flows
 
 
-@pytest.fixture(scope="module")
-def model():
-    return load_model("tiny:49152", dtype="float32")
-
-
-def test_the_in_process_backend_pauses_resumes_and_cancels_a_real_engine_request(model):
+def test_the_in_process_backend_pauses_resumes_and_cancels_a_real_engine_request(tiny49k):
     from gateway.inprocess import InProcessBackend
 
     cfg = EngineConfig(num_kv_blocks=64, block_size=16)
 
     async def scenario():
-        backend = InProcessBackend(Engine(model, cfg), max_buffered_deltas=8,
+        backend = InProcessBackend(Engine(tiny49k, cfg), max_buffered_deltas=8,
                                    slow_client_timeout_s=1.0)
         abandoned: list[str] = []
         backend.on_abandoned = abandoned.append

@@ -7,24 +7,19 @@ import json
 
 import pytest
 
-from engine import Engine, EngineConfig, SamplingParams, load_model
+from engine import Engine, EngineConfig, SamplingParams
 from tests.gateway.conftest import inprocess_client
 
 CFG = EngineConfig(num_kv_blocks=64, block_size=16)
 
 
-@pytest.fixture(scope="module")
-def model():
-    return load_model("tiny:49152", dtype="float32")
-
-
 @pytest.fixture
-def client(model, bundled_path):
-    with inprocess_client(model, bundled_path, CFG) as c:
+def client(tiny49k, bundled_path):
+    with inprocess_client(tiny49k, bundled_path, CFG) as c:
         yield c
 
 
-def test_a_completion_matches_the_engine_and_has_one_record(client, model):
+def test_a_completion_matches_the_engine_and_has_one_record(client, tiny49k):
     r = client.post("/v1/completions", json={"model": "SmolLM2-135M-Instruct",
                                              "prompt": "Hello there", "max_tokens": 6,
                                              "temperature": 0, "ignore_eos": True})
@@ -33,7 +28,7 @@ def test_a_completion_matches_the_engine_and_has_one_record(client, model):
     rec = client.sink.find(r.headers["x-tailscope-trace-id"])
     assert rec.replica == "local" and rec.final_state == "FINISHED"
     assert rec.response_id == r.json()["id"]
-    reference = Engine(model, CFG).generate([rec.input_token_ids], SamplingParams(
+    reference = Engine(tiny49k, CFG).generate([rec.input_token_ids], SamplingParams(
         max_tokens=6, ignore_eos=True))[0]
     assert rec.output_token_ids == reference.output_token_ids
     states = [e.state for e in rec.events]

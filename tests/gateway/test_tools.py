@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from engine import EngineConfig, load_model
+from engine import EngineConfig
 from gateway.tools import ToolSpec, ToolStream, parse, scan
 from tests.gateway.conftest import inprocess_client
 
@@ -29,14 +29,9 @@ TIME = {"type": "function", "function": {
 ASK = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
 
 
-@pytest.fixture(scope="module")
-def model():
-    return load_model("tiny:49152", dtype="float32")
-
-
 @pytest.fixture
-def client(model, bundled_path, bundled_tokenizer):
-    with inprocess_client(model, bundled_path, CFG, bundled_tokenizer) as c:
+def client(tiny49k, bundled_path, bundled_tokenizer):
+    with inprocess_client(tiny49k, bundled_path, CFG, bundled_tokenizer) as c:
         yield c
 
 
