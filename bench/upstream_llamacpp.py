@@ -31,7 +31,6 @@ import statistics
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 from pathlib import Path
 
@@ -159,8 +158,8 @@ def main() -> int:
     if args.build_only:
         print(exe)
         return 0
-    from engine.loader.paths import default_model_path, resolve_model_path
-    from tracing.client import GatewayProcess, free_port
+    from engine.loader.paths import default_model_path
+    from tracing.client import free_port
 
     levels = [int(c) for c in args.concurrency.split(",")]
     port = free_port()
@@ -172,15 +171,10 @@ def main() -> int:
     llama = f"http://127.0.0.1:{port}"
     gw = None
     try:
-        from bench.upstream_overhead import _wait_http
+        from bench.upstream_overhead import _wait_http, proxy_gateway
 
         _wait_http(f"{llama}/health", 120, server)
-        store = f"chdb://{tempfile.mkdtemp(prefix='tailscope-bench-')}/store"
-        gw = GatewayProcess(["--model", "tiny:49152", "--tokenizer",
-                             str(resolve_model_path("bundled")), "--backend",
-                             f"llama={llama},model=llama"], cwd=ROOT, quiet=True,
-                            env={"TAILSCOPE_KV_CACHE_MB": "64", "TAILSCOPE_STORE_DSN": store,
-                                 "TAILSCOPE_THREADS": "1"}).start()
+        gw = proxy_gateway(f"llama={llama},model=llama")
         print(f"llama-server {exe.parent.parent.name}, bundled GGUF, -t {args.threads}; "
               f"{args.requests} streamed completions of {args.max_tokens} tokens, greedy")
         print(f"{'conc':>4} {'path':>9} {'ttft p50':>9} {'ttft p99':>9} {'e2e p50':>9} "

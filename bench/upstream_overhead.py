@@ -92,6 +92,20 @@ def _wait_http(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
     raise RuntimeError(f"{url} did not come up in {timeout_s:.0f} s")
 
 
+def proxy_gateway(backend: str):
+    """``tailscope serve --backend BACKEND`` (its bundled replica is the tiny model, idle) with
+    full capture into a fresh embedded chDB store; started and ready."""
+    from engine.loader.paths import resolve_model_path
+    from tracing.client import GatewayProcess
+
+    store = f"chdb://{tempfile.mkdtemp(prefix='tailscope-bench-')}/store"
+    return GatewayProcess(["--model", "tiny:49152", "--tokenizer",
+                           str(resolve_model_path("bundled")), "--backend", backend],
+                          cwd=ROOT, quiet=True,
+                          env={"TAILSCOPE_KV_CACHE_MB": "64", "TAILSCOPE_STORE_DSN": store,
+                               "TAILSCOPE_THREADS": "1"}).start()
+
+
 def litellm_venv(version: str) -> Path:
     """The LiteLLM proxy's own venv (created and installed once, outside the repository)."""
     venv = CACHE / f"litellm-{version}"
@@ -133,8 +147,7 @@ async def _drive(url: str, model: str, rates: list[float], duration: float, pid:
 
 def run(rates: list[float], duration: float, litellm: str | None) -> dict:
     from bench.gateway_overhead import Result, open_loop, peak_rss_sampler
-    from engine.loader.paths import resolve_model_path
-    from tracing.client import GatewayProcess, free_port
+    from tracing.client import free_port
 
     up_port = free_port()
     upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM_SERVER, str(up_port)])
@@ -145,12 +158,7 @@ def run(rates: list[float], duration: float, litellm: str | None) -> dict:
         _wait_http(f"{up_url}/v1/models", 30, upstream)
         targets: list[tuple[str, str, str, subprocess.Popen | None]] = [
             ("direct", up_url, "bench", None)]
-        store = f"chdb://{tempfile.mkdtemp(prefix='tailscope-bench-')}/store"
-        gw = GatewayProcess(["--model", "tiny:49152", "--tokenizer",
-                             str(resolve_model_path("bundled")), "--backend",
-                             f"bench={up_url},max_concurrency=1024"], cwd=ROOT, quiet=True,
-                            env={"TAILSCOPE_KV_CACHE_MB": "64", "TAILSCOPE_STORE_DSN": store,
-                                 "TAILSCOPE_THREADS": "1"}).start()
+        gw = proxy_gateway(f"bench={up_url},max_concurrency=1024")
         procs.append(gw.proc)
         targets.append(("tailscope", gw.url, "bench", gw.proc))
         if litellm:
