@@ -57,6 +57,15 @@ class FlowControl:
         f = self.flows.get(request_id)
         return f is not None and f.paused_since is not None
 
+    def deliver(self, delta) -> bool:
+        """Put a delta (``engine.protocol.TokenDelta``) in its request's queue, if the request
+        is tracked, and judge the buffer (``delivered``); True as ``delivered`` says."""
+        f = self.flows.get(delta.request_id)
+        if f is None:
+            return False
+        f.queue.put_nowait(delta)
+        return self.delivered(delta.request_id, delta.finish_reason is not None)
+
     def delivered(self, request_id: str, final: bool) -> bool:
         """A delta was put in the request's queue. Returns True when it was the last one of a
         request aborted for its slow client: nobody will read it, the owner should free it."""

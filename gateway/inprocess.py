@@ -83,13 +83,10 @@ class InProcessBackend:
         if report.stats is not None and self.on_step is not None:
             self.on_step(self.id, 0, report)
         for delta in report.deltas:
-            queue = self.queues.get(delta.request_id)
-            if queue is not None:
-                queue.put_nowait(delta)
-                if self.flow.delivered(delta.request_id, delta.finish_reason is not None):
-                    self.release(delta.request_id)  # its reader holds the queue
-                    if self.on_abandoned is not None:
-                        self.on_abandoned(delta.request_id)
+            if self.flow.deliver(delta):  # its reader holds the queue
+                self.release(delta.request_id)
+                if self.on_abandoned is not None:
+                    self.on_abandoned(delta.request_id)
 
     async def _watch(self) -> None:
         while True:

@@ -295,13 +295,10 @@ class ReplicaPool:
                 if replica is not None and final:
                     replica.ended[delta.state] += 1
                 self._account(delta)
-                queue = self.queues.get(delta.request_id)
-                if queue is not None:
-                    queue.put_nowait(delta)
-                    if self.flow.delivered(delta.request_id, final):
-                        self.release(delta.request_id)  # its reader holds the queue
-                        if self.on_abandoned is not None:
-                            self.on_abandoned(delta.request_id)
+                if self.flow.deliver(delta):  # its reader holds the queue
+                    self.release(delta.request_id)
+                    if self.on_abandoned is not None:
+                        self.on_abandoned(delta.request_id)
 
     async def _watchdog(self) -> None:
         while True:
