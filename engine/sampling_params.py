@@ -24,10 +24,19 @@ class SamplingParamsError(ValueError):
         self.param = param
 
 
+_COMPACT = {"x-guidance": {"whitespace_flexible": False}}
+
+
 @dataclass(frozen=True)
 class StructuredOutput:
     """``response_format`` reduced to what the grammar needs: a JSON schema as a string
-    (``{"type": "object"}`` for ``json_object``)."""
+    (``{"type": "object"}`` for ``json_object``).
+
+    The JSON is written with fixed separators (llguidance's ``x-guidance`` option
+    ``whitespace_flexible: false``) unless the schema sets ``x-guidance`` itself: with free
+    whitespace between tokens a model can emit whitespace until ``max_tokens`` (the random
+    test models always did; vLLM users report it with real ones), and compact JSON is what
+    OpenAI's structured outputs return."""
 
     kind: str  # "json_object" | "json_schema"
     schema: str
@@ -38,14 +47,14 @@ class StructuredOutput:
             return None
         kind = rf.get("type")
         if kind == "json_object":
-            return cls("json_object", json.dumps({"type": "object"}))
+            return cls("json_object", json.dumps({"type": "object", **_COMPACT}))
         if kind == "json_schema":
             spec = rf.get("json_schema")
             schema = spec.get("schema") if isinstance(spec, dict) else None
             if not isinstance(schema, dict):
                 raise SamplingParamsError("response_format",
                                           "response_format.json_schema.schema must be an object")
-            return cls("json_schema", json.dumps(schema))
+            return cls("json_schema", json.dumps({**_COMPACT, **schema}))
         raise SamplingParamsError("response_format",
                                   f"response_format type {kind!r} is not one of text, "
                                   "json_object, json_schema")

@@ -31,6 +31,7 @@ from gateway.errors import APIError, api_error_handler
 from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics
 from gateway.replicas import ReplicaPool
+from gateway.schemas import TokenizerInfoResponse
 from gateway.serving import Service
 from gateway.store_api import open_store, step_row
 from gateway.tenants import TenantRegistry
@@ -257,6 +258,21 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
                                     *(upstreams.models if upstreams else [])]))
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
                                             "owned_by": "tailscope"} for name in names]}
+
+    @app.get("/tokenizer_info", response_model=TokenizerInfoResponse, tags=["Utility"])
+    async def tokenizer_info(request: Request) -> dict:
+        """The bundled model's tokenizer: special tokens and chat template (vLLM's shape)."""
+        registry.authenticate(request.headers.get("authorization"))
+        tok = tokenizer.tokenizer
+
+        def text(token_id: int | None) -> str | None:
+            return tok.id_to_token(token_id) if token_id is not None else None
+
+        return {"tokenizer_class": "tokenizers.Tokenizer", "bos_token": text(
+            tokenizer.bos_token_id), "eos_token": text(tokenizer.eos_token_id),
+            "pad_token": None, "chat_template": tokenizer.chat_template.source
+            if tokenizer.chat_template else None, "model_max_length": pool.max_model_len,
+            "vocab_size": tokenizer.vocab_size, "revision": tokenizer.revision or ""}
 
     async def gated(request: Request, handler) -> Response:
         """Ingress gate (auth, request rate, concurrency) before any parsing or tokenizing;

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 INT32_MAX = (1 << 31) - 1
@@ -125,15 +125,27 @@ class DetokenizeRequest(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[TokenId]
+    # OpenAI's four shapes; a batch (a list of texts or of token lists) of one prompt is that
+    # prompt (lm-evaluation-harness sends its requests so), a larger batch is refused below
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     logprobs: Count | None = None
     echo: bool = False
     response_format: dict[str, Any] | None = None
     suffix: str | None = None
     best_of: int | None = None
 
+    @model_validator(mode="after")
+    def _one_prompt(self) -> CompletionRequest:
+        p = self.prompt
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
+            self.prompt = p[0]
+        return self
+
     def unsupported(self) -> None:
         super().unsupported()
+        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
+            raise Unsupported("prompt", f"a batch of {len(self.prompt)} prompts: send one "
+                              "prompt per request (each request gets its own trace record)")
         if self.suffix:
             raise Unsupported("suffix", "suffix (insertion) is not supported by the bundled "
                               "engine")
@@ -189,6 +201,19 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class TokenizerInfoResponse(BaseModel):
+    """vLLM's ``GET /tokenizer_info`` (lm-evaluation-harness's ``remote`` tokenizer reads it)."""
+
+    tokenizer_class: str
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    chat_template: str | None
+    model_max_length: int
+    vocab_size: int
+    revision: str
 
 
 class DebugQuery(BaseModel):

@@ -52,6 +52,7 @@ from gateway.tools import (
     ToolSpec,
     ToolStream,
     check_message,
+    cut_short,
     parse,
     render_messages,
 )
@@ -704,6 +705,8 @@ class Service:
         if c.tools is None or c.final_state != "FINISHED":
             return []
         calls = parse(text, c.tools) or []
+        if not calls and c.tools.forced and c.finish_reason == "length":
+            calls = cut_short(text)
         if calls:
             c.calls, c.called = calls, [x.name for x in calls]
             if c.finish_reason == "stop":
@@ -757,7 +760,7 @@ class Service:
             texts[c.index] = head + texts[c.index]
             lp = self.logprobs_body(head_lps + self.new_logprobs(c), chat) \
                 if c.logprobs is not None else None
-            if c.calls:
+            if c.calls or (chat and c.tools is not None and c.tools.forced):
                 body_choices.append({"index": c.index, "message": {
                     "role": "assistant", "content": None,
                     "tool_calls": [x.body() for x in c.calls]}, "logprobs": lp,

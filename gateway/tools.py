@@ -323,6 +323,15 @@ def parse(text: str, spec: ToolSpec) -> list[ToolCall] | None:
     return out
 
 
+def cut_short(text: str) -> list[ToolCall]:
+    """The calls of a forced answer that ended before its object closed (``max_tokens``): each
+    named call with the arguments text written so far, as OpenAI returns a call cut short (and
+    as the same answer streams), rather than the call object leaking as content."""
+    stream = ToolStream()
+    stream.feed(text)
+    return stream.calls()
+
+
 @dataclass
 class ToolStream:
     """Turns a forced call's text, as it is generated, into OpenAI's ``tool_calls`` deltas."""
@@ -352,3 +361,12 @@ class ToolStream:
                 self.sent[idx] += len(fragment)
                 out.append({"index": idx, "function": {"arguments": fragment}})
         return out
+
+    def calls(self) -> list[ToolCall]:
+        """The calls streamed so far, each with the argument text sent."""
+        stripped = self.text.lstrip()
+        spans, _ = scan(stripped)
+        return [ToolCall(self.ids[i], c.name,
+                         stripped[c.args_start:c.args_start + self.sent[i]]
+                         if c.args_start is not None else "")
+                for i, c in enumerate(spans[:len(self.ids)])]

@@ -125,6 +125,29 @@ def test_tokenize_and_detokenize_in_vllms_shapes(client):
         assert bad.status_code in (400, 404) and bad.json()["error"]["param"] == param, bad.text
 
 
+def test_tokenizer_info_in_vllms_shape(client, bundled_tokenizer):
+    info = client.get("/tokenizer_info").json()
+    assert info["eos_token"] == bundled_tokenizer.tokenizer.id_to_token(
+        bundled_tokenizer.eos_token_id)
+    assert info["chat_template"] == bundled_tokenizer.chat_template.source
+    assert info["vocab_size"] == bundled_tokenizer.vocab_size and info["model_max_length"] > 0
+
+
+def test_a_batch_of_one_prompt_is_that_prompt_and_larger_batches_are_refused(client):
+    one = {"model": MODEL, "max_tokens": 4, "temperature": 0, "logprobs": 0}
+    ids = client.post("/tokenize", json={"prompt": "Hello there"}).json()["tokens"]
+    plain = client.post("/v1/completions", json={**one, "prompt": "Hello there"}).json()
+    for prompt in (["Hello there"], [ids], ids):
+        got = client.post("/v1/completions", json={**one, "prompt": prompt})
+        assert got.status_code == 200, got.text
+        assert got.json()["choices"][0]["text"] == plain["choices"][0]["text"]
+        assert got.json()["usage"] == plain["usage"]
+    for prompt in (["a", "b"], [ids, ids]):
+        bad = client.post("/v1/completions", json={**one, "prompt": prompt})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+        assert bad.json()["error"]["code"] == "unsupported_parameter"
+
+
 def test_prompt_logprobs_vllm_extra_on_chat(client, tiny49k):
     r = client.post("/v1/chat/completions", json={
         "model": MODEL, "messages": [{"role": "user", "content": "Name a colour."}],

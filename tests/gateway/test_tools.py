@@ -75,6 +75,29 @@ def test_required_calls_stream_as_openai_streams_them(client):
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
+def test_a_forced_call_cut_by_max_tokens_is_a_partial_call_streamed_or_not(client):
+    """As OpenAI answers it: the call so far with finish_reason length, never the call object
+    as content; the streamed deltas add up to the same arguments."""
+    body = {"model": MODEL, "messages": ASK, "tools": [WEATHER], "max_tokens": 24, "temperature": 0,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    r = client.post("/v1/chat/completions", json=body)
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    args = call["function"]["arguments"]
+    assert call["function"]["name"] == "get_weather" and args.startswith("{")
+    with pytest.raises(ValueError):
+        json.loads(args)  # cut short
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    deltas = [tc for c in chunks if c["choices"]
+              for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert "".join(tc["function"]["arguments"] for tc in deltas) == args  # greedy: same text
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert client.sink.find(r.headers["x-tailscope-trace-id"]).tool_calls == ["get_weather"]
+
+
 def test_the_openai_sdk_a_tool_result_turn_and_tool_choice_none(client):
     sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client)
     out = sdk.chat.completions.create(
