@@ -70,6 +70,9 @@ class SamplingFields(BaseModel):
     # vLLM's extra: each prompt token's logprob and this many alternatives, in the response's
     # top-level "prompt_logprobs" (non-streamed responses)
     prompt_logprobs: Count | None = None
+    # vLLM's extra: the prompt's token ids (chat: top level; completions: per choice) and each
+    # choice's generated ids (per chunk when streamed)
+    return_token_ids: bool = False
 
     def unsupported(self) -> None:
         """Raise ``Unsupported`` for a field the engine would otherwise ignore."""

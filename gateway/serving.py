@@ -106,6 +106,15 @@ class Choice:
     calls: list = field(default_factory=list)  # the gateway.tools.ToolCall it made
     called: list[str] = field(default_factory=list)  # the tools it called
     token_steps: list[int] = field(default_factory=list)  # the engine step of each token
+    return_ids: bool = False  # vLLM's return_token_ids
+    ids_sent: int = -1  # (streams) generated ids sent so far; -1: not even the prompt's
+
+    def new_ids(self) -> list[int]:
+        """(streams, return_token_ids) the generated ids not sent yet (none when scoring)."""
+        ids = [] if self.scoring else self.token_ids
+        out = ids[max(self.ids_sent, 0):]
+        self.ids_sent = len(ids)
+        return out
 
 
 class Service:
@@ -192,7 +201,9 @@ class Service:
                 self.registry.finish(tenant)
 
         request.state.settled_by_run = True
-        return await self.upstreams.proxy(request, data, path, trace, settle)
+        return await self.upstreams.proxy(
+            request, data, path, trace, settle,
+            keep_ids=self.config.record_token_ids and tenant.capture == "full")
 
     def _mixed_route(self, model: str, trace: RequestTrace) -> bool:
         """Bundled replicas and external backends serve ``model``: the side with fewer requests
@@ -668,6 +679,7 @@ class Service:
             raise
         for c in choices:
             c.echo, c.scoring, c.tools = echo, scoring, tools
+            c.return_ids = req.return_token_ids
             if tools is not None and tools.forced:
                 c.tool_stream = ToolStream()
             elif tools is not None:
@@ -772,11 +784,17 @@ class Service:
             else:
                 body_choices.append({"index": c.index, "text": texts[c.index], "logprobs": lp,
                                      "finish_reason": c.finish_reason})
+                if req.return_token_ids:
+                    body_choices[-1]["prompt_token_ids"] = prompt
+            if req.return_token_ids:
+                body_choices[-1]["token_ids"] = [] if c.scoring else c.token_ids
         body = {"id": rid, "object": obj, "created": created,
                 "model": self.config.served_model_name, "choices": body_choices,
                 "usage": self.usage(len(prompt), choices)}
         if req.prompt_logprobs is not None and choices:
             body["prompt_logprobs"] = self.vllm_prompt_logprobs(choices[0].prompt_logprobs)
+        if req.return_token_ids and chat:
+            body["prompt_token_ids"] = prompt
         return JSONResponse(body)
 
     def vllm_prompt_logprobs(self, entries: list | None) -> list:
@@ -822,6 +840,10 @@ class Service:
                         "finish_reason": finish}
             payload = {"id": rid, "object": chunk_obj, "created": created, "model": model,
                        "choices": [body]}
+            if c.return_ids:  # vLLM's shape: the prompt's ids with a choice's first chunk
+                if c.ids_sent < 0:
+                    (payload if chat else body)["prompt_token_ids"] = prompt
+                body["token_ids"] = c.new_ids()
             if include_usage:
                 payload["usage"] = None
             return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

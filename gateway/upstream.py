@@ -62,6 +62,14 @@ log = logging.getLogger("tailscope.upstream")
 logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
+def _flag(v) -> bool | None:
+    """A YAML bool, or true/false/1/0/yes/no as a --backend flag's text; None otherwise."""
+    if isinstance(v, bool):
+        return v
+    return {"true": True, "1": True, "yes": True, "false": False, "0": False,
+            "no": False}.get(str(v).strip().lower())
+
+
 @dataclass(frozen=True)
 class UpstreamConfig:
     name: str  # the replica name records and /debug/replicas use
@@ -76,6 +84,13 @@ class UpstreamConfig:
     eject_after: int = 3  # failures in a row that eject it
     eject_s: float = 10.0  # how long an ejected backend is left alone
     probe_interval_s: float = 5.0  # health probe period (0: no probes)
+    # ask for token ids (vLLM's return_token_ids, vLLM >= 0.10.2, or another Tailscope) so the
+    # records keep them; stripped from the answer unless the client asked for them itself
+    return_token_ids: bool = False
+    # ask for usage on streams (stream_options.include_usage) so the records have exact token
+    # counts (and vLLM's per-request metrics, which come with the usage chunk); the usage chunk
+    # is not passed on to a client that did not ask for it
+    stream_usage: bool = True
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
@@ -113,13 +128,13 @@ class UpstreamConfig:
                              f"{', '.join(known)}")
         out = {}
         for k, v in values.items():
-            kind = {"int": int, "float": float, "str": str}[known[k]]
+            kind = {"int": int, "float": float, "str": str, "bool": _flag}[known[k]]
             try:
-                out[k] = kind(v) if not isinstance(v, bool) else None
+                out[k] = kind(v) if not isinstance(v, bool) or kind is _flag else None
             except (TypeError, ValueError):
                 out[k] = None
             if out[k] is None:
-                raise ValueError(f"{where}: {k} must be {kind.__name__}, got {v!r}")
+                raise ValueError(f"{where}: {k} must be {known[k]}, got {v!r}")
         return cls(**out)
 
     @classmethod
@@ -213,6 +228,12 @@ class _Stream:
     content_chunks: int = 0
     timings: dict | None = None  # llama.cpp's own per-request timings object
     timings_ns: int = 0  # monotonic time it arrived (the end of generation, upstream)
+    keep_ids: bool = True  # the record may keep token ids (the tenant's capture setting)
+    strip_usage: bool = False  # the gateway asked for the stream's usage: not the client's
+    metrics: dict | None = None  # vLLM's per-request metrics (--enable-per-request-metrics)
+    strip_ids: bool = False  # the gateway asked for token ids: they are not the client's
+    prompt_ids: list[int] | None = None  # return_token_ids: the prompt's
+    output_ids: list[int] = field(default_factory=list)  # and choice 0's generated ids
 
 
 class UpstreamPool:
@@ -348,17 +369,19 @@ class UpstreamPool:
 
     # ---- one request ------------------------------------------------------------------------
     async def proxy(self, request: Request, data: dict, path: str, trace: RequestTrace,
-                    settle) -> Response:
+                    settle, keep_ids: bool = True) -> Response:
         """Send ``data`` to a backend of its model (once more elsewhere when nothing was
-        received); ``settle()`` (idempotent) is called when the exchange is over."""
+        received); ``settle()`` (idempotent) is called when the exchange is over.
+        ``keep_ids``: the record may keep token ids the backend returns (the tenant's
+        capture setting)."""
         try:
-            return await self._proxy(request, data, path, trace, settle)
+            return await self._proxy(request, data, path, trace, settle, keep_ids)
         except BaseException:
             settle()  # once: a no-op when the exchange already settled
             raise
 
     async def _proxy(self, request: Request, data: dict, path: str, trace: RequestTrace,
-                     settle) -> Response:
+                     settle, keep_ids: bool) -> Response:
         model = data["model"]
         stream = bool(data.get("stream"))
         r = trace.record
@@ -374,8 +397,18 @@ class UpstreamPool:
                 f"for {model}"))))
             r.model_revision = up.model_revision
             body = {**data, "model": up.config.upstream_model or model}
+            seen = _Stream(keep_ids=keep_ids)
+            if up.config.return_token_ids and "return_token_ids" not in data:
+                body["return_token_ids"], seen.strip_ids = True, True
+            options = data.get("stream_options")
+            if stream and up.config.stream_usage and not (
+                    isinstance(options, dict) and options.get("include_usage")):
+                body["stream_options"] = {**(options if isinstance(options, dict) else {}),
+                                          "include_usage": True}
+                seen.strip_usage = True
             try:
-                return await self._attempt(up, request, body, path, stream, trace, settle)
+                return await self._attempt(up, request, body, path, stream, trace, settle,
+                                           seen)
             except UpstreamError as exc:
                 can_retry = exc.retry and any(
                     u.config.name not in tried and u.state != "ejected"
@@ -394,7 +427,7 @@ class UpstreamPool:
                                else "invalid_request_error", code=exc.code) from None
 
     async def _attempt(self, up: Upstream, request: Request, body: dict, path: str,
-                       stream: bool, trace: RequestTrace, settle) -> Response:
+                       stream: bool, trace: RequestTrace, settle, seen: _Stream) -> Response:
         c = up.config
         up.inflight += 1
         up.requests += 1
@@ -435,14 +468,15 @@ class UpstreamPool:
                     raise self._failure(up, 502, "upstream_protocol", f"backend {c.name} "
                                         "answered 200 with a body that is not JSON") from None
                 up.succeeded()
-                seen = _Stream()
                 _note(seen, answer)
+                if seen.strip_ids and _strip_ids(answer):
+                    raw = json.dumps(answer, ensure_ascii=False).encode()
                 _finish(trace, seen)
                 settle()
                 return Response(raw, media_type="application/json")
             up.succeeded()  # headers and a 200: the upstream is up
             relayed = True
-            return StreamingResponse(self._relay(up, resp, trace, settle),
+            return StreamingResponse(self._relay(up, resp, trace, settle, seen),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         finally:
@@ -485,11 +519,10 @@ class UpstreamPool:
         return UpstreamError(status, code, message, True)
 
     async def _relay(self, up: Upstream, resp: httpx.Response, trace: RequestTrace,
-                     settle) -> AsyncIterator[bytes]:
+                     settle, seen: _Stream) -> AsyncIterator[bytes]:
         """The upstream's SSE lines to the client as they come; a stall, a break or a
         malformed event becomes an SSE error event, and the record says which."""
         c = up.config
-        seen = _Stream()
         lines = resp.aiter_lines()
         code, message, done, ended = "", "", False, False
         try:
@@ -521,6 +554,14 @@ class UpstreamPool:
                     if isinstance(chunk, dict) and isinstance(chunk.get("error"), dict):
                         code = "upstream_error"  # relayed as it came; the record keeps it
                         message = str(chunk["error"].get("message") or "upstream error")
+                    edited = seen.strip_ids and _strip_ids(chunk)
+                    if seen.strip_usage and isinstance(chunk, dict) and "usage" in chunk:
+                        if not chunk.get("choices"):
+                            continue  # the usage chunk the gateway asked for (noted above)
+                        del chunk["usage"]
+                        edited = True
+                    if edited:
+                        line = "data: " + json.dumps(chunk, ensure_ascii=False)
                 yield (line + "\n").encode()
                 if done:
                     break
@@ -555,10 +596,19 @@ def _note(seen: _Stream, chunk) -> bool:
         seen.usage = chunk["usage"]
     if isinstance(chunk.get("timings"), dict):
         seen.timings, seen.timings_ns = chunk["timings"], time.monotonic_ns()
+    if isinstance(chunk.get("metrics"), dict):
+        seen.metrics, seen.timings_ns = chunk["metrics"], time.monotonic_ns()
+    if _ids(chunk.get("prompt_token_ids")) is not None:  # vLLM: chat, top level
+        seen.prompt_ids = chunk["prompt_token_ids"]
     content = False
     for choice in chunk.get("choices") or []:
         if not isinstance(choice, dict):
             continue
+        if choice.get("index", 0) == 0:  # return_token_ids (completions: per choice)
+            if _ids(choice.get("prompt_token_ids")) is not None:
+                seen.prompt_ids = choice["prompt_token_ids"]
+            if (ids := _ids(choice.get("token_ids"))) is not None:
+                seen.output_ids.extend(ids)
         if choice.get("finish_reason"):
             seen.finish_reason = str(choice["finish_reason"])
         delta = choice.get("delta") or choice.get("message") or {}
@@ -570,14 +620,37 @@ def _note(seen: _Stream, chunk) -> bool:
     return content
 
 
+def _ids(value) -> list[int] | None:
+    """A list of token ids (ints that fit the record's column), else None."""
+    if isinstance(value, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32 for t in value):
+        return value
+    return None
+
+
+def _strip_ids(chunk) -> bool:
+    """Remove return_token_ids' fields from a body or chunk; True when there were any."""
+    if not isinstance(chunk, dict):
+        return False
+    found = chunk.pop("prompt_token_ids", None) is not None
+    for choice in chunk.get("choices") or []:
+        if isinstance(choice, dict):
+            found |= choice.pop("prompt_token_ids", None) is not None
+            found |= choice.pop("token_ids", None) is not None
+    return found
+
+
 def _finish(trace: RequestTrace, seen: _Stream) -> None:
     r = trace.record
     r.response_id = seen.response_id
     r.final_state, r.finish_reason = "FINISHED", seen.finish_reason or "stop"
-    u, t = seen.usage, _upstream_timings(seen.timings)
-    r.prompt_tokens = int(u.get("prompt_tokens") or (t.prompt_n + t.cache_n if t else 0))
+    u, t = seen.usage, _upstream_timings(seen)
+    r.prompt_tokens = int(u.get("prompt_tokens") or (t.prompt_n + t.cache_n if t else 0)
+                          or len(seen.prompt_ids or ()))
     r.generated_tokens = r.emitted_tokens = int(u.get("completion_tokens") or (
-        t.predicted_n if t else 0) or seen.content_chunks)
+        t.predicted_n if t else 0) or len(seen.output_ids) or seen.content_chunks)
+    if seen.keep_ids:
+        r.input_token_ids, r.output_token_ids = list(seen.prompt_ids or ()), seen.output_ids
     routed = trace.marks.get("ROUTED")
     if t is not None and routed is not None:
         trace.engine_stats = _timeline(t, seen.timings_ns - routed)
@@ -593,15 +666,31 @@ class _Timings:
     cache_n: int
 
 
-def _upstream_timings(raw: dict | None) -> _Timings | None:
-    """llama.cpp's ``timings`` (prompt_n/ms, predicted_n/ms, cache_n), checked; None when
-    absent or not numbers (it is then only what the gateway saw)."""
-    if not raw:
-        return None
+def _upstream_timings(seen: _Stream) -> _Timings | None:
+    """The upstream's own report, checked: llama.cpp's ``timings`` (prompt_n/ms,
+    predicted_n/ms, cache_n), or vLLM's per-request ``metrics`` (``time_to_first_token_ms``:
+    scheduled to first token, i.e. prefill; ``generation_time_ms``: first to last token, null
+    for one token; the counts from ``usage``, cached tokens from its
+    ``prompt_tokens_details``). None when absent or not numbers (it is then only what the
+    gateway saw)."""
+    raw, m = seen.timings, seen.metrics
     try:
-        t = _Timings(int(raw["prompt_n"]), float(raw["prompt_ms"]), int(raw["predicted_n"]),
-                     float(raw["predicted_ms"]), int(raw.get("cache_n") or 0))
-    except (KeyError, TypeError, ValueError):
+        if raw:
+            t = _Timings(int(raw["prompt_n"]), float(raw["prompt_ms"]),
+                         int(raw["predicted_n"]), float(raw["predicted_ms"]),
+                         int(raw.get("cache_n") or 0))
+        elif m and m.get("time_to_first_token_ms") is not None:
+            u = seen.usage
+            details = u.get("prompt_tokens_details")
+            cached = int((details or {}).get("cached_tokens") or 0) \
+                if isinstance(details, dict) else 0
+            t = _Timings(int(u.get("prompt_tokens") or 0) - cached,
+                         float(m["time_to_first_token_ms"]),
+                         int(u.get("completion_tokens") or 0),
+                         float(m.get("generation_time_ms") or 0.0), cached)
+        else:
+            return None
+    except (KeyError, TypeError, ValueError, AttributeError):
         return None
     ok = min(t.prompt_n, t.predicted_n, t.cache_n) >= 0 and min(t.prompt_ms, t.predicted_ms) >= 0
     return t if ok else None

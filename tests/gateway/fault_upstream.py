@@ -11,6 +11,11 @@ model. ``python tests/gateway/fault_upstream.py PORT``; what it does is chosen b
   cut off by the caller (``{"cancelled": n}``);
 - ``llama``: after 0.15 s, a three-token answer with llama.cpp's ``timings`` object (prompt 5
   tokens in 40 ms, 2 more from its cache, 3 predicted in 100 ms), streamed or not.
+- ``vllm``: after 0.15 s, a three-token answer like vLLM with ``--enable-per-request-metrics``:
+  ``usage`` (7 prompt tokens, 2 of them cached) and ``metrics`` (first token 40 ms after it
+  was scheduled, 100 ms more to the last), in the final usage chunk only when
+  ``stream_options.include_usage`` asks for it; ``return_token_ids`` in vLLM's shape.
+  ``GET /stats`` has the last body it received (``last_vllm_body``).
 
 It also answers health probes like vLLM: ``GET /health``, ``GET /v1/models`` (``root`` names
 scripted weights) and ``GET /version``.
@@ -53,16 +58,53 @@ async def health(request: Request):
 async def models(request: Request):
     return JSONResponse({"object": "list", "data": [
         {"id": "echo", "object": "model", "root": "scripted/echo-weights@rev1"},
-        {"id": "llama", "object": "model", "root": "scripted/llama-weights@rev2"}]})
+        {"id": "llama", "object": "model", "root": "scripted/llama-weights@rev2"},
+        {"id": "vllm", "object": "model", "root": "scripted/vllm-weights@rev3"}]})
 
 
 async def version(request: Request):
     return JSONResponse({"version": "fault-1.0"})
 
 
+VLLM_USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
+              "prompt_tokens_details": {"cached_tokens": 2}}
+VLLM_METRICS = {"time_to_first_token_ms": 40.0, "generation_time_ms": 100.0,
+                "queue_time_ms": 5.0, "mean_itl_ms": 50.0, "tokens_per_second": 21.4}
+VLLM_PROMPT, VLLM_OUTPUT = [11, 12, 13, 14, 15, 16, 17], [21, 22, 23]
+
+
+async def vllm(body: dict):
+    STATS["last_vllm_body"] = body
+    ids = bool(body.get("return_token_ids"))
+    await asyncio.sleep(0.15)
+    if not body.get("stream"):
+        choice = {"index": 0, "text": "a b c", "finish_reason": "length"}
+        if ids:
+            choice.update(prompt_token_ids=VLLM_PROMPT, token_ids=VLLM_OUTPUT)
+        return JSONResponse({"id": "cmpl-vllm", "object": "text_completion", "choices": [choice],
+                             "usage": VLLM_USAGE, "metrics": VLLM_METRICS})
+
+    async def events():
+        for i, t in enumerate(("a", " b", " c")):
+            c = json.loads(chunk(t, "length" if i == 2 else None)[6:])
+            if ids:
+                c["choices"][0]["token_ids"] = [VLLM_OUTPUT[i]]
+                if i == 0:
+                    c["choices"][0]["prompt_token_ids"] = VLLM_PROMPT
+            yield "data: " + json.dumps(c) + "\n\n"
+        if (body.get("stream_options") or {}).get("include_usage"):
+            yield "data: " + json.dumps({"id": "cmpl-fault", "object": "text_completion",
+                                         "choices": [], "usage": VLLM_USAGE,
+                                         "metrics": VLLM_METRICS}) + "\n\n"
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
 async def completions(request: Request):
     body = await request.json()
     mode = body.get("model")
+    if mode == "vllm":
+        return await vllm(body)
     if mode == "llama":
         await asyncio.sleep(0.15)
         if body.get("stream"):

@@ -61,9 +61,14 @@ def test_backend_flags_and_yaml_entries_are_checked():
                                   "max_concurrency=8,idle_timeout_s=2.5")
     assert (c.name, c.model, c.upstream_model, c.max_concurrency, c.idle_timeout_s) == (
         "vllm", "vllm", "meta/llama", 8, 2.5) and c.base == "http://gpu:8000/v1"
+    assert not c.return_token_ids
+    assert UpstreamConfig.parse_flag("v=http://x,return_token_ids=yes").return_token_ids
+    assert UpstreamConfig.from_mapping({"name": "v", "url": "http://x", "model": "m",
+                                        "return_token_ids": True}).return_token_ids
     for bad, match in [("vllm", "NAME=URL"), ("v=ftp://x", "http"), ("v=http://x,oops", "key"),
                        ("v=http://x,max_concurrency=lots", "int"),
                        ("v=http://x,colour=red", "unknown"),
-                       ("v=http://x,idle_timeout_s=0", "> 0")]:
+                       ("v=http://x,idle_timeout_s=0", "> 0"),
+                       ("v=http://x,return_token_ids=maybe", "bool")]:
         with pytest.raises(ValueError, match=match):
             UpstreamConfig.parse_flag(bad)

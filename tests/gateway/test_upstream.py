@@ -59,7 +59,7 @@ def _backend(name: str, url: str, upstream_model: str, **kw) -> list[str]:
 @pytest.fixture(scope="module")
 def gateway(bundled_path, upstream, faults):
     args = ["--model", "tiny:49152", "--tokenizer", str(bundled_path),
-            *_backend("up", upstream.url, DIRECT, model="tiny-up"),
+            *_backend("up", upstream.url, DIRECT, model="tiny-up", return_token_ids="true"),
             *_backend("echo", faults, "echo"),
             *_backend("stall", faults, "stall-first-byte", first_byte_timeout_s=1),
             *_backend("stallmid", faults, "stall-mid", idle_timeout_s=1),
@@ -72,6 +72,7 @@ def gateway(bundled_path, upstream, faults):
             *_backend("flaky-a", faults, "error-500", model="flaky"),
             *_backend("flaky-b", faults, "echo", model="flaky"),
             *_backend("llama", faults, "llama"),
+            *_backend("vllm", faults, "vllm", return_token_ids="true"),
             *_backend("dead", f"http://127.0.0.1:{free_port()}", "echo", probe_interval_s=0.2,
                       eject_after=2, eject_s=600)]
     server = start_server(*args)
@@ -127,6 +128,51 @@ def test_a_proxied_request_has_one_record_joined_to_the_upstreams_trace(gateway,
     assert rec["response_id"] == chunks[0]["id"]
     theirs = record(upstream.url, trace_id)["record"]  # the upstream continued our trace
     assert theirs["parent_span_id"] == rec["span_id"] and theirs["emitted_tokens"] == 4
+
+
+def test_return_token_ids_on_the_bundled_engine_in_vllms_shape(upstream):
+    """vLLM's extra on our own engine: the prompt's ids and the generated ids, per chunk when
+    streamed (they add up to the whole answer's)."""
+    ask = {"model": DIRECT, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+           "return_token_ids": True}
+    ids = httpx.post(f"{upstream.url}/tokenize", json={"prompt": "The sky is"}).json()["tokens"]
+    whole = httpx.post(f"{upstream.url}/v1/completions",
+                       json={**ask, "prompt": "The sky is"}).json()["choices"][0]
+    assert whole["prompt_token_ids"] == ids and len(whole["token_ids"]) == 6
+    r = httpx.post(f"{upstream.url}/v1/completions", json={**ask, "prompt": "The sky is",
+                                                          "stream": True})
+    chunks = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == ids
+    assert not any("prompt_token_ids" in c["choices"][0] for c in chunks[1:])
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == whole["token_ids"]
+    msgs = [{"role": "user", "content": "Hello"}]
+    chat = httpx.post(f"{upstream.url}/v1/chat/completions", json={**ask, "messages": msgs})
+    tokenized = httpx.post(f"{upstream.url}/tokenize", json={"messages": msgs}).json()
+    assert chat.json()["prompt_token_ids"] == tokenized["tokens"]
+    assert len(chat.json()["choices"][0]["token_ids"]) == 6
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_token_ids_from_the_upstream_reach_the_record_not_the_client(gateway, upstream,
+                                                                     stream, path):
+    """The backend is configured with return_token_ids: the gateway asks for them, keeps them
+    in its record (equal to the upstream engine's own record) and strips them from the answer
+    of a client that did not ask; a client that asks gets them."""
+    body = {"model": "tiny-up", "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "stream": stream, **({"prompt": "The sky is"} if "chat" not in path else
+                                 {"messages": [{"role": "user", "content": "Hi"}]})}
+    r = httpx.post(f"{gateway.url}{path}", json=body, timeout=30)
+    assert r.status_code == 200 and "token_ids" not in r.text
+    trace_id = r.headers["x-tailscope-trace-id"]
+    ours, theirs = record(gateway.url, trace_id)["record"], record(upstream.url, trace_id)[
+        "record"]
+    assert ours["input_token_ids"] == theirs["input_token_ids"] != []
+    assert ours["output_token_ids"] == theirs["output_token_ids"] and len(
+        ours["output_token_ids"]) == 5
+    asked = httpx.post(f"{gateway.url}{path}", json={**body, "return_token_ids": True},
+                       timeout=30)
+    assert "token_ids" in asked.text and asked.status_code == 200
 
 
 def test_fields_reach_the_upstream_unchanged_and_its_fields_come_back(gateway):
@@ -229,6 +275,30 @@ def test_llama_cpp_timings_fill_the_engine_stages_and_say_so(gateway, stream):
     plain = post(gateway, "echo")  # no timings: only what the gateway saw
     assert record(gateway.url, plain.headers["x-tailscope-trace-id"])["record"][
         "timing_source"] == "gateway"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_vllm_per_request_metrics_and_token_ids_fill_the_record(gateway, faults, stream):
+    """vLLM's ``metrics`` (with the usage the gateway asks for on streams) become the engine
+    stages; its token ids reach the record; neither asked-for field reaches the client."""
+    r = post(gateway, "vllm", stream=stream)
+    assert r.status_code == 200, r.text
+    assert "token_ids" not in r.text
+    assert ('"usage"' in r.text) is not stream  # a stream's usage was the gateway's to ask
+    sent = httpx.get(f"{faults}/stats").json()["last_vllm_body"]
+    assert sent["return_token_ids"] is True
+    assert sent.get("stream_options") == ({"include_usage": True} if stream else None)
+    rec = record(gateway.url, r.headers["x-tailscope-trace-id"])["record"]
+    assert rec["timing_source"] == "upstream"
+    assert rec["prefill_ms"] == pytest.approx(40.0, abs=0.01)
+    assert rec["decode_ms"] == pytest.approx(100.0, abs=0.01)
+    assert (rec["cached_tokens"], rec["prompt_tokens"], rec["generated_tokens"]) == (2, 7, 3)
+    assert rec["input_token_ids"] == [11, 12, 13, 14, 15, 16, 17]
+    assert rec["output_token_ids"] == [21, 22, 23]
+    if stream:  # a client that asks for usage gets the upstream's usage chunk as it came
+        r = post(gateway, "vllm", stream=True, stream_options={"include_usage": True})
+        last = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")][-1]
+        assert last["usage"]["prompt_tokens"] == 7 and last["metrics"]["queue_time_ms"] == 5.0
 
 
 def test_probes_find_revision_version_and_eject_a_dead_backend_with_no_traffic(gateway):
