@@ -18,9 +18,10 @@ from engine.request import Request
 class TimelineEvent(msgspec.Struct, frozen=True, array_like=True):
     """One state transition of a request, as it crosses to the gateway."""
 
-    state: str  # RequestState name
+    state: str  # RequestState name, or WAIT: a marker (why it waited; detail: the cause)
     at_ms: float  # since the request's engine arrival
     detail: str = ""
+    holders: tuple[str, ...] = ()  # WAIT: the engine request ids it waited on
 
 
 class RequestStats(msgspec.Struct, frozen=True):
@@ -68,9 +69,15 @@ class StepStats(msgspec.Struct, frozen=True):
 def request_stats(req: Request) -> RequestStats:
     if not req.events:
         raise ValueError(f"request {req.request_id} has no events")
+    events = [TimelineEvent(e.state.name, (e.ts_ns - req.arrival_ns) / 1e6, e.detail)
+              for e in req.events]
+    if req.waits:  # markers between the transitions, in time order (ties: after them)
+        events += [TimelineEvent("WAIT", (w.ts_ns - req.arrival_ns) / 1e6,
+                                 f"{w.cause}: {w.detail}" if w.detail else w.cause, w.holders)
+                   for w in req.waits]
+        events.sort(key=lambda e: e.at_ms)
     return RequestStats(
-        events=tuple(TimelineEvent(e.state.name, (e.ts_ns - req.arrival_ns) / 1e6, e.detail)
-                     for e in req.events),
+        events=tuple(events),
         token_offsets_ms=tuple((t - req.arrival_ns) / 1e6 for t in req.token_times_ns),
         cached_tokens=req.num_cached_tokens)
 

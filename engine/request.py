@@ -63,6 +63,19 @@ TRANSITIONS: dict[RequestState | None, frozenset[RequestState]] = {
 }
 
 
+# Why a waiting request (queued, preempted, swapped out) did not run at a scheduler tick: the
+# binding constraint, recorded as a WaitNote when it changes (engine.scheduler).
+WAIT_CAUSES = ("step", "budget", "kv", "seqs", "hol")
+
+
+@dataclass(frozen=True, slots=True)
+class WaitNote:
+    ts_ns: int
+    cause: str  # one of WAIT_CAUSES
+    detail: str = ""
+    holders: tuple[str, ...] = ()  # the requests holding the budget or the blocks, or ahead
+
+
 class IllegalTransition(RuntimeError):
     """Raised when a request is moved along an edge the transition table does not have."""
 
@@ -111,6 +124,8 @@ class Request:
     seq: int = 0  # the scheduler's admission order (ties of arrival_ns break on it)
     branch_parent: str | None = None  # n > 1: forked from this request once it has prefilled
     pending_branches: list[Request] = field(default_factory=list)
+    waits: list[WaitNote] = field(default_factory=list)  # why it waited, at each change
+    wait_cause: str | None = None  # the cause now (None: not waiting since its last note)
 
     @property
     def all_token_ids(self) -> list[int]:

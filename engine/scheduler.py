@@ -32,19 +32,29 @@ preempted by
 
 Admission leaves a watermark of free blocks (1% of the pool, at least one) while anything is
 running, so new arrivals do not take the blocks the running requests are about to need.
+
+Why a request waited. At the end of every tick each request still waiting gets the binding
+constraint that kept it out (``WaitNote``, recorded when it changes): ``budget`` (the tick's
+``max_batched_tokens`` went to others, named), ``seqs`` (``max_num_seqs`` requests running),
+``kv`` (the head of the queue has no KV: blocks held by the running requests, named) or
+``hol`` (behind the head of the queue, which waits for KV, under a head-of-line policy). Before
+its first tick a request waits for the step in progress (``step``, also noted when a swapped-out
+request is copied back in and waits for the next tick). The gateway's timing owner splits the
+request's queue and preempted time by these notes, so the causes add up to exactly that time.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
+import time
 from dataclasses import dataclass, field
 
 from engine.block_pool import BlockAccountingError
 from engine.config import EngineConfig
 from engine.kv_manager import KVCacheManager
 from engine.policy import SchedulingPolicy, make_policy
-from engine.request import Request, RequestState
+from engine.request import Request, RequestState, WaitNote
 
 S = RequestState
 
@@ -229,24 +239,71 @@ class Scheduler:
                     scheduled.add(req.request_id)
                     budget -= n
         self._reserve_waiting()
+        blocked = ""  # why the head of the queue stays
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if not self.kv.has_reservation(req.request_id):
+                blocked = "kv"
                 break  # FCFS: the head waits for capacity, nobody overtakes it
             if req.state == S.SWAPPED:  # copied back in: runs from the next tick on
                 self.waiting.pop(0)
                 self.running.append(req)
                 req.transition(S.RESUMED, "swapped in")
+                self._note(req, "step", "copied back in; runs from the next tick")
                 if req.output_token_ids:  # else it was mid-prefill: RESUMED -> PREFILLING
                     req.transition(S.DECODING)
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._allocate(req, n, scheduled, out):
+                blocked = "kv"
                 break
             self.waiting.pop(0)
             self.running.append(req)
+            req.wait_cause = None
             req.transition(S.RESUMED if req.state == S.PREEMPTED else S.RUNNABLE)
             out.prefills.append(ScheduledSeq(req, n))
             scheduled.add(req.request_id)
             budget -= n
+        if self.waiting:
+            self._note_waits(blocked or ("budget" if budget <= 0 else "seqs"), out)
         return out
+
+    # ---- why the waiting requests wait --------------------------------------------------
+    def _note(self, req: Request, cause: str, detail: str = "",
+              holders: tuple[str, ...] = (), now: int | None = None) -> None:
+        req.wait_cause = cause
+        req.waits.append(WaitNote(time.monotonic_ns() if now is None else now, cause, detail,
+                                  holders))
+
+    def _note_waits(self, head: str, out: SchedulerOutput) -> None:
+        """A note for each waiting request whose binding constraint changed this tick: the
+        head's (``head``) for everyone, except that behind a head waiting for KV the others
+        wait on the head (head of line). Details and holders are worked out once per tick,
+        only when some request needs them."""
+        now = time.monotonic_ns()
+        why: dict[str, tuple[str, tuple[str, ...]]] = {}
+        first = self.waiting[0]
+        for i, req in enumerate(self.waiting):
+            cause = head if i == 0 or head != "kv" else "hol"
+            if cause == req.wait_cause:
+                continue
+            if cause not in why:
+                why[cause] = self._why(cause, out, first)
+            self._note(req, cause, *why[cause], now=now)
+
+    def _why(self, cause: str, out: SchedulerOutput, head: Request
+             ) -> tuple[str, tuple[str, ...]]:
+        if cause == "budget":
+            top = sorted(out.all, key=lambda s: -s.num_new_tokens)[:3]
+            return (f"{self.config.max_batched_tokens} tokens went to {len(out.all)} requests "
+                    f"({out.num_prefill_tokens} prefill, {len(out.decodes)} decode)",
+                    tuple(s.request.request_id for s in top))
+        if cause == "kv":
+            usage = self.kv.usage()
+            held = sorted(((len(self.kv.block_table(r.request_id).blocks), r.request_id)
+                           for r in self.running), reverse=True)[:3]
+            return (f"{usage.blocks_total - usage.blocks_used} of {usage.blocks_total} KV "
+                    f"blocks free, {len(self.running)} running", tuple(r for _, r in held))
+        if cause == "seqs":
+            return f"max_num_seqs ({self.config.max_num_seqs}) requests running", ()
+        return "behind the head of the queue, which waits for KV", (head.request_id,)

@@ -16,9 +16,11 @@ import re
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+import msgspec
 import pydantic
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -133,14 +135,34 @@ class Service:
         # cancelled because its client stopped reading (its socket may stay open for long)
         self._abandon: dict[str, Callable[[], None]] = {}
         pool.on_abandoned = lambda engine_id: self._abandon.pop(engine_id, lambda: None)()
-        # engine request id -> trace id while in flight: step membership is stored by trace
+        # engine request id -> trace id while in flight: step membership is stored by trace;
+        # ended ones stay a while (a step report or a wait note may name them afterwards)
         self._traces: dict[str, str] = {}
+        self._ended: OrderedDict[str, str] = OrderedDict()
         self._grammar: GrammarCompiler | None = None  # built on first use (~1 s)
         self._grammar_lock = threading.Lock()
 
     def trace_of(self, engine_id: str) -> str:
-        """The trace id of an in-flight engine request (the id itself once it is gone)."""
-        return self._traces.get(engine_id, engine_id)
+        """The trace id of an in-flight or recently ended engine request (else the id)."""
+        return self._traces.get(engine_id) or self._ended.get(engine_id, engine_id)
+
+    def _retire(self, engine_id: str) -> None:
+        trace_id = self._traces.pop(engine_id, None)
+        if trace_id is not None:
+            self._ended[engine_id] = trace_id
+            if len(self._ended) > 8192:
+                self._ended.popitem(last=False)
+
+    def _named(self, stats: RequestStats | None) -> RequestStats | None:
+        """The replica's timeline with the requests its wait notes name as trace ids."""
+        if stats is None or not any(e.holders for e in stats.events):
+            return stats
+        def named(e):
+            holders = ", ".join(self.trace_of(h) for h in e.holders)
+            return msgspec.structs.replace(e, detail=f"{e.detail} [{holders}]", holders=())
+
+        return msgspec.structs.replace(stats, events=tuple(
+            named(e) if e.holders else e for e in stats.events))
 
     # ---- parsing and validation (nothing here reaches a replica) ---------------------------
     async def read_body(self, request: Request) -> bytes:
@@ -624,7 +646,7 @@ class Service:
         if choices:
             c0 = choices[0]
             r.replica = c0.replica
-            trace.engine_stats = c0.stats
+            trace.engine_stats = self._named(c0.stats)
         if r.final_state:
             return
         states = [c.final_state for c in choices]
@@ -695,7 +717,7 @@ class Service:
                 registry.finish(tenant, unused)
                 for c in choices:
                     self._abandon.pop(c.engine_id, None)
-                    self._traces.pop(c.engine_id, None)
+                    self._retire(c.engine_id)
 
         def settle(client_gone: bool) -> None:  # tenant slot, unused token budget, record
             free_slot()

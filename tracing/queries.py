@@ -321,7 +321,11 @@ def trace(source, trace_id: str) -> dict:
 
 # ---- why a request was slow ------------------------------------------------------------------
 WHY_RECORD = ("SELECT replica, toUnixTimestamp64Micro(arrival_ts) AS arrival_us, e2e_ms, "
-              "token_steps FROM tailscope.requests WHERE trace_id = {t:String} LIMIT 1")
+              "token_steps, engine_queue_ms, preempted_ms, "
+              + ", ".join(c.column for c in timing.CAUSES)
+              + " FROM tailscope.requests WHERE trace_id = {t:String} LIMIT 1")
+WHY_WAITS = ("SELECT detail FROM tailscope.request_events WHERE trace_id = {t:String} AND "
+             "state = 'WAIT' ORDER BY ts, seq")
 WHY_STEPS = ("SELECT step, toUnixTimestamp64Micro(ts) AS ts_us, duration_ms, num_seqs, "
              "prefill_tokens, member_traces, member_prefill FROM tailscope.engine_steps "
              "WHERE replica = {r:String} AND ts >= fromUnixTimestamp64Micro({a:Int64}, 'UTC') "
@@ -344,11 +348,12 @@ def why(source, trace_id: str, top: int = 5) -> tuple[pd.DataFrame, str]:
     if rec.empty:
         return pd.DataFrame(columns=_WHY_COLUMNS), f"no record for trace {trace_id}"
     r = rec.iloc[0]
+    waited = _waits_sentence(source, trace_id, r)
     token_steps = [int(x) for x in (r["token_steps"] if r["token_steps"] is not None else [])]
     if len(token_steps) < 2 or not all(token_steps):
         return pd.DataFrame(columns=_WHY_COLUMNS), (
             "no step detail for this request (fewer than two tokens, token ids not captured, "
-            "or a backend that reports no engine steps)")
+            "or a backend that reports no engine steps)" + waited)
     start = int(r["arrival_us"])
     steps = frame(source, WHY_STEPS, {"r": str(r["replica"]), "a": start,
                                       "b": start + int(float(r["e2e_ms"]) * 1000) + 1})
@@ -376,7 +381,8 @@ def why(source, trace_id: str, top: int = 5) -> tuple[pd.DataFrame, str]:
                      "neighbour_prefill_tokens": sum(neighbours.values()),
                      "neighbours": neighbours})
     if not rows:
-        return pd.DataFrame(columns=_WHY_COLUMNS), "its engine steps are not in the store"
+        return pd.DataFrame(columns=_WHY_COLUMNS), "its engine steps are not in the store" + \
+            waited
     gaps = pd.DataFrame(rows).sort_values("gap_ms", ascending=False).head(top)
     named = sorted({t for n in gaps["neighbours"] for t in n})
     tenants: dict[str, str] = {}
@@ -385,7 +391,39 @@ def why(source, trace_id: str, top: int = 5) -> tuple[pd.DataFrame, str]:
         tenants = {str(row[0]): str(row[1]) for row in got}
     gaps["neighbour_tenants"] = [sorted({tenants.get(t, "?") for t in n}) for n in
                                  gaps["neighbours"]]
-    return gaps.reset_index(drop=True)[_WHY_COLUMNS], _why_sentence(gaps, tenants)
+    return gaps.reset_index(drop=True)[_WHY_COLUMNS], _why_sentence(gaps, tenants) + waited
+
+
+_WAIT_PHRASES = {"step": ("for the step in progress", ""),
+                 "budget": ("on the token budget", "used by"),
+                 "kv": ("for KV blocks", "held by"), "seqs": ("at max_num_seqs", ""),
+                 "hol": ("behind the head of the queue", "")}
+
+
+def _waits_sentence(source, trace_id: str, r) -> str:
+    """"; it waited N ms to run: A ms for KV blocks (held by ...), ..." from the record's
+    wait-cause columns and its wait notes (the requests each cause names, as trace ids)."""
+    total = float(r["engine_queue_ms"] or 0) + float(r["preempted_ms"] or 0)
+    parts = sorted(((float(r[c.column] or 0), c) for c in timing.CAUSES), key=lambda x: -x[0])
+    if total < 1 or not any(ms >= 1 for ms, _ in parts):
+        return ""
+    held: dict[str, list[str]] = {}
+    _, rows = source.select(WHY_WAITS, {"t": trace_id})
+    for (detail,) in rows:
+        cause, _, rest = str(detail).partition(":")
+        if "[" in rest and rest.endswith("]"):
+            for who in rest[rest.rindex("[") + 1:-1].split(", "):
+                if who and who not in held.setdefault(cause, []):
+                    held[cause].append(who)
+    said = []
+    for ms, c in parts:
+        if ms >= 1:
+            cause = c.opened_by[0]
+            phrase, verb = _WAIT_PHRASES[cause]
+            who = held.get(cause, [])
+            names = " ".join(filter(None, (verb, ", ".join(who[:3]))))
+            said.append(f"{ms:.0f} ms {phrase}" + (f" ({names})" if names else ""))
+    return f"; it waited {total:.0f} ms to run: " + ", ".join(said)
 
 
 def _why_sentence(gaps: pd.DataFrame, tenants: dict[str, str]) -> str:

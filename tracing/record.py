@@ -96,6 +96,12 @@ class RequestRecord:
     preempted_ms: float = 0.0
     preemptions: int = 0
     backpressured_ms: float = 0.0
+    # why it waited (tracing.timing.CAUSES): engine_queue_ms + preempted_ms split by cause
+    wait_step_ms: float = 0.0  # the step in progress (and the way to the replica)
+    wait_budget_ms: float = 0.0  # the tick's token budget went to others
+    wait_kv_ms: float = 0.0  # no free KV blocks
+    wait_seqs_ms: float = 0.0  # max_num_seqs requests running
+    wait_hol_ms: float = 0.0  # behind the head of the queue
     # client-side timings
     ttft_ms: float | None = None
     tpot_ms: float | None = None

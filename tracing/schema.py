@@ -219,6 +219,10 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
         "Array(UInt32) AFTER member_traces",
         f"ALTER TABLE {DATABASE}.engine_steps ADD COLUMN IF NOT EXISTS member_decode "
         "Array(UInt32) AFTER member_prefill"]),
+    (10, "why it waited: requests.wait_*_ms", [
+        f"ALTER TABLE {DATABASE}.requests ADD COLUMN IF NOT EXISTS {c} Float64 "
+        "AFTER backpressured_ms" for c in reversed(
+            ("wait_step_ms", "wait_budget_ms", "wait_kv_ms", "wait_seqs_ms", "wait_hol_ms"))]),
 ]
 
 __all__ = ["DATABASE", "TABLES", "MIGRATIONS", "EngineStepRow", "EventRow", "EvalRunRow",

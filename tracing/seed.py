@@ -33,7 +33,8 @@ def synthetic_records(n: int, start_us: int, end_us: int, *, replicas=("r0", "r1
         tokenize = rng.lognormvariate(-1.6, 0.3)
         route = rng.lognormvariate(-2.3, 0.3)
         queue = rng.lognormvariate(2.0, 0.6)
-        if rng.random() < slow_fraction and replica == slow_replica:  # always one draw
+        slow = rng.random() < slow_fraction and replica == slow_replica  # always one draw
+        if slow:
             queue += slow_queue_ms
         prompt = int(rng.lognormvariate(5.0, 0.8)) + 1
         out_tokens = rng.randint(8, 64)
@@ -55,6 +56,12 @@ def synthetic_records(n: int, start_us: int, end_us: int, *, replicas=("r0", "r1
             "RECEIVED", "ADMITTED", "TOKENIZED", "ROUTED", "RUNNABLE", "DECODING", state),
             strict=True)]
         events[4:4] = [RecordEvent(at[3], "QUEUED")]
+        # why it queued, as the scheduler notes it: the step in progress for a millisecond,
+        # then the token budget; the injected slow part waited for KV blocks
+        if queue > 1.0:
+            events.append(RecordEvent(at[3] + 1000, "WAIT", "budget: seeded"))
+        if slow:
+            events.append(RecordEvent(at[4] - int(slow_queue_ms * 1000), "WAIT", "kv: seeded"))
         events += [RecordEvent(first_flush, "FIRST_FLUSH"), RecordEvent(end, "END", state)]
         events.sort(key=lambda e: e.ts_us)
         c = timing.client_timings(arrival * 1000, [f * 1000 for f in flushes], end * 1000)
@@ -68,6 +75,7 @@ def synthetic_records(n: int, start_us: int, end_us: int, *, replicas=("r0", "r1
             http_status=429 if state == "REJECTED" else 200, model="SmolLM2-135M-Instruct",
             model_revision="rev-1", engine_version="0.1.0", tokenizer_revision="tok-1",
             gateway_version="0.1.0", config_id=config_id, replica=replica,
+            timing_source="engine",
             prompt_tokens=prompt, cached_tokens=(prompt // 2) if i % 3 == 0 else 0,
             generated_tokens=out_tokens, emitted_tokens=out_tokens,
             input_token_ids=[rng.randrange(49152) for _ in range(prompt)] if token_ids else [],

@@ -58,10 +58,25 @@ SUBSTAGES: tuple[Stage, ...] = (
 IN_ENGINE = Stage("", "in the engine (no timeline)", "engine", ("ROUTED",))
 PREEMPTING = ("PREEMPTED", "SWAPPED")  # each one counts as a preemption
 END = "END"
+# A marker from the engine's scheduler: why a waiting request did not run at a tick (the
+# detail starts with the cause). The queue and preempted time is split by these notes into one
+# column per cause, so for the bundled engine the causes add up to exactly
+# engine_queue_ms + preempted_ms. Before the first note of a spell of waiting the request waits
+# for the step in progress (and, from ROUTED, for its message to reach the replica).
+WAIT = "WAIT"
+CAUSES: tuple[Stage, ...] = (
+    Stage("wait_step_ms", "the step in progress", "wait.step", ("step",)),
+    Stage("wait_budget_ms", "token budget used by others", "wait.budget", ("budget",)),
+    Stage("wait_kv_ms", "no free KV blocks", "wait.kv", ("kv",)),
+    Stage("wait_seqs_ms", "max_num_seqs reached", "wait.seqs", ("seqs",)),
+    Stage("wait_hol_ms", "behind the head of the queue", "wait.hol", ("hol",)),
+)
+_CAUSE = {c.opened_by[0]: c for c in CAUSES}
+_WAITING = frozenset({"engine_queue_ms", "preempted_ms"})
 
 E2E_STAGES: tuple[str, ...] = tuple(s.column for s in STAGES)
 TTFT_STAGES: tuple[str, ...] = tuple(s.column for s in STAGES if s.ttft)
-LABELS: dict[str, str] = {s.column: s.label for s in (*STAGES, *SUBSTAGES)}
+LABELS: dict[str, str] = {s.column: s.label for s in (*STAGES, *SUBSTAGES, *CAUSES)}
 _OPENS = {state: s for s in (*STAGES, STREAMING) for state in s.opened_by}
 _ENGINE_STATES = frozenset(_OPENS) - {"RECEIVED", "ADMITTED", "TOKENIZED", "ROUTED"}
 
@@ -114,18 +129,47 @@ def sub_windows(events: Sequence[RecordEvent]) -> list[Window]:
     return _spans(events, opens)
 
 
-def durations(events: Sequence[RecordEvent]) -> dict[str, float]:
-    """Milliseconds per stage and sub-stage column (every one present, zeros included)."""
-    out = dict.fromkeys((*E2E_STAGES, *(s.column for s in SUBSTAGES)), 0.0)
-    for w in (*windows(events), *sub_windows(events)):
+def cause_windows(events: Sequence[RecordEvent]) -> list[Window]:
+    """The queue and preempted windows split by the scheduler's wait notes (``WAIT``): each
+    part belongs to the cause noted last in its spell of waiting (``step`` before any)."""
+    notes = sorted((e.ts_us, e.detail.split(":", 1)[0].strip()) for e in events
+                   if e.state == WAIT)
+    out: list[Window] = []
+    j, last_end, cause = 0, None, _CAUSE["step"]
+    for w in windows(events):
+        if w.stage.column not in _WAITING:
+            continue
+        if w.start_us != last_end:  # a new spell of waiting
+            cause = _CAUSE["step"]
+        while j < len(notes) and notes[j][0] < w.start_us:
+            j += 1  # (not inside a waiting window: nothing to split)
+        t = w.start_us
+        while j < len(notes) and notes[j][0] < w.end_us:
+            ts, name = notes[j]
+            if ts > t:
+                out.append(Window(cause, t, ts))
+            cause, t = _CAUSE.get(name, cause), max(t, ts)
+            j += 1
+        out.append(Window(cause, t, w.end_us))
+        last_end = w.end_us
+    return out
+
+
+def durations(events: Sequence[RecordEvent], causes: bool = True) -> dict[str, float]:
+    """Milliseconds per stage, sub-stage and (``causes``) wait-cause column (every one
+    present, zeros included)."""
+    out = dict.fromkeys((*E2E_STAGES, *(s.column for s in (*SUBSTAGES, *CAUSES))), 0.0)
+    parts = cause_windows(events) if causes else []
+    for w in (*windows(events), *sub_windows(events), *parts):
         if w.stage.column:
             out[w.stage.column] += w.ms
     return out
 
 
 def apply(record: RequestRecord) -> RequestRecord:
-    """Set the record's stage columns and preemption count from its own timeline."""
-    for column, ms in durations(record.events).items():
+    """Set the record's stage columns and preemption count from its own timeline (the wait
+    causes only for the bundled engine's timelines: an upstream's queue has no causes)."""
+    for column, ms in durations(record.events, record.timing_source == "engine").items():
         setattr(record, column, ms)
     record.preemptions = sum(1 for e in record.events if e.state in PREEMPTING)
     return record

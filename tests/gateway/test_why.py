@@ -101,3 +101,64 @@ def test_a_victim_alone_names_no_neighbour(server):
     gaps, sentence = why(server, trace_id)
     assert not gaps.empty and (gaps["neighbour_prefill_tokens"] == 0).all(), gaps
     assert "no other request's prefill" in sentence, sentence
+
+
+# ---- why it waited, over HTTP ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small_pool(bundled_path):
+    # 64 blocks of 16 tokens: "holder" takes 19 and grows to 63 as it decodes 700 tokens, so
+    # "blocked" (50 blocks) waits for KV until it ends; "behind" (1 block) would fit but
+    # arrives after "blocked"
+    s = start_server("--model", "tiny:49152", "--tokenizer", str(bundled_path),
+                     "--num-kv-blocks", "64", "--block-size", "16", "--max-model-len", "1024",
+                     "--max-batched-tokens", "1024", "--no-prefix-caching")
+    yield s
+    stop_server(s)
+
+
+def completion(url: str, prompt: list[int], max_tokens: int, out: dict, key: str) -> None:
+    r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    out[key] = r.headers["x-tailscope-trace-id"]
+
+
+def test_a_wait_for_kv_names_its_holders_and_the_one_behind_it_names_the_head(small_pool):
+    url, ids = small_pool.url, {}
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": list(range(100, 400)), "max_tokens": 700,
+            "ignore_eos": True, "stream": True}) as r:
+        ids["holder"] = r.headers["x-tailscope-trace-id"]
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))  # it is decoding now
+        threads = []
+        for key, prompt, n in (("blocked", list(range(500, 1300)), 2), ("behind", [7, 8], 2)):
+            t = threading.Thread(target=completion, args=(url, prompt, n, ids, key))
+            t.start()
+            threads.append(t)
+            time.sleep(0.2)  # in this order
+        for _ in lines:
+            pass
+    for t in threads:
+        t.join()
+
+    def got(key):
+        assert wait_for(lambda: httpx.get(f"{url}/debug/requests/{ids[key]}").status_code
+                        == 200, 10)
+        return httpx.get(f"{url}/debug/requests/{ids[key]}").json()
+
+    for key in ids:  # the identity, for every request
+        rec = got(key)["record"]
+        causes = sum(rec[c] for c in ("wait_step_ms", "wait_budget_ms", "wait_kv_ms",
+                                      "wait_seqs_ms", "wait_hol_ms"))
+        assert causes == pytest.approx(rec["engine_queue_ms"] + rec["preempted_ms"], abs=0.01)
+    blocked = got("blocked")
+    assert blocked["record"]["wait_kv_ms"] > 50, blocked["record"]
+    notes = [e["detail"] for e in blocked["events"] if e["state"] == "WAIT"]
+    assert notes[0].startswith("kv:") and ids["holder"] in notes[0], notes
+    behind = got("behind")
+    assert behind["record"]["wait_hol_ms"] > 50, (behind["events"], blocked["events"])
+    notes = [e["detail"] for e in behind["events"] if e["state"] == "WAIT"]
+    assert any(n.startswith("hol:") and ids["blocked"] in n for n in notes), notes
+    _, sentence = Q.why(Q.GatewaySource(url), ids["blocked"])
+    assert "for KV blocks (held by " + ids["holder"] in sentence, sentence

@@ -35,7 +35,10 @@ def test_a_preempted_request_splits_into_stages_that_add_up():
     d = timing.durations(PREEMPTED)
     assert d == pytest.approx({"ingress_ms": 1, "tokenize_ms": 0.5, "route_ms": 0.5,
                                "engine_queue_ms": 8, "prefill_ms": 10 + 5, "decode_ms": 10 + 20,
-                               "preempted_ms": 15, "backpressured_ms": 4})
+                               "preempted_ms": 15, "backpressured_ms": 4,
+                               # no wait notes: all of its waiting is for the step in progress
+                               "wait_step_ms": 8 + 15, "wait_budget_ms": 0, "wait_kv_ms": 0,
+                               "wait_seqs_ms": 0, "wait_hol_ms": 0})
     streaming = 1  # FINISHED -> END
     assert sum(d[c] for c in timing.E2E_STAGES) + streaming == pytest.approx(71)
     w = timing.windows(PREEMPTED)
@@ -45,6 +48,26 @@ def test_a_preempted_request_splits_into_stages_that_add_up():
     assert all(a.end_us == b.start_us for a, b in zip(w, w[1:], strict=False))  # no gaps
     rec = timing.apply(RequestRecord("t" * 32, "s" * 16, "r", events=PREEMPTED))
     assert rec.preemptions == 1 and rec.preempted_ms == pytest.approx(15)
+
+
+def test_wait_notes_split_queue_and_preempted_time_by_cause():
+    notes = [RecordEvent(T0 + int(ms * 1000), "WAIT", detail) for ms, detail in (
+        (4, "budget: 12 tokens went to 3 requests [t1, t2]"), (6, "kv: 0 of 8 blocks free"),
+        (30, "seqs: max_num_seqs (3) requests running"), (40, "hol: behind [t9]"))]
+    ev = sorted(PREEMPTED + notes, key=lambda e: e.ts_us)
+    d = timing.durations(ev)
+    # queue 2 -> 10: step 2 -> 4, budget 4 -> 6, kv 6 -> 10; preempted 30 -> 45: a new spell,
+    # seqs from its first note at 30, hol from 40
+    assert d["wait_step_ms"] == pytest.approx(2) and d["wait_budget_ms"] == pytest.approx(2)
+    assert d["wait_kv_ms"] == pytest.approx(4) and d["wait_seqs_ms"] == pytest.approx(10)
+    assert d["wait_hol_ms"] == pytest.approx(5)
+    assert sum(d[c.column] for c in timing.CAUSES) == pytest.approx(
+        d["engine_queue_ms"] + d["preempted_ms"])
+    assert d["engine_queue_ms"] == pytest.approx(8)  # markers change no stage
+    rec = RequestRecord("t" * 32, "s" * 16, "r", events=ev, timing_source="upstream")
+    assert timing.apply(rec).wait_kv_ms == 0  # an upstream's queue has no causes
+    rec.timing_source = "engine"
+    assert timing.apply(rec).wait_kv_ms == pytest.approx(4)
 
 
 def test_a_request_without_an_engine_timeline_is_not_called_queueing():
