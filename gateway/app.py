@@ -130,13 +130,18 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
     if config.records_jsonl:
         sinks.append(JsonlSink(config.records_jsonl))
     handle = writer = None
+    pool.on_step = lambda replica, incarnation, msg: service.note_step(msg.stats)
     if config.store_dsn:
         handle, writer = open_store(config.store_dsn, config.spool_dir,
                                     config.fault_store_down_file, config.store_flush_s,
                                     config.query_limits, config.max_queue_mb << 20)
         sinks.append(writer)
-        pool.on_step = lambda replica, incarnation, msg: writer.emit_step(
-            step_row(replica, incarnation, msg, config.store_ttl_days, service.trace_of))
+        def on_step(replica, incarnation, msg) -> None:
+            service.note_step(msg.stats)
+            writer.emit_step(step_row(replica, incarnation, msg, config.store_ttl_days,
+                                      service.trace_of))
+
+        pool.on_step = on_step
         metrics.watch_writer(writer)
     if config.otlp_endpoint:
         from tracing.otel import OtelSink, make_exporter

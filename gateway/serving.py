@@ -109,6 +109,8 @@ class Choice:
     called: list[str] = field(default_factory=list)  # the tools it called
     token_steps: list[int] = field(default_factory=list)  # the engine step of each token
     return_ids: bool = False  # vLLM's return_token_ids
+    # tenant -> prompt tokens other requests' prefill chunks brought into its steps
+    neighbours: dict[str, int] = field(default_factory=dict)
     ids_sent: int = -1  # (streams) generated ids sent so far; -1: not even the prompt's
 
     def new_ids(self) -> list[int]:
@@ -139,6 +141,10 @@ class Service:
         # ended ones stay a while (a step report or a wait note may name them afterwards)
         self._traces: dict[str, str] = {}
         self._ended: OrderedDict[str, str] = OrderedDict()
+        # engine request id -> its tenant, and -> the prompt tokens other requests' prefill
+        # chunks brought into its steps, by their tenant (``note_step``), while in flight
+        self._tenant_of: dict[str, str] = {}
+        self._neighbours: dict[str, dict[str, int]] = {}
         self._grammar: GrammarCompiler | None = None  # built on first use (~1 s)
         self._grammar_lock = threading.Lock()
 
@@ -146,7 +152,29 @@ class Service:
         """The trace id of an in-flight or recently ended engine request (else the id)."""
         return self._traces.get(engine_id) or self._ended.get(engine_id, engine_id)
 
+    def note_step(self, stats) -> None:
+        """A replica's step (``StepStats``): each member's neighbours' prefill, by tenant."""
+        prefills = [(m.request_id, m.prefill_tokens) for m in stats.members
+                    if m.prefill_tokens]
+        if not prefills or len(stats.members) < 2:
+            return
+        for m in stats.members:
+            acc = self._neighbours.get(m.request_id)
+            if acc is None:
+                continue
+            for rid, tokens in prefills:
+                if rid != m.request_id:
+                    tenant = self._tenant_of.get(rid, "?")
+                    acc[tenant] = acc.get(tenant, 0) + tokens
+
+    def _forget(self, engine_id: str) -> None:
+        self._tenant_of.pop(engine_id, None)
+        self._neighbours.pop(engine_id, None)
+        self._traces.pop(engine_id, None)
+
     def _retire(self, engine_id: str) -> None:
+        self._tenant_of.pop(engine_id, None)
+        self._neighbours.pop(engine_id, None)
         trace_id = self._traces.pop(engine_id, None)
         if trace_id is not None:
             self._ended[engine_id] = trace_id
@@ -493,6 +521,9 @@ class Service:
             p = params if n == 1 or params.seed is None else \
                 dataclasses.replace(params, seed=_wrap_int64(params.seed + i))
             engine_id = f"{request_id}-{i}"
+            self._traces[engine_id] = trace.record.trace_id  # before a step can name it
+            self._tenant_of[engine_id] = trace.record.tenant
+            neighbours = self._neighbours[engine_id] = {}
             try:
                 route, queue = await self.pool.submit(
                     engine_id, prompt, p, self.config.queue_timeout_s, cache_salt=cache_salt,
@@ -505,7 +536,6 @@ class Service:
                 code = "overloaded" if isinstance(exc, Overloaded) else "replica_unavailable"
                 raise APIError(503, str(exc), "server_error", code=code,
                                headers={"Retry-After": "1"}) from None
-            self._traces[engine_id] = trace.record.trace_id
             if i == 0:
                 first_sent = route.sent_ns
                 r = trace.record
@@ -516,7 +546,8 @@ class Service:
             choices.append(Choice(i, engine_id, TextStream(self.tokenizer, stop, include_stop),
                                   queue, route.replica, p, prompt,
                                   logprobs=[] if params.logprobs else None,
-                                  cache_salt=cache_salt, deadline=deadline))
+                                  cache_salt=cache_salt, deadline=deadline,
+                                  neighbours=neighbours))
         # the moment the first sample was sent: the replica's event offsets are placed from it,
         # and the engine cannot have seen the request earlier (a mark taken after the sends
         # could be late by a descheduled moment, placing engine events after END)
@@ -643,6 +674,10 @@ class Service:
             r.input_token_ids = list(prompt)
             r.output_token_ids = list(choices[0].token_ids) if choices else []
             r.token_steps = list(choices[0].token_steps) if choices else []
+        if choices and choices[0].neighbours:  # who shared its steps with prefill chunks
+            n = choices[0].neighbours
+            r.neighbour_tenant = max(n, key=lambda t: (n[t], t))
+            r.neighbour_prefill_tokens = sum(n.values())
         if choices:
             c0 = choices[0]
             r.replica = c0.replica
@@ -697,7 +732,7 @@ class Service:
         except APIError:
             registry.give_back_tokens(tenant, params.max_tokens * req.n)
             for i in range(req.n):
-                self._traces.pop(f"{rid}-{i}", None)
+                self._forget(f"{rid}-{i}")
             raise
         for c in choices:
             c.echo, c.scoring, c.tools = echo, scoring, tools

@@ -35,7 +35,7 @@ pd = _Pandas()
 METRICS = ("ttft_ms", "tpot_ms", "e2e_ms", "itl_ms", "tail_ms", "ingress_ms", "tokenize_ms",
            "route_ms", "engine_queue_ms", "prefill_ms", "decode_ms", "preempted_ms")
 DIMENSIONS = ("replica", "model", "model_revision", "engine_version", "config_id", "tenant",
-              "final_state", "finish_reason", "endpoint", "prompt_bucket")
+              "final_state", "finish_reason", "endpoint", "prompt_bucket", "neighbour_tenant")
 # The stages that add up to each end-to-end metric, in path order (from the timing owner).
 # "streaming" is the rest: for e2e, the time between the engine's tokens and the client's
 # flushes (and the tail).
@@ -43,7 +43,9 @@ STAGES = {"e2e_ms": timing.E2E_STAGES, "ttft_ms": timing.TTFT_STAGES}
 STAGE_NAMES = {**timing.LABELS, "other_ms": timing.STREAMING.label}
 _DIM_SQL = {d: d for d in DIMENSIONS} | {
     "prompt_bucket": "multiIf(prompt_tokens < 128, '<128', prompt_tokens < 512, '128-511', "
-                     "prompt_tokens < 2048, '512-2047', '>=2048')"}
+                     "prompt_tokens < 2048, '512-2047', '>=2048')",
+    # the tenant whose prefill chunks shared most of the request's steps
+    "neighbour_tenant": "if(neighbour_tenant = '', '(none)', neighbour_tenant)"}
 _WINDOW = ("arrival_ts >= fromUnixTimestamp64Micro({start:Int64}, 'UTC') AND "
            "arrival_ts < fromUnixTimestamp64Micro({end:Int64}, 'UTC')")
 
@@ -205,9 +207,15 @@ def compare_windows(source, base: tuple, suspect: tuple, metric: str = "e2e_ms",
     ``share`` is its fraction of the positive weighted changes. Taking each value's own tail
     keeps a shift of traffic between values from posing as a stage change. The overall change
     of the ``quantile`` of ``metric`` is in ``attrs``.
+
+    ``by="neighbour_tenant"`` (the tenant whose prefill shared most of a request's steps) is a
+    property of the suspect window's load, not a population present in both: each of its
+    values is compared with the base window as a whole, so the neighbour that came with the
+    regression ranks first.
     """
     m = _metric(metric)
     dim = _dim(by)
+    whole_base = by == "neighbour_tenant"
     stages = _stage_exprs(m)
     sides, cuts = {}, {}
     for side, (start, end), extra in (("base", base, base_filters),
@@ -219,7 +227,8 @@ def compare_windows(source, base: tuple, suspect: tuple, metric: str = "e2e_ms",
         cuts[side] = float("nan") if cut is None else cut
         inner = ", ".join(f"{e} AS x_{s}" for s, e in stages)  # never shadow a column
         means = ", ".join(f"avg(x_{s}) AS mean_{s}" for s, _ in stages)
-        sql = (f"SELECT dim, any(nd) AS nd, count() AS k, {means} FROM (SELECT {dim} AS dim, "
+        d_sql = "'(all)'" if whole_base and side == "base" else dim
+        sql = (f"SELECT dim, any(nd) AS nd, count() AS k, {means} FROM (SELECT {d_sql} AS dim, "
                f"{m} AS v, {inner}, quantileExact({{q:Float64}})(v) OVER (PARTITION BY dim) "
                f"AS cut_d, count() OVER (PARTITION BY dim) AS nd FROM tailscope.requests "
                f"WHERE {where}) WHERE v >= cut_d GROUP BY dim")
@@ -229,9 +238,11 @@ def compare_windows(source, base: tuple, suspect: tuple, metric: str = "e2e_ms",
         df["n_total"] = df["nd"].sum() if len(df) else 0
         sides[side] = df
     rows = []
-    dims = sorted(set(sides["base"].get("dim", [])) | set(sides["suspect"].get("dim", [])))
+    dims = sorted(set(sides["suspect"].get("dim", [])) | (
+        set() if whole_base else set(sides["base"].get("dim", []))))
     for d in dims:
-        hit = {side: df[df["dim"] == d] for side, df in sides.items()}
+        hit = {side: df if whole_base and side == "base" else df[df["dim"] == d]
+               for side, df in sides.items()}
         if any(h.empty for h in hit.values()):
             continue  # a value seen in one window only: nothing to compare it with
         weight = float(hit["suspect"]["nd"].iloc[0]) / float(sides["suspect"]["n_total"].iloc[0])

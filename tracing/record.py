@@ -102,6 +102,10 @@ class RequestRecord:
     wait_kv_ms: float = 0.0  # no free KV blocks
     wait_seqs_ms: float = 0.0  # max_num_seqs requests running
     wait_hol_ms: float = 0.0  # behind the head of the queue
+    # who shared its steps: the tenant whose requests' prefill chunks brought the most prompt
+    # tokens into the engine steps it ran in ("" when none did), and those tokens in all
+    neighbour_tenant: str = ""
+    neighbour_prefill_tokens: int = 0
     # client-side timings
     ttft_ms: float | None = None
     tpot_ms: float | None = None
