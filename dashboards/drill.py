@@ -154,6 +154,26 @@ def trace_view(src, trace_id: str) -> None:
     st.subheader("Stages")
     st.bar_chart(stages.set_index("stage")["ms"], horizontal=True)
     st.dataframe(stages, hide_index=True)
+    st.subheader("Waterfall")
+    fall = Q.waterfall(t)
+    st.vega_lite_chart(fall, {
+        "mark": {"type": "bar", "tooltip": True},
+        "encoding": {"y": {"field": "lane", "type": "nominal", "sort": ["request", "engine",
+                                                                         "client"]},
+                     "x": {"field": "start_ms", "type": "quantitative",
+                           "title": "ms since arrival"},
+                     "x2": {"field": "end_ms"},
+                     "color": {"field": "segment", "type": "nominal"}}})
+    st.dataframe(fall, hide_index=True)
+    steps = t["steps"]
+    if not steps.empty and "member_traces" in steps:
+        others = sorted({m for s in steps.itertuples(index=False)
+                         if trace_id in list(s.member_traces)
+                         for m, p in zip(s.member_traces, s.member_prefill, strict=False)
+                         if m != trace_id and int(p) > 0})
+        if others:
+            st.markdown("Neighbours whose prefill shared its steps: " + ", ".join(
+                f"[{m[:12]}…]({trace_link(m)})" for m in others[:20]))
     st.subheader("Inter-token gaps and the replica's batch")
     itl = list(rec.get("itl_ms") or [])
     if itl:

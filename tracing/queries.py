@@ -19,6 +19,7 @@ import importlib
 from dataclasses import dataclass
 
 from tracing import timing
+from tracing.record import RecordEvent
 
 
 class _Pandas:
@@ -320,7 +321,8 @@ def trace(source, trace_id: str) -> dict:
     record = rec.iloc[0].to_dict()
     events = frame(source, TRACE_EVENTS, params)
     steps = frame(source, "SELECT ts, step, duration_ms, num_seqs, prefill_tokens, "
-                          "decode_tokens, kv_blocks_used, kv_blocks_total, running, waiting "
+                          "decode_tokens, kv_blocks_used, kv_blocks_total, running, waiting, "
+                          "member_traces, member_prefill, member_decode "
                           "FROM tailscope.engine_steps WHERE replica = {r:String} AND ts >= "
                           "(SELECT arrival_ts FROM tailscope.requests WHERE trace_id = "
                           "{t:String} LIMIT 1) AND ts <= (SELECT arrival_ts + toIntervalMicro"
@@ -328,6 +330,71 @@ def trace(source, trace_id: str) -> dict:
                           "trace_id = {t:String} LIMIT 1) ORDER BY ts, step",
                   {**params, "r": str(record.get("replica") or "")})
     return {"record": record, "events": events, "steps": steps}
+
+
+def _ts_us(value) -> int:
+    ts = pd.Timestamp(value)
+    return int((ts if ts.tzinfo else ts.tz_localize("UTC")).timestamp() * 1e6)
+
+
+_WATERFALL = ["lane", "segment", "start_ms", "end_ms", "ms", "detail"]
+
+
+def waterfall(t: dict) -> pd.DataFrame:
+    """A request's life in time order, for ``trace(...)``'s result: lane ``request`` is its
+    stages from its timeline (the timing owner's windows; waiting split by cause when the
+    bundled engine noted them), adding up to ``e2e_ms`` exactly; lane ``engine`` is each step
+    it ran in (its prefill chunk or decode token, with the batch and the other requests'
+    prefill tokens in it); lane ``client`` is each inter-token gap at the client. Times are ms
+    since the request arrived."""
+    rec, events, steps = t["record"], t["events"], t["steps"]
+    if rec is None:
+        return pd.DataFrame(columns=_WATERFALL)
+    arrival = _ts_us(rec["arrival_ts"])
+    rows: list[tuple] = []
+
+    def add(lane: str, segment: str, a_us: float, b_us: float, detail: str = "") -> None:
+        rows.append((lane, segment, (a_us - arrival) / 1000, (b_us - arrival) / 1000,
+                     (b_us - a_us) / 1000, detail))
+
+    ev = [] if events is None or events.empty else [
+        RecordEvent(_ts_us(e.ts), str(e.state), str(e.detail or ""))
+        for e in events.itertuples(index=False)]
+    if ev:
+        causes = timing.cause_windows(ev) if rec.get("timing_source") == "engine" else []
+        for w in timing.windows(ev):
+            if not (causes and w.stage.column in timing.WAITING):
+                add("request", w.stage.label, w.start_us, w.end_us)
+        for w in causes:
+            add("request", f"waiting: {w.stage.label}", w.start_us, w.end_us)
+    else:  # no stored timeline: the stage columns end to end, in path order
+        at = float(arrival)
+        for column in timing.E2E_STAGES:
+            ms = float(rec.get(column) or 0)
+            add("request", timing.LABELS[column], at, at + ms * 1000)
+            at += ms * 1000
+        add("request", timing.STREAMING.label, at, arrival + float(rec["e2e_ms"]) * 1000)
+    trace_id = str(rec["trace_id"])
+    if steps is not None and not steps.empty and "member_traces" in steps:
+        for s in steps.itertuples(index=False):
+            members = list(s.member_traces if s.member_traces is not None else [])
+            if trace_id not in members:
+                continue
+            i = members.index(trace_id)
+            own_prefill = int(s.member_prefill[i])
+            others = sum(int(p) for j, p in enumerate(s.member_prefill) if j != i)
+            start = _ts_us(s.ts)
+            add("engine", f"prefill {own_prefill}" if own_prefill else "decode", start,
+                start + float(s.duration_ms) * 1000,
+                f"step {int(s.step)}: batch {int(s.num_seqs)}, others' prefill {others}")
+    ttft = rec.get("ttft_ms")
+    if ttft is not None and not pd.isna(ttft):
+        flush = arrival + float(ttft) * 1000
+        for k, gap in enumerate(rec.get("itl_ms") if rec.get("itl_ms") is not None else []):
+            add("client", "gap", flush, flush + float(gap) * 1000, f"token {k + 1}")
+            flush += float(gap) * 1000
+    out = pd.DataFrame(rows, columns=_WATERFALL)
+    return out.sort_values(["lane", "start_ms"], kind="stable", ignore_index=True)
 
 
 # ---- why a request was slow ------------------------------------------------------------------

@@ -72,7 +72,7 @@ CAUSES: tuple[Stage, ...] = (
     Stage("wait_hol_ms", "behind the head of the queue", "wait.hol", ("hol",)),
 )
 _CAUSE = {c.opened_by[0]: c for c in CAUSES}
-_WAITING = frozenset({"engine_queue_ms", "preempted_ms"})
+WAITING = frozenset({"engine_queue_ms", "preempted_ms"})  # the columns causes split
 
 E2E_STAGES: tuple[str, ...] = tuple(s.column for s in STAGES)
 TTFT_STAGES: tuple[str, ...] = tuple(s.column for s in STAGES if s.ttft)
@@ -137,7 +137,7 @@ def cause_windows(events: Sequence[RecordEvent]) -> list[Window]:
     out: list[Window] = []
     j, last_end, cause = 0, None, _CAUSE["step"]
     for w in windows(events):
-        if w.stage.column not in _WAITING:
+        if w.stage.column not in WAITING:
             continue
         if w.start_us != last_end:  # a new spell of waiting
             cause = _CAUSE["step"]

@@ -89,6 +89,39 @@ def test_trace_view_shows_the_stages_of_a_trace(seeded):
     assert sum(got.values()) == pytest.approx(rec.e2e_ms, rel=1e-6)
     gaps = next(d.value for d in at.dataframe if "gap_ms" in d.value.columns)
     assert len(gaps) == len(rec.itl_ms) and "num_seqs" in gaps.columns
+    fall = next(d.value for d in at.dataframe if "lane" in d.value.columns)
+    lane = fall[fall["lane"] == "request"]
+    assert lane["ms"].sum() == pytest.approx(rec.e2e_ms, rel=1e-6)  # segments add up to E2E
+    assert (fall["lane"] == "client").sum() == len(rec.itl_ms)
+
+
+def test_the_waterfall_from_a_timeline_splits_waiting_by_cause_and_shows_the_steps():
+    import pandas as pd
+
+    from tracing import queries as Q
+
+    rec = synthetic_records(40, us(BASE[0]), us(BASE[1]), seed=3, slow_replica="r0",
+                            slow_fraction=1.0, slow_queue_ms=50.0)[0]
+    assert any(e.state == "WAIT" for e in rec.events)
+
+    def ts(us_: int):
+        return pd.Timestamp(us_, unit="us", tz="UTC")
+
+    steps = pd.DataFrame([{"ts": ts(rec.arrival_ts_us + 60_000), "step": 7, "duration_ms": 4.0,
+                           "num_seqs": 3, "member_traces": ["x", rec.trace_id, "y"],
+                           "member_prefill": [32, 0, 16], "member_decode": [0, 1, 0]}])
+    fall = Q.waterfall({"record": {**rec.to_dict(), "arrival_ts": ts(rec.arrival_ts_us)},
+                        "events": pd.DataFrame([{"ts": ts(e.ts_us), "state": e.state,
+                                                 "detail": e.detail} for e in rec.events]),
+                        "steps": steps})
+    lane = fall[fall["lane"] == "request"]
+    assert lane["ms"].sum() == pytest.approx(rec.e2e_ms, abs=1e-3)
+    assert list(lane["start_ms"]) == sorted(lane["start_ms"])
+    waits = lane[lane["segment"].str.startswith("waiting: ")].set_index("segment")["ms"]
+    assert waits.sum() == pytest.approx(rec.engine_queue_ms, abs=1e-3)
+    assert waits["waiting: no free KV blocks"] == pytest.approx(rec.wait_kv_ms, abs=1e-3)
+    (step,) = fall[fall["lane"] == "engine"].itertuples()
+    assert step.segment == "decode" and "others' prefill 48" in step.detail
 
 
 def test_evals_page_compares_two_runs_and_links_failures_to_traces(seeded, store):
