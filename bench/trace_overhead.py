@@ -2,6 +2,7 @@
 writer's ingest rate into embedded ClickHouse (chDB).
 
     python bench/trace_overhead.py [--seconds 15] [--concurrency 16] [--records 100000] [--quick]
+                                   [--detail-sample 0.1]
 
 1. Two gateways on the tiny model (vocabulary of the bundled tokenizer), one replica each, run
    one after the other under the same closed-loop load (``--concurrency`` streams of short
@@ -12,7 +13,10 @@ writer's ingest rate into embedded ClickHouse (chDB).
    age is the gateway's ``TAILSCOPE_STORE_FLUSH_S`` (5 s unless set in the environment).
 2. The writer alone, in this process: ``--records`` records with 256 token ids each (and 12
    events) emitted as fast as possible into a fresh chDB store; records/s from the first emit to
-   the end of the drain (every row inserted).
+   the end of the drain (every row inserted), and the bytes per request on disk (requests and
+   request_events, compressed); once with every record's full detail, once with tail-based
+   retention (``tracing.retention``: the records above the sliding p99 of E2E and a
+   ``--detail-sample`` share of the rest keep their token ids and ITL arrays).
 No pass/fail here.
 """
 
@@ -69,9 +73,10 @@ def throughput(seconds: float, concurrency: int, rounds: int) -> dict:
     return {m: max(v) for m, v in results.items()}
 
 
-def ingest(n: int) -> tuple[float, dict]:
+def ingest(n: int, detail_sample: float = 1.0) -> tuple[float, dict]:
     from tracing import queries as Q
     from tracing.record import RecordEvent, RequestRecord
+    from tracing.retention import TailRetention
     from tracing.store import Store
     from tracing.writer import RecordWriter
 
@@ -82,7 +87,10 @@ def ingest(n: int) -> tuple[float, dict]:
     writer = RecordWriter(store, d / "spool", batch_size=10_000, max_queue=n + 1,
                           max_queue_bytes=1 << 40)
     rng = random.Random(0)
-    ids = [rng.randrange(0, 49152) for _ in range(256)]
+    # every record its own ids (drawn from a pool larger than the compressor's window), so the
+    # bytes on disk are those of real, varied token ids
+    pool = [rng.randrange(0, 49152) for _ in range(1 << 20)]
+    starts = [rng.randrange(0, len(pool) - 256) for _ in range(n)]
     now = time.time_ns() // 1000
     events = [RecordEvent(now + i, s) for i, s in enumerate(
         ["RECEIVED", "ADMITTED", "TOKENIZED", "ROUTED", "QUEUED", "RUNNABLE", "PREFILLING",
@@ -90,18 +98,26 @@ def ingest(n: int) -> tuple[float, dict]:
     records = [RequestRecord(trace_id=secrets.token_hex(16), span_id="0" * 16,
                              request_id=f"r{i}", arrival_ts_us=now, final_state="FINISHED",
                              finish_reason="length", model="m", replica="r0",
-                             input_token_ids=ids[:128], output_token_ids=ids[128:],
-                             itl_ms=[1.0] * 127, ttft_ms=5.0, e2e_ms=200.0, events=events)
+                             input_token_ids=pool[starts[i]:starts[i] + 128],
+                             output_token_ids=pool[starts[i] + 128:starts[i] + 256],
+                             itl_ms=[1.0] * 127, ttft_ms=5.0,
+                             e2e_ms=rng.lognormvariate(5.3, 0.5), events=events)
                for i in range(n)]
+    retention = TailRetention(detail_sample, warmup=0, seed=0)
     t0 = time.monotonic()
     for r in records:
+        retention.decide(r)  # on the request path, as in the gateway
         writer.emit(r)
     emit_s = time.monotonic() - t0
     writer.close(timeout_s=600)
     total_s = time.monotonic() - t0
     count = store.select(Q.REQUEST_COUNT)[1][0][0]
     assert count == n, (count, n)
-    return n / total_s, {"emit_us_per_record": emit_s / n * 1e6, **writer.stats}
+    _, rows = store.select("SELECT sum(bytes_on_disk) FROM system.parts WHERE active AND "
+                           "database = 'tailscope' AND table IN ('requests', 'request_events')")
+    kept = sum(r.detail_kept for r in records)
+    return n / total_s, {"emit_us_per_record": emit_s / n * 1e6, **writer.stats,
+                         "bytes_per_record": int(rows[0][0]) / n, "kept": kept}
 
 
 def main() -> int:
@@ -111,13 +127,19 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--records", type=int, default=100_000)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--detail-sample", type=float, default=0.1)
     args = ap.parse_args()
     if args.quick:
         args.seconds, args.rounds, args.records = 5.0, 1, 20_000
-    rate, stats = ingest(args.records)
-    print(f"writer ingest into chDB: {rate:,.0f} records/s ({args.records:,} records with 256 "
-          f"token ids and 12 events each; emit {stats['emit_us_per_record']:.2f} us/record "
-          f"on the request path; written {stats['written']:,}, dropped {stats['dropped']})")
+    for sample in (1.0, args.detail_sample):
+        rate, stats = ingest(args.records, sample)
+        what = "full detail" if sample >= 1 else (
+            f"tail-based retention (p99 + {sample:g} sample: {stats['kept']:,} kept)")
+        print(f"writer ingest into chDB, {what}: {rate:,.0f} records/s, "
+              f"{stats['bytes_per_record']:.0f} bytes/record on disk ({args.records:,} records "
+              f"with 256 token ids and 12 events each; emit {stats['emit_us_per_record']:.2f} "
+              f"us/record on the request path; written {stats['written']:,}, dropped "
+              f"{stats['dropped']})")
     tp = throughput(args.seconds, args.concurrency, args.rounds)
     on, off = tp["on"], tp["off"]
     print(f"\ncapture on : {on[0]:7.1f} req/s  {on[1]:8.1f} output tok/s")

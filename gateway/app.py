@@ -38,6 +38,7 @@ from gateway.tenants import TenantRegistry
 from gateway.trace import TraceMiddleware
 from gateway.upstream import UpstreamConfig, UpstreamPool
 from tracing.record import RequestRecord
+from tracing.retention import TailRetention
 from tracing.sinks import FanoutSink, JsonlSink, MemorySink, RecordSink
 from tracing.store import QueryLimits
 
@@ -61,6 +62,11 @@ class GatewayConfig:
     slow_client_timeout_s: float = 30.0  # paused this long: cancelled
     records_jsonl: str | None = None  # append every request record to this file
     record_token_ids: bool = True  # privacy: False leaves token ids out of records
+    # tail-based retention (tracing.retention): the share of ordinary requests that keep full
+    # detail (1: all of them), the tail quantile that always keeps it, the warm-up
+    detail_sample: float = 1.0
+    detail_quantile: float = 0.99
+    detail_warmup: int = 100
     memory_records: int = 10_000  # the latest records kept for /debug/requests
     store_dsn: str | None = None  # chdb:///path or http(s)://host:8123; None = no store
     spool_dir: str | None = None  # where batches wait while the store is down
@@ -152,11 +158,15 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
     sinks += extra_sinks or []
     sink = FanoutSink(sinks)
 
+    retention = TailRetention(config.detail_sample, config.detail_quantile,
+                              warmup=config.detail_warmup)
+
     def on_record(record: RequestRecord) -> None:
         try:
-            metrics.observe(record)
+            metrics.observe(record)  # every ITL, before retention decides what is kept
         except Exception:  # metrics must never take a record (or a response) down with them
             log.exception("metrics failed for trace %s", record.trace_id)
+        retention.decide(record)
         sink.emit(record)
 
     @asynccontextmanager

@@ -146,6 +146,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                        slow_client_timeout_s=s.slow_client_timeout_s,
                                        records_jsonl=args.records_jsonl or s.records_jsonl or None,
                                        record_token_ids=s.record_token_ids,
+                                       detail_sample=s.detail_sample,
+                                       detail_quantile=s.detail_quantile,
+                                       detail_warmup=s.detail_warmup,
                                        store_dsn=None if s.store_dsn.lower() in ("", "none")
                                        else s.store_dsn,
                                        spool_dir=s.spool_dir or None,

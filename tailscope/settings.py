@@ -49,6 +49,9 @@ class Settings:
     slow_client_timeout_s: float = 30.0  # TAILSCOPE_SLOW_CLIENT_TIMEOUT_S: paused -> cancelled
     records_jsonl: str = ""  # TAILSCOPE_RECORDS_JSONL: append each request record here
     record_token_ids: bool = True  # TAILSCOPE_RECORD_TOKEN_IDS: 0 keeps ids out of records
+    detail_sample: float = 1.0  # TAILSCOPE_DETAIL_SAMPLE: share of non-tail requests keeping detail
+    detail_quantile: float = 0.99  # TAILSCOPE_DETAIL_QUANTILE: at/above it, detail is kept
+    detail_warmup: int = 100  # TAILSCOPE_DETAIL_WARMUP: first requests per model all kept
     store_dsn: str = "chdb://./.tailscope/store"  # TAILSCOPE_STORE_DSN ("none": no store)
     spool_dir: str = ""  # TAILSCOPE_SPOOL_DIR: failed batches wait here (default beside store)
     store_ttl_days: int = 30  # TAILSCOPE_STORE_TTL_DAYS: default row TTL

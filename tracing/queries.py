@@ -399,7 +399,7 @@ def waterfall(t: dict) -> pd.DataFrame:
 
 # ---- why a request was slow ------------------------------------------------------------------
 WHY_RECORD = ("SELECT replica, toUnixTimestamp64Micro(arrival_ts) AS arrival_us, e2e_ms, "
-              "token_steps, engine_queue_ms, preempted_ms, "
+              "token_steps, engine_queue_ms, preempted_ms, detail_kept, detail_reason, "
               + ", ".join(c.column for c in timing.CAUSES)
               + " FROM tailscope.requests WHERE trace_id = {t:String} LIMIT 1")
 WHY_WAITS = ("SELECT detail FROM tailscope.request_events WHERE trace_id = {t:String} AND "
@@ -428,6 +428,10 @@ def why(source, trace_id: str, top: int = 5) -> tuple[pd.DataFrame, str]:
     r = rec.iloc[0]
     waited = _waits_sentence(source, trace_id, r)
     token_steps = [int(x) for x in (r["token_steps"] if r["token_steps"] is not None else [])]
+    if not bool(r["detail_kept"]):
+        return pd.DataFrame(columns=_WHY_COLUMNS), (
+            "its step detail was not kept (tail-based retention: an ordinary request, not "
+            "sampled)" + waited)
     if len(token_steps) < 2 or not all(token_steps):
         return pd.DataFrame(columns=_WHY_COLUMNS), (
             "no step detail for this request (fewer than two tokens, token ids not captured, "

@@ -106,6 +106,11 @@ class RequestRecord:
     # tokens into the engine steps it ran in ("" when none did), and those tokens in all
     neighbour_tenant: str = ""
     neighbour_prefill_tokens: int = 0
+    # tail-based retention (tracing.retention): whether token ids, the ITL array and token
+    # steps were kept, and why (all, tail_e2e, tail_ttft, not_finished, warmup, sampled,
+    # dropped)
+    detail_kept: bool = True
+    detail_reason: str = ""
     # client-side timings
     ttft_ms: float | None = None
     tpot_ms: float | None = None

@@ -116,7 +116,7 @@ class BenchRunRow:
 _LOW_CARDINALITY = {"tenant", "api_key_id", "endpoint", "final_state", "finish_reason",
                     "timing_source", "error_type", "model", "model_revision", "engine_version",
                     "tokenizer_revision", "gateway_version", "config_id", "replica", "state",
-                    "suite", "mode", "bench_run", "neighbour_tenant"}
+                    "suite", "mode", "bench_run", "neighbour_tenant", "detail_reason"}
 _TIME_COLUMNS = {"ts_us": "ts", "arrival_ts_us": "arrival_ts"}  # µs ints -> DateTime64(6)
 _SCALARS = {str: "String", int: "Int64", float: "Float64", bool: "Bool"}
 _ARRAYS = {"input_token_ids": "Array(UInt32)", "output_token_ids": "Array(UInt32)",
@@ -219,14 +219,19 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
         "Array(UInt32) AFTER member_traces",
         f"ALTER TABLE {DATABASE}.engine_steps ADD COLUMN IF NOT EXISTS member_decode "
         "Array(UInt32) AFTER member_prefill"]),
-    (10, "why it waited and who shared its steps: requests.wait_*_ms, neighbour_*", [
+    (10, "why it waited, who shared its steps, detail retention: requests.wait_*_ms, "
+         "neighbour_*, detail_*", [
         *(f"ALTER TABLE {DATABASE}.requests ADD COLUMN IF NOT EXISTS {c} Float64 "
           "AFTER backpressured_ms" for c in reversed(
               ("wait_step_ms", "wait_budget_ms", "wait_kv_ms", "wait_seqs_ms", "wait_hol_ms"))),
         f"ALTER TABLE {DATABASE}.requests ADD COLUMN IF NOT EXISTS neighbour_tenant "
         "LowCardinality(String) AFTER wait_hol_ms",
         f"ALTER TABLE {DATABASE}.requests ADD COLUMN IF NOT EXISTS neighbour_prefill_tokens "
-        "UInt32 AFTER neighbour_tenant"]),
+        "UInt32 AFTER neighbour_tenant",
+        f"ALTER TABLE {DATABASE}.requests ADD COLUMN IF NOT EXISTS detail_kept Bool DEFAULT "
+        "true AFTER neighbour_prefill_tokens",
+        f"ALTER TABLE {DATABASE}.requests ADD COLUMN IF NOT EXISTS detail_reason "
+        "LowCardinality(String) AFTER detail_kept"]),
 ]
 
 __all__ = ["DATABASE", "TABLES", "MIGRATIONS", "EngineStepRow", "EventRow", "EvalRunRow",
