@@ -76,6 +76,8 @@ class EngineConfig:
     scheduling_policy: str = _setting("fcfs", "which waiting request goes next and which "
                                               "running one yields: "
                                       + ", ".join(SCHEDULING_POLICIES))
+    step_detail: bool = _setting(True, "record each step's members and each waiting request's "
+                                       "wait causes (why a request was slow)")
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_batched_tokens", "kv_cache_mb"):

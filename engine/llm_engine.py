@@ -359,7 +359,7 @@ class Engine:
             prefix_hits=delta[1], evictions=delta[2], preemptions=delta[3],
             members=tuple([StepMember(s.request.request_id, 0, 1) for s in sched.decodes]
                           + [StepMember(s.request.request_id, s.num_new_tokens, 0)
-                             for s in sched.prefills]),
+                             for s in sched.prefills]) if self.config.step_detail else (),
         ))
 
     def _drain_ended(self, outputs: list[RequestOutput]) -> list[RequestOutput]:

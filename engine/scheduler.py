@@ -249,7 +249,8 @@ class Scheduler:
                 self.waiting.pop(0)
                 self.running.append(req)
                 req.transition(S.RESUMED, "swapped in")
-                self._note(req, "step", "copied back in; runs from the next tick")
+                if self.config.step_detail:
+                    self._note(req, "step", "copied back in; runs from the next tick")
                 if req.output_token_ids:  # else it was mid-prefill: RESUMED -> PREFILLING
                     req.transition(S.DECODING)
                 continue
@@ -264,7 +265,7 @@ class Scheduler:
             out.prefills.append(ScheduledSeq(req, n))
             scheduled.add(req.request_id)
             budget -= n
-        if self.waiting:
+        if self.waiting and self.config.step_detail:
             self._note_waits(blocked or ("budget" if budget <= 0 else "seqs"), out)
         return out
 

@@ -89,3 +89,13 @@ def test_a_request_without_kv_waits_on_its_holders_and_the_next_one_behind_it(ti
     assert hol[0].detail.startswith("hol") and hol[0].holders == ("blocked",)
     assert timing.durations(record_events(finished["blocked"]))["wait_kv_ms"] > 0
     assert timing.durations(record_events(finished["behind"]))["wait_hol_ms"] > 0
+
+
+def test_step_detail_off_records_neither_members_nor_wait_notes(tiny49k):
+    engine = Engine(tiny49k, EngineConfig(num_kv_blocks=64, block_size=16, max_batched_tokens=32,
+                                        prefix_caching=False, step_detail=False))
+    finished = run(engine, {"long": 200, "short": 5}, {"long": 2, "short": 2})
+    assert not any(e.state == "WAIT" for s in finished.values() for e in s.events)
+    assert all(s.members == () for s in engine.observer.steps)
+    d = timing.durations(record_events(finished["short"]))  # all of it is unattributed "step"
+    assert d["wait_step_ms"] == pytest.approx(d["engine_queue_ms"] + d["preempted_ms"])
