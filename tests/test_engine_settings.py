@@ -17,7 +17,7 @@ from tailscope.settings import Settings
 # a value other than the default for every setting, by type
 SAMPLE = {"dtype": "bfloat16", "kv_cache_mb": 64, "num_kv_blocks": 40, "block_size": 8,
           "max_num_seqs": 3, "max_batched_tokens": 128, "max_model_len": 512,
-          "prefix_caching": False, "preemption": "swap"}
+          "prefix_caching": False, "preemption": "swap", "step_detail": False}
 # settings with one valid value so far (no other value to send through every surface)
 SINGLE_CHOICE = {"scheduling_policy": SCHEDULING_POLICIES}
 
