@@ -30,6 +30,7 @@ import datetime as dt, sys
 sys.path.insert(0, {str(ROOT)!r})
 from tracing.store import Store
 from tracing.seed import synthetic_records, synthetic_steps
+from tracing.writer import RecordWriter
 s = Store({dsn!r}); s.migrate()
 now = dt.datetime.now(dt.UTC)
 us = lambda t: int(t.timestamp() * 1e6)
@@ -38,8 +39,17 @@ base = synthetic_records(3000, us(now - dt.timedelta(hours=2)), us(now - dt.time
 sus = synthetic_records(3000, us(now - dt.timedelta(hours=1)), us(now), seed=5, token_ids=True,
                         slow_replica="r1", slow_fraction=0.06, slow_queue_ms=200.0)
 s.insert_rows("requests", base + sus)
-s.insert_rows("engine_steps", synthetic_steps(us(now - dt.timedelta(hours=2)), us(now)))
-print(max(sus, key=lambda r: r.e2e_ms).trace_id)
+top = max(sus, key=lambda r: r.e2e_ms)
+s.insert("request_events", RecordWriter._events_table([top]))  # its timeline: the waterfall
+steps = synthetic_steps(us(now - dt.timedelta(hours=2)), us(now))
+decode_from = top.arrival_ts_us + (top.e2e_ms - top.decode_ms - top.tail_ms) * 1000
+for st in steps:  # the steps it decoded in, a neighbour's prefill in some of them
+    if st.replica == top.replica and decode_from <= st.ts_us <= decode_from + top.decode_ms * 1000:
+        st.member_traces = [top.trace_id, base[st.step % 50].trace_id]
+        st.member_prefill = [0, st.prefill_tokens]
+        st.member_decode = [1, 0]
+s.insert_rows("engine_steps", steps)
+print(top.trace_id)
 s.close()
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -47,11 +57,11 @@ s.close()
     return out.stdout.strip().splitlines()[-1]
 
 
-def shoot(chromium: str, url: str, png: Path) -> None:
+def shoot(chromium: str, url: str, png: Path, height: int = 1600) -> None:
     args = [chromium, "--headless", "--no-sandbox", "--disable-gpu",
             "--disable-background-networking", "--disable-component-update", "--disable-sync",
             "--no-first-run", f"--user-data-dir={tempfile.mkdtemp()}",
-            "--window-size=1400,1600", "--virtual-time-budget=20000"]
+            f"--window-size=1400,{height}", "--virtual-time-budget=20000"]
     subprocess.run([*args, "--dump-dom", url], capture_output=True, timeout=120)  # warm-up
     subprocess.run([*args, f"--screenshot={png}", url], capture_output=True, timeout=120,
                    check=True)
@@ -85,11 +95,12 @@ def main() -> int:
         OUT.mkdir(parents=True, exist_ok=True)
         shoot(chromium, f"{base}/?page=Overview", OUT / "warm-up.png")  # the first session
         (OUT / "warm-up.png").unlink(missing_ok=True)  # is slow: imports, caches, the store
-        for name, query in (("overview", "page=Overview"), ("regression", "page=Regression"),
-                            ("trace", f"page=Requests&trace={trace_id}")):
+        for name, query, height in (
+                ("overview", "page=Overview", 1600), ("regression", "page=Regression", 1600),
+                ("trace", f"page=Requests&trace={trace_id}", 3000)):  # with its waterfall
             png = OUT / f"{name}.png"
             for _ in range(4):  # a page caught while still rendering is a tiny, blank PNG
-                shoot(chromium, f"{base}/?{query}", png)
+                shoot(chromium, f"{base}/?{query}", png, height)
                 if png.stat().st_size > 40_000:
                     break
             print(f"wrote {png.relative_to(ROOT)} ({png.stat().st_size // 1024} KB)")

@@ -503,7 +503,7 @@ def _waits_sentence(source, trace_id: str, r) -> str:
             cause = c.opened_by[0]
             phrase, verb = _WAIT_PHRASES[cause]
             who = held.get(cause, [])
-            names = " ".join(filter(None, (verb, ", ".join(who[:3]))))
+            names = " ".join(filter(None, (verb, ", ".join(who[:3])))) if who else ""
             said.append(f"{ms:.0f} ms {phrase}" + (f" ({names})" if names else ""))
     return f"; it waited {total:.0f} ms to run: " + ", ".join(said)
 

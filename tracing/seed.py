@@ -76,6 +76,9 @@ def synthetic_records(n: int, start_us: int, end_us: int, *, replicas=("r0", "r1
             model_revision="rev-1", engine_version="0.1.0", tokenizer_revision="tok-1",
             gateway_version="0.1.0", config_id=config_id, replica=replica,
             timing_source="engine",
+            # every fourth request shared its steps with the other tenant's prefill
+            neighbour_tenant=tenants[(i + 1) % len(tenants)] if i % 4 == 0 else "",
+            neighbour_prefill_tokens=64 * (1 + i % 3) if i % 4 == 0 else 0,
             prompt_tokens=prompt, cached_tokens=(prompt // 2) if i % 3 == 0 else 0,
             generated_tokens=out_tokens, emitted_tokens=out_tokens,
             input_token_ids=[rng.randrange(49152) for _ in range(prompt)] if token_ids else [],
