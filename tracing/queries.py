@@ -375,6 +375,7 @@ def waterfall(t: dict) -> pd.DataFrame:
             at += ms * 1000
         add("request", timing.STREAMING.label, at, arrival + float(rec["e2e_ms"]) * 1000)
     trace_id = str(rec["trace_id"])
+    crowded: list[float] = []  # ends (µs) of its steps that carried others' prefill
     if steps is not None and not steps.empty and "member_traces" in steps:
         for s in steps.itertuples(index=False):
             members = list(s.member_traces if s.member_traces is not None else [])
@@ -384,15 +385,20 @@ def waterfall(t: dict) -> pd.DataFrame:
             own_prefill = int(s.member_prefill[i])
             others = sum(int(p) for j, p in enumerate(s.member_prefill) if j != i)
             start = _ts_us(s.ts)
-            add("engine", f"prefill {own_prefill}" if own_prefill else "decode", start,
-                start + float(s.duration_ms) * 1000,
+            end = start + float(s.duration_ms) * 1000
+            add("engine", f"prefill {own_prefill}" if own_prefill else "decode", start, end,
                 f"step {int(s.step)}: batch {int(s.num_seqs)}, others' prefill {others}")
+            if others:
+                crowded.append(end)
     ttft = rec.get("ttft_ms")
     if ttft is not None and not pd.isna(ttft):
         flush = arrival + float(ttft) * 1000
         for k, gap in enumerate(rec.get("itl_ms") if rec.get("itl_ms") is not None else []):
-            add("client", "gap", flush, flush + float(gap) * 1000, f"token {k + 1}")
-            flush += float(gap) * 1000
+            nxt = flush + float(gap) * 1000  # coloured by whether others' prefill was inside
+            shared = any(flush < e <= nxt for e in crowded)
+            add("client", "gap with others' prefill" if shared else "gap", flush, nxt,
+                f"token {k + 1}")
+            flush = nxt
     out = pd.DataFrame(rows, columns=_WATERFALL)
     return out.sort_values(["lane", "start_ms"], kind="stable", ignore_index=True)
 

@@ -107,7 +107,9 @@ def test_the_waterfall_from_a_timeline_splits_waiting_by_cause_and_shows_the_ste
     def ts(us_: int):
         return pd.Timestamp(us_, unit="us", tz="UTC")
 
-    steps = pd.DataFrame([{"ts": ts(rec.arrival_ts_us + 60_000), "step": 7, "duration_ms": 4.0,
+    first_flush = rec.arrival_ts_us + int(rec.ttft_ms * 1000)  # a step inside the first gap
+    steps = pd.DataFrame([{"ts": ts(first_flush + 100), "step": 7,
+                           "duration_ms": rec.itl_ms[0] / 2,
                            "num_seqs": 3, "member_traces": ["x", rec.trace_id, "y"],
                            "member_prefill": [32, 0, 16], "member_decode": [0, 1, 0]}])
     fall = Q.waterfall({"record": {**rec.to_dict(), "arrival_ts": ts(rec.arrival_ts_us)},
@@ -122,6 +124,9 @@ def test_the_waterfall_from_a_timeline_splits_waiting_by_cause_and_shows_the_ste
     assert waits["waiting: no free KV blocks"] == pytest.approx(rec.wait_kv_ms, abs=1e-3)
     (step,) = fall[fall["lane"] == "engine"].itertuples()
     assert step.segment == "decode" and "others' prefill 48" in step.detail
+    gaps = fall[fall["lane"] == "client"]  # the gap the step ended in is coloured by it
+    shared = gaps[gaps["segment"] == "gap with others' prefill"]
+    assert list(shared["detail"]) == ["token 1"]
 
 
 def test_evals_page_compares_two_runs_and_links_failures_to_traces(seeded, store):
