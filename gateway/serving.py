@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import re
 import threading
 import time
@@ -59,11 +60,13 @@ from gateway.tools import (
     render_messages,
 )
 from gateway.trace import RequestTrace
-from gateway.upstream import UpstreamPool
+from gateway.upstream import NoBackendLeft, UpstreamPool
 
 DEFAULT_MAX_TOKENS = 512
 LARGE_TEXT_CHARS = 16_384  # tokenized off the event loop from this length (~10 ms of work)
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")
+
+log = logging.getLogger("tailscope.gateway")
 
 
 MIN_LOGPROB = -9999.0  # what a masked token (-inf) is reported as, like vLLM: JSON has no -inf
@@ -251,9 +254,22 @@ class Service:
                 self.registry.finish(tenant)
 
         request.state.settled_by_run = True
-        return await self.upstreams.proxy(
-            request, data, path, trace, settle,
-            keep_ids=self.config.record_token_ids and tenant.capture == "full")
+        mixed = model == self.config.served_model_name
+        try:
+            return await self.upstreams.proxy(
+                request, data, path, trace, settle,
+                keep_ids=self.config.record_token_ids and tenant.capture == "full",
+                fallback=mixed)
+        except NoBackendLeft as exc:  # a mixed pool: the bundled replicas take it
+            request.state.settled_by_run = False  # the bundled path settles from here on
+            trace.earlier_tries += 1
+            r.replica = r.model_revision = r.engine_version = ""
+            trace.marks.pop("UPSTREAM_HEADERS", None)
+            trace.keep_first |= {"ADMITTED", "TOKENIZED"}  # the failed try counts as routing
+            trace.route_note = (f"mixed pool: backend {exc.backend} failed before any "
+                                f"content ({exc.message}); the bundled replicas took it")
+            log.warning("%s", trace.route_note)
+            return None
 
     def _mixed_route(self, model: str, trace: RequestTrace) -> bool:
         """Bundled replicas and external backends serve ``model``: the side with fewer requests
@@ -668,7 +684,7 @@ class Service:
         r = trace.record
         r.generated_tokens = sum(c.stream.generated_tokens for c in choices)
         r.emitted_tokens = sum(c.stream.emitted_tokens for c in choices)
-        r.retries = sum(c.retries for c in choices)
+        r.retries = trace.earlier_tries + sum(c.retries for c in choices)
         r.tool_calls = [name for c in choices for name in c.called]
         if self.config.record_token_ids and tenant.capture == "full":
             r.input_token_ids = list(prompt)

@@ -59,8 +59,12 @@ class RequestTrace:
         self.end_ns: int | None = None
         self.engine_stats: RequestStats | None = None  # the replica's (its timeline), at the end
         self.route_note = ""  # why this side of a mixed pool (ahead of the router's reason)
+        self.keep_first: set[str] = set()  # marks a second attempt does not move
+        self.earlier_tries = 0  # failed elsewhere first (a mixed pool's backend)
 
     def mark(self, stage: str, at_ns: int | None = None) -> None:
+        if stage in self.keep_first and stage in self.marks:
+            return
         self.marks[stage] = time.monotonic_ns() if at_ns is None else at_ns
 
     def flush(self) -> None:

@@ -207,6 +207,15 @@ class Upstream:
                         self.config.name, self.config.eject_s, self.failures, why)
 
 
+class NoBackendLeft(Exception):
+    """A mixed pool's backend failed before sending anything and no other backend of the model
+    can take the request: the bundled replicas may (nothing was settled or recorded)."""
+
+    def __init__(self, backend: str, message: str) -> None:
+        super().__init__(message)
+        self.backend, self.message = backend, message
+
+
 class UpstreamError(Exception):
     """A failed attempt: ``status``/``code``/``message`` for the client, ``retry`` when nothing
     reached the client yet and another backend may take it."""
@@ -369,19 +378,22 @@ class UpstreamPool:
 
     # ---- one request ------------------------------------------------------------------------
     async def proxy(self, request: Request, data: dict, path: str, trace: RequestTrace,
-                    settle, keep_ids: bool = True) -> Response:
+                    settle, keep_ids: bool = True, fallback: bool = False) -> Response:
         """Send ``data`` to a backend of its model (once more elsewhere when nothing was
         received); ``settle()`` (idempotent) is called when the exchange is over.
         ``keep_ids``: the record may keep token ids the backend returns (the tenant's
-        capture setting)."""
+        capture setting). ``fallback``: when no backend is left to retry on, raise
+        ``NoBackendLeft`` (unsettled) so the caller's bundled replicas can take it."""
         try:
-            return await self._proxy(request, data, path, trace, settle, keep_ids)
+            return await self._proxy(request, data, path, trace, settle, keep_ids, fallback)
+        except NoBackendLeft:
+            raise
         except BaseException:
             settle()  # once: a no-op when the exchange already settled
             raise
 
     async def _proxy(self, request: Request, data: dict, path: str, trace: RequestTrace,
-                     settle, keep_ids: bool) -> Response:
+                     settle, keep_ids: bool, fallback: bool) -> Response:
         model = data["model"]
         stream = bool(data.get("stream"))
         r = trace.record
@@ -418,6 +430,8 @@ class UpstreamPool:
                     log.warning("backend %s failed before any content (%s); retrying",
                                 up.config.name, exc.message)
                     continue
+                if fallback and exc.retry:
+                    raise NoBackendLeft(up.config.name, exc.message) from None
                 _fail(trace, exc.status, exc.code, exc.message)
                 settle()
                 if exc.body is not None:  # the upstream's own error answer, as it sent it

@@ -426,3 +426,43 @@ def test_a_mixed_pool_serves_one_model_from_a_replica_and_a_backend(mixed):
             f"'{DIRECT}'")}).json()["rows"]}
 
     assert wait_for(lambda: stored() >= {"ext", "r0"}, 10), stored()
+
+
+@pytest.fixture(scope="module")
+def mixed_bad(bundled_path, faults):
+    server = start_server("--model", "tiny:49152", "--tokenizer", str(bundled_path),
+                          *_backend("bad", faults, "error-500", model=DIRECT, eject_after=100))
+    yield server
+    stop_server(server)
+
+
+def test_a_mixed_pool_request_its_backend_failed_is_served_by_the_bundled_replicas(mixed_bad):
+    import asyncio
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=60) as http:
+            return await asyncio.gather(*(http.post(f"{mixed_bad.url}/v1/completions", json={
+                "model": DIRECT, "prompt": f"Count {i}", "max_tokens": 48,
+                "ignore_eos": True, "stream": i % 2 == 0}) for i in range(8)))
+
+    fell_back = []
+    for _ in range(5):
+        for r in asyncio.run(burst()):
+            assert r.status_code == 200, r.text  # nobody sees the backend's 500
+            rec = record(mixed_bad.url, r.headers["x-tailscope-trace-id"])["record"]
+            assert rec["replica"] == "r0" and rec["final_state"] == "FINISHED"
+            assert rec["generated_tokens"] == 48
+            if rec["retries"]:
+                fell_back.append(rec)
+        if fell_back:
+            break
+    assert fell_back, "no request was routed to the backend"
+    rec = fell_back[0]
+    assert rec["retries"] == 1 and "backend bad failed before any content" in rec[
+        "route_reason"] and rec["timing_source"] == "engine"
+    # the failed try is routing time; the bundled engine's own timeline follows
+    assert rec["route_ms"] > rec["tokenize_ms"] and rec["prefill_ms"] > 0
+    info = httpx.get(f"{mixed_bad.url}/debug/replicas").json()
+    assert info["bad"]["errors"] >= 1 and info["bad"]["inflight"] == 0
+    # every tenant slot came back: a second burst is not refused
+    assert all(r.status_code == 200 for r in asyncio.run(burst()))
