@@ -384,26 +384,37 @@ def test_two_backends_one_dies_mid_stream_the_other_takes_over_and_it_comes_back
     http.close()
 
 
+def mixed_pool(bundled_path, faults: str, backend: str, mode: str, **kw):
+    """A gateway whose bundled replica and one backend serve the same model name."""
+    return start_server("--model", "tiny:49152", "--tokenizer", str(bundled_path),
+                        *_backend(backend, faults, mode, model=DIRECT, **kw))
+
+
+def burst(url: str) -> list[httpx.Response]:
+    """Eight concurrent 48-token completions (half streamed): with one in flight on the
+    replica, the mixed pool sends the next to the backend."""
+    import asyncio
+
+    async def send():
+        async with httpx.AsyncClient(timeout=60) as http:
+            return await asyncio.gather(*(http.post(f"{url}/v1/completions", json={
+                "model": DIRECT, "prompt": f"Count {i}", "max_tokens": 48, "ignore_eos": True,
+                "stream": i % 2 == 0}) for i in range(8)))
+
+    return asyncio.run(send())
+
+
 @pytest.fixture(scope="module")
 def mixed(bundled_path, faults):
-    server = start_server("--model", "tiny:49152", "--tokenizer", str(bundled_path),
-                          *_backend("ext", faults, "echo", model=DIRECT))
+    server = mixed_pool(bundled_path, faults, "ext", "echo")
     yield server
     stop_server(server)
 
 
 def test_a_mixed_pool_serves_one_model_from_a_replica_and_a_backend(mixed):
-    import asyncio
-
-    async def burst():
-        async with httpx.AsyncClient(timeout=60) as http:
-            return await asyncio.gather(*(http.post(f"{mixed.url}/v1/completions", json={
-                "model": DIRECT, "prompt": f"Count {i}", "max_tokens": 48,
-                "ignore_eos": True}) for i in range(8)))
-
     replicas: dict[str, list[dict]] = {}
     for _ in range(3):
-        for r in asyncio.run(burst()):
+        for r in burst(mixed.url):
             assert r.status_code == 200, r.text
             rec = record(mixed.url, r.headers["x-tailscope-trace-id"])["record"]
             replicas.setdefault(rec["replica"], []).append(rec)
@@ -430,24 +441,15 @@ def test_a_mixed_pool_serves_one_model_from_a_replica_and_a_backend(mixed):
 
 @pytest.fixture(scope="module")
 def mixed_bad(bundled_path, faults):
-    server = start_server("--model", "tiny:49152", "--tokenizer", str(bundled_path),
-                          *_backend("bad", faults, "error-500", model=DIRECT, eject_after=100))
+    server = mixed_pool(bundled_path, faults, "bad", "error-500", eject_after=100)
     yield server
     stop_server(server)
 
 
 def test_a_mixed_pool_request_its_backend_failed_is_served_by_the_bundled_replicas(mixed_bad):
-    import asyncio
-
-    async def burst():
-        async with httpx.AsyncClient(timeout=60) as http:
-            return await asyncio.gather(*(http.post(f"{mixed_bad.url}/v1/completions", json={
-                "model": DIRECT, "prompt": f"Count {i}", "max_tokens": 48,
-                "ignore_eos": True, "stream": i % 2 == 0}) for i in range(8)))
-
     fell_back = []
     for _ in range(5):
-        for r in asyncio.run(burst()):
+        for r in burst(mixed_bad.url):
             assert r.status_code == 200, r.text  # nobody sees the backend's 500
             rec = record(mixed_bad.url, r.headers["x-tailscope-trace-id"])["record"]
             assert rec["replica"] == "r0" and rec["final_state"] == "FINISHED"
@@ -465,4 +467,4 @@ def test_a_mixed_pool_request_its_backend_failed_is_served_by_the_bundled_replic
     info = httpx.get(f"{mixed_bad.url}/debug/replicas").json()
     assert info["bad"]["errors"] >= 1 and info["bad"]["inflight"] == 0
     # every tenant slot came back: a second burst is not refused
-    assert all(r.status_code == 200 for r in asyncio.run(burst()))
+    assert all(r.status_code == 200 for r in burst(mixed_bad.url))
