@@ -243,6 +243,9 @@ class _Stream:
     strip_ids: bool = False  # the gateway asked for token ids: they are not the client's
     prompt_ids: list[int] | None = None  # return_token_ids: the prompt's
     output_ids: list[int] = field(default_factory=list)  # and choice 0's generated ids
+    # choice 0's ids from its logprobs' tokens, when the upstream writes them as "token_id:N"
+    # (vLLM's --return-tokens-as-token-ids)
+    logprob_ids: list[int] = field(default_factory=list)
 
 
 class UpstreamPool:
@@ -623,6 +626,7 @@ def _note(seen: _Stream, chunk) -> bool:
                 seen.prompt_ids = choice["prompt_token_ids"]
             if (ids := _ids(choice.get("token_ids"))) is not None:
                 seen.output_ids.extend(ids)
+            seen.logprob_ids.extend(_logprob_ids(choice.get("logprobs")))
         if choice.get("finish_reason"):
             seen.finish_reason = str(choice["finish_reason"])
         delta = choice.get("delta") or choice.get("message") or {}
@@ -640,6 +644,24 @@ def _ids(value) -> list[int] | None:
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32 for t in value):
         return value
     return None
+
+
+def _logprob_ids(lp) -> list[int]:
+    """Token ids from a choice's logprobs whose tokens are "token_id:N" (chat: ``content``,
+    completions: ``tokens``); none when the tokens are text."""
+    if not isinstance(lp, dict):
+        return []
+    tokens = lp.get("tokens")
+    if not isinstance(tokens, list):
+        content = lp.get("content")
+        tokens = [c.get("token") for c in content if isinstance(c, dict)] \
+            if isinstance(content, list) else []
+    out = []
+    for t in tokens:
+        if not (isinstance(t, str) and t.startswith("token_id:") and t[9:].isdigit()):
+            return []
+        out.append(int(t[9:]))
+    return out
 
 
 def _strip_ids(chunk) -> bool:
@@ -662,9 +684,11 @@ def _finish(trace: RequestTrace, seen: _Stream) -> None:
     r.prompt_tokens = int(u.get("prompt_tokens") or (t.prompt_n + t.cache_n if t else 0)
                           or len(seen.prompt_ids or ()))
     r.generated_tokens = r.emitted_tokens = int(u.get("completion_tokens") or (
-        t.predicted_n if t else 0) or len(seen.output_ids) or seen.content_chunks)
+        t.predicted_n if t else 0) or len(seen.output_ids or seen.logprob_ids)
+        or seen.content_chunks)
     if seen.keep_ids:
-        r.input_token_ids, r.output_token_ids = list(seen.prompt_ids or ()), seen.output_ids
+        r.input_token_ids = list(seen.prompt_ids or ())
+        r.output_token_ids = seen.output_ids or seen.logprob_ids
     routed = trace.marks.get("ROUTED")
     if t is not None and routed is not None:
         trace.engine_stats = _timeline(t, seen.timings_ns - routed)

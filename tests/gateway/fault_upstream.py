@@ -14,7 +14,8 @@ model. ``python tests/gateway/fault_upstream.py PORT``; what it does is chosen b
 - ``vllm``: after 0.15 s, a three-token answer like vLLM with ``--enable-per-request-metrics``:
   ``usage`` (7 prompt tokens, 2 of them cached) and ``metrics`` (first token 40 ms after it
   was scheduled, 100 ms more to the last), in the final usage chunk only when
-  ``stream_options.include_usage`` asks for it; ``return_token_ids`` in vLLM's shape.
+  ``stream_options.include_usage`` asks for it; ``return_token_ids`` in vLLM's shape; with
+  ``logprobs``, tokens written as ``token_id:N`` (vLLM's ``--return-tokens-as-token-ids``).
   ``GET /stats`` has the last body it received (``last_vllm_body``).
 
 It also answers health probes like vLLM: ``GET /health``, ``GET /v1/models`` (``root`` names
@@ -77,8 +78,14 @@ async def vllm(body: dict):
     STATS["last_vllm_body"] = body
     ids = bool(body.get("return_token_ids"))
     await asyncio.sleep(0.15)
+    def logprobs(toks: list[int]) -> dict:
+        return {"tokens": [f"token_id:{t}" for t in toks], "token_logprobs": [-0.5] * len(toks),
+                "top_logprobs": None, "text_offset": [0] * len(toks)}
+
     if not body.get("stream"):
         choice = {"index": 0, "text": "a b c", "finish_reason": "length"}
+        if body.get("logprobs") is not None:
+            choice["logprobs"] = logprobs(VLLM_OUTPUT)
         if ids:
             choice.update(prompt_token_ids=VLLM_PROMPT, token_ids=VLLM_OUTPUT)
         return JSONResponse({"id": "cmpl-vllm", "object": "text_completion", "choices": [choice],
@@ -87,6 +94,8 @@ async def vllm(body: dict):
     async def events():
         for i, t in enumerate(("a", " b", " c")):
             c = json.loads(chunk(t, "length" if i == 2 else None)[6:])
+            if body.get("logprobs") is not None:
+                c["choices"][0]["logprobs"] = logprobs([VLLM_OUTPUT[i]])
             if ids:
                 c["choices"][0]["token_ids"] = [VLLM_OUTPUT[i]]
                 if i == 0:

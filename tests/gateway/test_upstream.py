@@ -73,6 +73,7 @@ def gateway(bundled_path, upstream, faults):
             *_backend("flaky-b", faults, "echo", model="flaky"),
             *_backend("llama", faults, "llama"),
             *_backend("vllm", faults, "vllm", return_token_ids="true"),
+            *_backend("vllmlp", faults, "vllm"),
             *_backend("dead", f"http://127.0.0.1:{free_port()}", "echo", probe_interval_s=0.2,
                       eject_after=2, eject_s=600)]
     server = start_server(*args)
@@ -299,6 +300,16 @@ def test_vllm_per_request_metrics_and_token_ids_fill_the_record(gateway, faults,
         r = post(gateway, "vllm", stream=True, stream_options={"include_usage": True})
         last = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")][-1]
         assert last["usage"]["prompt_tokens"] == 7 and last["metrics"]["queue_time_ms"] == 5.0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_token_ids_from_logprobs_written_as_ids(gateway, stream):
+    """An upstream that writes logprobs' tokens as token_id:N (vLLM's
+    --return-tokens-as-token-ids): the record takes the ids from them; the answer is as sent."""
+    r = post(gateway, "vllmlp", stream=stream, logprobs=1)
+    assert r.status_code == 200 and "token_id:21" in r.text
+    rec = record(gateway.url, r.headers["x-tailscope-trace-id"])["record"]
+    assert rec["output_token_ids"] == [21, 22, 23] and rec["input_token_ids"] == []
 
 
 def test_probes_find_revision_version_and_eject_a_dead_backend_with_no_traffic(gateway):
