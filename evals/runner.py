@@ -273,15 +273,16 @@ class RunSummary:
 
 def run(url: str, suite: str, cases: list[Case], *, concurrency: int = 8,
         api_key: str | None = None, admin_key: str | None = None,
-        run_id: str | None = None) -> RunSummary:
+        run_id: str | None = None, model: str | None = None) -> RunSummary:
     """Run a suite against the gateway at ``url`` and store it there; the run's config is the
-    gateway's own (``GET /debug/config``)."""
+    gateway's own (``GET /debug/config``). ``model``: one of its served models (default its
+    bundled replicas'), e.g. an external backend's: the run's config notes which."""
     cfg = gateway_config(url)
-    model = cfg["config"]["served_model_name"]
+    model = model or cfg["config"]["served_model_name"]
     run_id = run_id or new_run_id(suite)
     results = asyncio.run(run_cases(url, cases, run_id, model, concurrency, api_key))
     store_run(url, {"run_id": run_id, "suite": suite, "config_id": cfg["config_id"],
-                    "config": {"name": cfg.get("name", ""), **cfg["config"],
+                    "config": {"name": cfg.get("name", ""), **cfg["config"], "eval_model": model,
                                "versions": cfg.get("versions", {})}, "url": url},
               results, admin_key)
     found = wait_for_records(url, [r.trace_id for r in results], admin_key)

@@ -380,7 +380,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         kwargs = dict(concurrency=args.concurrency, api_key=args.api_key, admin_key=admin)
         try:
             if args.url:
-                summary = R.run(args.url, suite, cases, **kwargs)
+                summary = R.run(args.url, suite, cases, model=args.model, **kwargs)
             else:
                 from tracing.store import is_embedded, normalise_dsn
 
@@ -542,6 +542,8 @@ def _eval_parser(sub) -> None:
     r.add_argument("--config", help="engine config YAML to start a gateway with "
                    "(default evals/configs/bundled.yaml)")
     r.add_argument("--url", help="run against this gateway instead (its own config is used)")
+    r.add_argument("--model", help="with --url: which of its served models (default its "
+                   "bundled model), e.g. an external backend's")
     r.add_argument("--concurrency", type=int, default=8)
     r.add_argument("--api-key", help="tenant key for the requests")
     r.add_argument("--gateway-log", metavar="FILE", help="the started gateway's output")

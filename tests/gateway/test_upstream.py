@@ -479,3 +479,19 @@ def test_a_mixed_pool_request_its_backend_failed_is_served_by_the_bundled_replic
     assert info["bad"]["errors"] >= 1 and info["bad"]["inflight"] == 0
     # every tenant slot came back: a second burst is not refused
     assert all(r.status_code == 200 for r in burst(mixed_bad.url))
+
+
+def test_eval_run_and_bench_go_through_a_backend_unchanged(gateway, upstream):
+    """``eval run --url --model <backend's model>`` and the load generator: every request is
+    answered by the backend and recorded with it as the replica."""
+    from bench import loadgen as L
+    from evals import runner as R
+
+    _, cases = R.load_suite("protocol")
+    summary = R.run(gateway.url, "protocol", cases[:4], model="tiny-up", concurrency=2)
+    assert len(summary.results) == 4 and summary.records_found == 4
+    for res in summary.results:
+        assert record(gateway.url, res.trace_id)["record"]["replica"] == "up"
+    items = L.workload(6, L.Dist.parse("8"), L.Dist.parse("4"), seed=1)
+    result = L.run(L.Target(gateway.url, model="tiny-up"), "closed", items, concurrency=2)
+    assert result["succeeded"] == 6 and not result["errors"], result
