@@ -44,7 +44,7 @@ class ModelConfig:
 # torch-free).
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 PREEMPTION_MODES = ("recompute", "swap", "auto", "off")
-SCHEDULING_POLICIES = ("fcfs",)  # engine.policy.POLICIES (kept torch- and engine-free here)
+SCHEDULING_POLICIES = ("fcfs", "priority")  # engine.policy.POLICIES (torch- and engine-free)
 
 
 def _setting(default, help: str):
@@ -76,6 +76,8 @@ class EngineConfig:
     scheduling_policy: str = _setting("fcfs", "which waiting request goes next and which "
                                               "running one yields: "
                                       + ", ".join(SCHEDULING_POLICIES))
+    priority_aging_s: float = _setting(1.0, "priority policy: one priority level is worth "
+                                            "this many seconds of waiting, so nothing starves")
     step_detail: bool = _setting(True, "record each step's members and each waiting request's "
                                        "wait causes (why a request was slow)")
 
@@ -94,6 +96,8 @@ class EngineConfig:
         if self.preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got "
                              f"{self.preemption!r}")
+        if not self.priority_aging_s > 0:
+            raise ValueError(f"priority_aging_s must be > 0, got {self.priority_aging_s}")
 
     @classmethod
     def setting_types(cls) -> dict[str, tuple[type, bool, str]]:

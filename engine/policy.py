@@ -6,7 +6,7 @@ back into the queue at its key) and, when a running request needs a KV block and
 which running request not yet scheduled this tick gives its blocks up (``victim``). The head of
 the queue waits for capacity and nobody overtakes it.
 
-Only ``fcfs`` exists today (``EngineConfig.scheduling_policy``); priority, shortest-job-first
+Policies (``EngineConfig.scheduling_policy``): ``fcfs`` and ``priority``; shortest-job-first
 and per-tenant fair share plug in here as further classes in ``POLICIES``.
 """
 
@@ -43,10 +43,33 @@ class Fcfs:
         return max(candidates, key=self.key)
 
 
-POLICIES: dict[str, type[SchedulingPolicy]] = {"fcfs": Fcfs}
+class Priority:
+    """Lower ``priority`` first (vLLM's convention), with aging: a request's place is its
+    arrival time plus ``priority`` levels of ``aging_s`` each, so a priority-2 request queues as
+    if it had arrived 2 aging periods later than it did. A constant stream of higher-priority
+    requests therefore delays a lower one by at most (its priority - theirs) x ``aging_s``:
+    nothing starves, and the key never changes while a request waits (the queue stays sorted).
+    The running request that yields KV is the one with the largest key (lowest priority, then
+    latest)."""
+
+    name = "priority"
+
+    def __init__(self, aging_s: float = 1.0) -> None:
+        self.aging_ns = int(aging_s * 1e9)
+
+    def key(self, req: Request) -> tuple:
+        return (req.arrival_ns + req.params.priority * self.aging_ns, req.seq)
+
+    def victim(self, candidates: Sequence[Request]) -> Request:
+        return max(candidates, key=self.key)
 
 
-def make_policy(name: str) -> SchedulingPolicy:
+POLICIES: dict[str, type] = {"fcfs": Fcfs, "priority": Priority}
+
+
+def make_policy(name: str, aging_s: float = 1.0) -> SchedulingPolicy:
+    if name == "priority":
+        return Priority(aging_s)
     try:
         return POLICIES[name]()
     except KeyError:

@@ -24,6 +24,7 @@ class SamplingParamsError(ValueError):
         self.param = param
 
 
+PRIORITY_MAX = 1_000_000
 _COMPACT = {"x-guidance": {"whitespace_flexible": False}}
 
 
@@ -87,8 +88,14 @@ class SamplingParams:
     # cache (a cached token has no logits).
     prompt_logprobs: int | None = None
     structured: StructuredOutput | None = None
+    # the priority scheduling policy's order: lower runs first (vLLM's convention); the other
+    # policies ignore it (the gateway refuses a non-zero one under them)
+    priority: int = 0
 
     def __post_init__(self) -> None:
+        _check(isinstance(self.priority, int) and abs(self.priority) <= PRIORITY_MAX,
+               "priority", f"priority must be an integer in [-{PRIORITY_MAX}, {PRIORITY_MAX}], "
+               f"got {self.priority}")
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
                f"max_tokens must be an integer >= 1, got {self.max_tokens}")
         _check(self.temperature >= 0, "temperature",

@@ -318,10 +318,22 @@ class Service:
         check_counts(parsed, self.limits)
         return parsed
 
+    def priority(self, req: SamplingFields, tenant: Tenant) -> int:
+        """The request's ``priority``, else its tenant's default, under the priority policy;
+        a non-zero one under another policy is refused (it would change nothing)."""
+        if self.config.engine.scheduling_policy == "priority":
+            return req.priority if req.priority is not None else tenant.priority
+        if req.priority:
+            raise APIError(400, f"priority needs the engine's scheduling_policy 'priority' "
+                           f"(this gateway runs {self.config.engine.scheduling_policy!r})",
+                           param="priority", code="unsupported_parameter")
+        return 0
+
     async def sampling(self, req: SamplingFields, prompt_len: int, max_tokens: int | None,
                        logprobs: bool, top_logprobs: int, response_format,
                        prompt_logprobs: int | None = None,
-                       grammar_param: str = "response_format") -> SamplingParams:
+                       grammar_param: str = "response_format", priority: int = 0
+                       ) -> SamplingParams:
         limit = self.pool.max_model_len
         if max_tokens is None:
             max_tokens = max(1, min(DEFAULT_MAX_TOKENS, limit - prompt_len))
@@ -347,7 +359,8 @@ class Service:
                 logit_bias=bias, seed=req.seed, ignore_eos=req.ignore_eos,
                 stop_token_ids=tuple(req.stop_token_ids or ()), logprobs=logprobs,
                 top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
-                structured=StructuredOutput.from_response_format(response_format))
+                structured=StructuredOutput.from_response_format(response_format),
+                priority=priority)
             params.check_vocab(vocab)
         except SamplingParamsError as exc:
             raise bad_request(str(exc), exc.param) from None
@@ -485,7 +498,8 @@ class Service:
         params = await self.sampling(req, len(prompt), max_tokens, req.logprobs,
                                      req.top_logprobs or 0, response_format,
                                      prompt_logprobs=req.prompt_logprobs,
-                                     grammar_param=grammar_param)
+                                     grammar_param=grammar_param,
+                                     priority=self.priority(req, tenant))
         return await self.run(request, req, prompt, params, chat=True, tenant=tenant,
                               tools=spec if spec is not None and spec.mode != "none" else None)
 
@@ -513,7 +527,7 @@ class Service:
             req, len(prompt), 1 if scoring else req.max_tokens, req.logprobs is not None,
             req.logprobs or 0, req.response_format,
             prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None
-            else req.prompt_logprobs)
+            else req.prompt_logprobs, priority=self.priority(req, tenant))
         echo = None
         if req.echo:
             echo = req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(
@@ -725,6 +739,7 @@ class Service:
         r.config_id = self.versions["config_id"]
         r.temperature, r.top_p, r.top_k = params.temperature, params.top_p, params.top_k
         r.min_p, r.seed, r.max_tokens = params.min_p, params.seed, params.max_tokens
+        r.priority = params.priority
 
     # ---- one request ---------------------------------------------------------------------------
     async def run(self, request: Request, req: SamplingFields, prompt: list[int],

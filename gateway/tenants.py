@@ -15,6 +15,8 @@ Configured in a TOML file (``tailscope serve --config FILE`` or ``TAILSCOPE_CONF
     ttl_days = 30                   # the store drops its rows after this many days
     cache_namespace = "public"      # opt in: share prefix-cache hits with tenants naming the
                                     # same namespace (default: its own, never shared)
+    priority = 0                    # its requests' default priority (lower first) under the
+                                    # engine's priority scheduling policy
 
 No tenants configured = open local mode (every request is tenant "local", no limits); the
 gateway logs a warning at start. Keys are never logged or stored; records carry a key id: an
@@ -81,6 +83,7 @@ class Tenant:
     capture: str = "full"  # "full": token ids in records; "counts": counts only
     ttl_days: int | None = None  # how long the store keeps its rows (default: the store's)
     cache_namespace: str | None = None  # shared prefix-cache namespace (opt-in)
+    priority: int = 0  # default request priority under the priority scheduling policy
     active: int = 0
     request_bucket: TokenBucket | None = None
     token_bucket: TokenBucket | None = None

@@ -36,7 +36,8 @@ pd = _Pandas()
 METRICS = ("ttft_ms", "tpot_ms", "e2e_ms", "itl_ms", "tail_ms", "ingress_ms", "tokenize_ms",
            "route_ms", "engine_queue_ms", "prefill_ms", "decode_ms", "preempted_ms")
 DIMENSIONS = ("replica", "model", "model_revision", "engine_version", "config_id", "tenant",
-              "final_state", "finish_reason", "endpoint", "prompt_bucket", "neighbour_tenant")
+              "final_state", "finish_reason", "endpoint", "prompt_bucket", "neighbour_tenant",
+              "priority")
 # The stages that add up to each end-to-end metric, in path order (from the timing owner).
 # "streaming" is the rest: for e2e, the time between the engine's tokens and the client's
 # flushes (and the tail).
@@ -46,7 +47,8 @@ _DIM_SQL = {d: d for d in DIMENSIONS} | {
     "prompt_bucket": "multiIf(prompt_tokens < 128, '<128', prompt_tokens < 512, '128-511', "
                      "prompt_tokens < 2048, '512-2047', '>=2048')",
     # the tenant whose prefill chunks shared most of the request's steps
-    "neighbour_tenant": "if(neighbour_tenant = '', '(none)', neighbour_tenant)"}
+    "neighbour_tenant": "if(neighbour_tenant = '', '(none)', neighbour_tenant)",
+    "priority": "toString(priority)"}
 _WINDOW = ("arrival_ts >= fromUnixTimestamp64Micro({start:Int64}, 'UTC') AND "
            "arrival_ts < fromUnixTimestamp64Micro({end:Int64}, 'UTC')")
 

@@ -111,6 +111,7 @@ class RequestRecord:
     # dropped)
     detail_kept: bool = True
     detail_reason: str = ""
+    priority: int = 0  # its place under the priority scheduling policy (lower first)
     # client-side timings
     ttft_ms: float | None = None
     tpot_ms: float | None = None

@@ -127,7 +127,8 @@ _ARRAYS = {"input_token_ids": "Array(UInt32)", "output_token_ids": "Array(UInt32
 _NARROW = {"ttl_days": "UInt16", "http_status": "UInt16", "prompt_tokens": "UInt32",
            "cached_tokens": "UInt32", "generated_tokens": "UInt32", "emitted_tokens": "UInt32",
            "n": "UInt16", "retries": "UInt8", "preemptions": "UInt32", "step": "UInt64",
-           "incarnation": "UInt32", "seq": "UInt16", "neighbour_prefill_tokens": "UInt32"}
+           "incarnation": "UInt32", "seq": "UInt16", "neighbour_prefill_tokens": "UInt32",
+           "priority": "Int32"}
 
 
 def _ch_type(name: str, annotation) -> str:
@@ -232,6 +233,8 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
         "true AFTER neighbour_prefill_tokens",
         f"ALTER TABLE {DATABASE}.requests ADD COLUMN IF NOT EXISTS detail_reason "
         "LowCardinality(String) AFTER detail_kept"]),
+    (11, "requests.priority", [f"ALTER TABLE {DATABASE}.requests ADD COLUMN IF NOT EXISTS "
+                               "priority Int32 AFTER detail_reason"]),
 ]
 
 __all__ = ["DATABASE", "TABLES", "MIGRATIONS", "EngineStepRow", "EventRow", "EvalRunRow",

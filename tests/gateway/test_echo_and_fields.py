@@ -163,3 +163,19 @@ def test_prompt_logprobs_vllm_extra_on_chat(client, tiny49k):
         assert own["logprob"] == pytest.approx(dense[i - 1], abs=1e-4)
         ranks = sorted(v["rank"] for v in entry.values() if v["rank"] is not None)
         assert ranks == [1, 2] and len(entry) in (2, 3)
+
+
+def test_priority_is_refused_under_fcfs_and_recorded_under_the_priority_policy(
+        client, tiny49k, bundled_path):
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "priority": -3}
+    bad = client.post("/v1/completions", json=body)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
+    assert bad.json()["error"]["code"] == "unsupported_parameter"
+    assert client.post("/v1/completions", json={**body, "priority": 0}).status_code == 200
+    cfg = EngineConfig(num_kv_blocks=64, block_size=16, scheduling_policy="priority")
+    with inprocess_client(tiny49k, bundled_path, cfg) as prio:
+        r = prio.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert prio.sink.find(r.headers["x-tailscope-trace-id"]).priority == -3
+        out = prio.post("/v1/completions", json={**body, "priority": 10**7})
+        assert out.status_code == 400 and out.json()["error"]["param"] == "priority"
