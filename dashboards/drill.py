@@ -96,7 +96,8 @@ def regression(src, now: dt.datetime) -> None:
     mode = st.radio("Compare", ["two windows", "two configs"], horizontal=True, key="rg_mode")
     metric = st.selectbox("Metric", ["ttft_ms", "e2e_ms"], key="rg_m")
     by = st.selectbox("By", ["replica", "model_revision", "engine_version", "config_id",
-                             "tenant", "prompt_bucket", "endpoint", "neighbour_tenant"],
+                             "tenant", "prompt_bucket", "endpoint", "neighbour_tenant",
+                             "priority"],
                       key="rg_by")
     base_f = suspect_f = None
     if mode == "two windows":
