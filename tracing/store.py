@@ -126,7 +126,8 @@ def arrow_type(ch_type: str) -> pa.DataType:
         return pa.timestamp("us", tz="UTC")
     if t.startswith("Array("):
         return pa.list_(arrow_type(t[len("Array("):]))
-    return {"String": pa.string(), "Int64": pa.int64(), "Float64": pa.float64(),
+    return {"String": pa.string(), "Int64": pa.int64(), "Int32": pa.int32(),
+            "Float64": pa.float64(),
             "Float32": pa.float32(), "Bool": pa.bool_(), "UInt8": pa.uint8(),
             "UInt16": pa.uint16(), "UInt32": pa.uint32(), "UInt64": pa.uint64()}[t]
 
