@@ -1,7 +1,7 @@
-"""Real clients, as users run them, against a live gateway (tiny model with the bundled
-tokenizer, real HTTP): LangChain's ``ChatOpenAI`` (invoke, stream, bind_tools,
-with_structured_output) and lm-evaluation-harness's ``local-completions`` model on a
-multiple-choice task shipped here (``data/tiny_mc.jsonl``, no download), whose per-choice
+"""Real clients, as users run them, against a live gateway (the session's ``tiny_server``:
+tiny model with the bundled tokenizer, real HTTP): LangChain's ``ChatOpenAI`` (invoke, stream,
+bind_tools, with_structured_output) and lm-evaluation-harness's ``local-completions`` model on
+a multiple-choice task shipped here (``data/tiny_mc.jsonl``, no download), whose per-choice
 loglikelihoods must equal the engine's own dense scoring of the same tokens."""
 
 from __future__ import annotations
@@ -14,18 +14,13 @@ import pytest
 import torch
 from pydantic import BaseModel, Field
 
-from tests.gateway.conftest import start_server, stop_server
-
 DATA = Path(__file__).parent / "data"
 MODEL = "SmolLM2-135M-Instruct"
 
 
-@pytest.fixture(scope="module")
-def live(bundled_path):
-    server = start_server("--model", "tiny:49152", "--tokenizer", str(bundled_path),
-                          "--max-model-len", "512")
-    yield server
-    stop_server(server)
+@pytest.fixture
+def live(tiny_server):
+    return tiny_server
 
 
 @pytest.fixture
