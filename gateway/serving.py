@@ -176,9 +176,9 @@ class Service:
         self._traces.pop(engine_id, None)
 
     def _retire(self, engine_id: str) -> None:
-        self._tenant_of.pop(engine_id, None)
-        self._neighbours.pop(engine_id, None)
-        trace_id = self._traces.pop(engine_id, None)
+        """Forget an ended request, keeping its trace id a while for late step reports."""
+        trace_id = self._traces.get(engine_id)
+        self._forget(engine_id)
         if trace_id is not None:
             self._ended[engine_id] = trace_id
             if len(self._ended) > 8192:
