@@ -178,9 +178,7 @@ def trace_view(src, trace_id: str) -> None:
     st.subheader("Inter-token gaps and the replica's batch")
     itl = list(rec.get("itl_ms") or [])
     if itl:
-        arrival_us = int(pd.Timestamp(rec["arrival_ts"], tz="UTC").timestamp() * 1e6) \
-            if pd.Timestamp(rec["arrival_ts"]).tzinfo is None \
-            else int(pd.Timestamp(rec["arrival_ts"]).timestamp() * 1e6)
+        arrival_us = Q.ts_us(rec["arrival_ts"])
         first_us = arrival_us + float(rec["ttft_ms"] or 0) * 1000
         gaps = pd.DataFrame({"t_us": (first_us + pd.Series(itl).cumsum() * 1000).astype(
             "int64"), "gap_ms": itl})

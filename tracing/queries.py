@@ -334,7 +334,9 @@ def trace(source, trace_id: str) -> dict:
     return {"record": record, "events": events, "steps": steps}
 
 
-def _ts_us(value) -> int:
+def ts_us(value) -> int:
+    """A stored timestamp (a DateTime64 as pandas reads it, with or without its UTC zone) as
+    µs since the epoch."""
     ts = pd.Timestamp(value)
     return int((ts if ts.tzinfo else ts.tz_localize("UTC")).timestamp() * 1e6)
 
@@ -352,7 +354,7 @@ def waterfall(t: dict) -> pd.DataFrame:
     rec, events, steps = t["record"], t["events"], t["steps"]
     if rec is None:
         return pd.DataFrame(columns=_WATERFALL)
-    arrival = _ts_us(rec["arrival_ts"])
+    arrival = ts_us(rec["arrival_ts"])
     rows: list[tuple] = []
 
     def add(lane: str, segment: str, a_us: float, b_us: float, detail: str = "") -> None:
@@ -360,7 +362,7 @@ def waterfall(t: dict) -> pd.DataFrame:
                      (b_us - a_us) / 1000, detail))
 
     ev = [] if events is None or events.empty else [
-        RecordEvent(_ts_us(e.ts), str(e.state), str(e.detail or ""))
+        RecordEvent(ts_us(e.ts), str(e.state), str(e.detail or ""))
         for e in events.itertuples(index=False)]
     if ev:
         causes = timing.cause_windows(ev) if rec.get("timing_source") == "engine" else []
@@ -386,7 +388,7 @@ def waterfall(t: dict) -> pd.DataFrame:
             i = members.index(trace_id)
             own_prefill = int(s.member_prefill[i])
             others = sum(int(p) for j, p in enumerate(s.member_prefill) if j != i)
-            start = _ts_us(s.ts)
+            start = ts_us(s.ts)
             end = start + float(s.duration_ms) * 1000
             add("engine", f"prefill {own_prefill}" if own_prefill else "decode", start, end,
                 f"step {int(s.step)}: batch {int(s.num_seqs)}, others' prefill {others}")
