@@ -1,6 +1,11 @@
 """Engine throughput vs ``transformers.generate``, side by side in one run.
 
     python bench/engine_throughput.py [--dtype float32|bfloat16] [--threads 2] [--quick]
+    python bench/engine_throughput.py --batch-invariant [--dtype ...]
+
+With ``--batch-invariant`` the engine runs twice, with ``engine.batch_invariant`` off and on
+(each in its own subprocess, same workload), and the table shows the mode's cost instead of
+transformers.
 
 Each side runs in its own subprocess (so peak memory is the engine's alone) on the bundled
 SmolLM2-135M-Instruct, with identical prompts (random token ids, fixed seed) and
@@ -65,12 +70,13 @@ def copy_bandwidth_gbs() -> float:
     return 2 * src.numel() * src.element_size() / best / 1e9  # read + write
 
 
-def run_engine(w: dict, dtype: str) -> dict:
+def run_engine(w: dict, dtype: str, batch_invariant: bool = False) -> dict:
     from engine import Engine, EngineConfig, SamplingParams, load_model
 
     t0 = time.perf_counter()
-    model = load_model(None, dtype)
-    engine = Engine(model, EngineConfig(dtype=dtype, max_num_seqs=64, max_batched_tokens=512))
+    model = load_model(None, dtype, batch_invariant=batch_invariant)
+    engine = Engine(model, EngineConfig(dtype=dtype, max_num_seqs=64, max_batched_tokens=512,
+                                        batch_invariant=batch_invariant))
     load_s = time.perf_counter() - t0
 
     def run(prompts: list[list[int]], n: int) -> tuple[float, list]:
@@ -137,6 +143,24 @@ def run_transformers(w: dict, dtype: str) -> dict:
     }
 
 
+def report_invariant(off: dict, on: dict, args: argparse.Namespace) -> None:
+    n_mixed = 8 if args.quick else 32
+    print(f"# engine_throughput --batch-invariant  dtype={args.dtype}  threads={args.threads}"
+          f"{'  (quick)' if args.quick else ''}")
+    print(f"load: off {off['load_s']:.1f} s, on {on['load_s']:.1f} s (the probe of each weight "
+          "shape included)")
+    print(f"{'measure':<40}{'mode off':>12}{'mode on':>12}{'cost':>9}")
+    rows = [("batch 1 output tok/s", "batch1_tok_s"),
+            ("batch 1 decode ms/token", "batch1_decode_ms"),
+            ("8 streams aggregate output tok/s", "streams8_tok_s"),
+            (f"{n_mixed} mixed requests output tok/s", "mixed_tok_s")]
+    for label, key in rows:
+        # cost: how much more time the same work takes with the mode on
+        cost = on[key] / off[key] - 1 if key.endswith("_ms") else off[key] / on[key] - 1
+        print(f"{label:<40}{off[key]:12.1f}{on[key]:12.1f}{cost:+8.1%}")
+    print(f"peak RSS: off {off['peak_rss_mb']:.0f} MB, on {on['peak_rss_mb']:.0f} MB")
+
+
 def child(part: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--part", part, "--dtype", args.dtype,
            "--threads", str(args.threads)] + (["--quick"] if args.quick else [])
@@ -180,15 +204,24 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="small workload (smoke run)")
     p.add_argument("--skip-transformers", action="store_true")
-    p.add_argument("--part", choices=["engine", "transformers"], help=argparse.SUPPRESS)
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="measure engine.batch_invariant's cost (mode off vs on) instead of "
+                        "transformers")
+    p.add_argument("--part", choices=["engine", "engine-bi", "transformers"],
+                   help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.part:
         import torch
 
         torch.set_num_threads(args.threads)
         w = workload(args.quick)
-        fn = run_engine if args.part == "engine" else run_transformers
-        print(json.dumps(fn(w, args.dtype)))
+        if args.part == "transformers":
+            print(json.dumps(run_transformers(w, args.dtype)))
+        else:
+            print(json.dumps(run_engine(w, args.dtype, args.part == "engine-bi")))
+        return
+    if args.batch_invariant:
+        report_invariant(child("engine", args), child("engine-bi", args), args)
         return
     e = child("engine", args)
     h = None if args.skip_transformers else child("transformers", args)

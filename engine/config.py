@@ -78,6 +78,10 @@ class EngineConfig:
                                       + ", ".join(SCHEDULING_POLICIES))
     priority_aging_s: float = _setting(1.0, "priority policy: one priority level is worth "
                                             "this many seconds of waiting, so nothing starves")
+    batch_invariant: bool = _setting(False, "bitwise the same logits for a request whatever "
+                                            "else is in its batch, however its prompt was "
+                                            "chunked and whether its prefix was cached "
+                                            "(kernels.invariant; slower)")
     step_detail: bool = _setting(True, "record each step's members and each waiting request's "
                                        "wait causes (why a request was slow)")
 

@@ -54,7 +54,12 @@ class Engine:
         """``grammar`` compiles ``response_format`` constraints; without it such requests
         are rejected."""
         self.grammar = grammar
-        self.config = config or EngineConfig(dtype=_dtype_name(model))
+        self.config = config or EngineConfig(dtype=_dtype_name(model),
+                                             batch_invariant=model.batch_invariant)
+        if self.config.batch_invariant != model.batch_invariant:
+            raise ValueError(f"the engine config says batch_invariant="
+                             f"{self.config.batch_invariant} but the model was loaded with "
+                             f"batch_invariant={model.batch_invariant}")
         self.model = model
         mc = model.config
         self.max_model_len = min(self.config.max_model_len or mc.max_position_embeddings,

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 
 import kernels
 from engine.config import ModelConfig
+from kernels import invariant
+from kernels.invariant import InvariantLinear
 from kernels.linear import Linear
 
 WeightSource = torch.Tensor | Callable[[], torch.Tensor]
@@ -49,40 +51,52 @@ class AttentionMetadata:
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor
-    qkv: Linear  # [(H + 2*Hk) * D, hidden]
-    o: Linear
+    qkv: Linear | InvariantLinear  # [(H + 2*Hk) * D, hidden]
+    o: Linear | InvariantLinear
     ffn_norm: torch.Tensor
-    gate_up: Linear  # [2 * ffn, hidden]
-    down: Linear
+    gate_up: Linear | InvariantLinear  # [2 * ffn, hidden]
+    down: Linear | InvariantLinear
 
 
 class LlamaModel:
     """Inference-only decoder. ``forward`` reads and writes K/V through block tables;
-    ``dense_forward`` is the no-cache full-recompute reference used by tests."""
+    ``dense_forward`` is the no-cache full-recompute reference used by tests.
+
+    ``batch_invariant``: every kernel gives a token's row bitwise what it gives that row in any
+    other batch, chunking or cache state (``kernels.invariant``); slower, CPU kernels only."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, WeightSource],
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, batch_invariant: bool = False) -> None:
         """Consumes ``weights`` (entries are popped as they are converted and fused; callables
         are materialised only then), so peak load memory stays near one copy of the model."""
         self.config = config
         self.dtype = dtype
+        self.batch_invariant = batch_invariant
+        if batch_invariant and kernels.kernel_backend() == "triton":
+            raise ValueError("batch_invariant runs on the CPU kernels (kernels.invariant); "
+                             "unset TAILSCOPE_KERNELS=triton or turn the mode off")
         c = config
+
+        def linear(w: torch.Tensor) -> Linear | InvariantLinear:
+            if batch_invariant:
+                return InvariantLinear(w, invariant.invariant_chunk(tuple(w.shape), w.dtype))
+            return Linear(w)
 
         def take(*names: str) -> torch.Tensor:
             parts = [_materialise(weights.pop(n)).to(dtype) for n in names]
             return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
 
         self.embed = take("embed")
-        self.lm_head = Linear(self.embed if c.tie_word_embeddings else take("lm_head"))
+        self.lm_head = linear(self.embed if c.tie_word_embeddings else take("lm_head"))
         self.final_norm = take("final_norm")
         self.layers = [
             LayerWeights(
                 attn_norm=take(f"{i}.attn_norm"),
-                qkv=Linear(take(f"{i}.q", f"{i}.k", f"{i}.v")),
-                o=Linear(take(f"{i}.o")),
+                qkv=linear(take(f"{i}.q", f"{i}.k", f"{i}.v")),
+                o=linear(take(f"{i}.o")),
                 ffn_norm=take(f"{i}.ffn_norm"),
-                gate_up=Linear(take(f"{i}.gate", f"{i}.up")),
-                down=Linear(take(f"{i}.down")),
+                gate_up=linear(take(f"{i}.gate", f"{i}.up")),
+                down=linear(take(f"{i}.down")),
             )
             for i in range(c.num_layers)
         ]
@@ -151,6 +165,8 @@ class LlamaModel:
         h = h + lw.o(attn.reshape(attn.shape[0], -1))
         x = F.rms_norm(h, (c.hidden_size,), lw.ffn_norm, c.rms_norm_eps)
         gate, up = lw.gate_up(x).chunk(2, dim=-1)
+        if self.batch_invariant:
+            return h + lw.down(invariant.silu_and_mul(gate, up))
         return h + lw.down(F.silu(gate) * up)
 
     def _logits(self, h: torch.Tensor, triton: bool) -> torch.Tensor:
@@ -171,6 +187,8 @@ class LlamaModel:
         nd = meta.num_decodes
         rope = self._rope_tables(positions)
         triton = kernels.use_triton(h)
+        if self.batch_invariant:
+            return self._forward_invariant(h, positions, rope, meta, kv_caches, logits_indices)
         for lw, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             q, k, v = self._qkv(lw, h, rope, positions, triton)
             kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -193,6 +211,26 @@ class LlamaModel:
                     )
             h = self._mlp_residual(lw, h, attn, triton)
         return self._logits(h[logits_indices], triton)
+
+    def _forward_invariant(self, h, positions, rope, meta: AttentionMetadata, kv_caches,
+                           logits_indices):
+        """``forward`` on the batch-invariant kernels: decodes and every prefill chunk (cached
+        prefix or not) attend through the same fixed-order attention."""
+        nd = meta.num_decodes
+        for lw, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            q, k, v = self._qkv(lw, h, rope, positions, False)
+            kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            attn = torch.empty_like(q)
+            if nd:
+                attn[:nd] = invariant.paged_decode_attention(
+                    q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                    meta.decode_context_lens, self.scale)
+            for p in meta.prefills:
+                attn[p.start:p.end] = invariant.paged_prefill_attention(
+                    q[p.start:p.end], k_cache, v_cache, p.block_table, p.context_len,
+                    self.scale)
+            h = self._mlp_residual(lw, h, attn, False)
+        return self._logits(h[logits_indices], False)
 
     @torch.inference_mode()
     def dense_forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         config = EngineConfig.from_mapping(values, "--engine-config")
     except ValueError as exc:  # json's errors are ValueErrors too
         p.error(str(exc))
-    model = load_model(args.model, config.dtype)
+    model = load_model(args.model, config.dtype, batch_invariant=config.batch_invariant)
     grammar = None
     if args.tokenizer:
         from engine.constrained import GrammarCompiler

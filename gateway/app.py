@@ -8,6 +8,7 @@ processes), the record sinks and ``/metrics``.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import gc
 import hashlib
@@ -172,6 +173,8 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         await pool.start()
+        config_row = None if handle is None else asyncio.create_task(store_api.store_config(
+            handle, versions["config_id"], config.config_name, resolved_config(config)))
         if upstreams is not None:
             await upstreams.start()  # health probes
         # Everything loaded so far (modules, the tokenizer, the store client) lives as long as
@@ -183,6 +186,8 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
         try:
             yield
         finally:
+            if config_row is not None:
+                config_row.cancel()
             await pool.close()
             if upstreams is not None:
                 await upstreams.close()
@@ -265,7 +270,8 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
         require_admin(request)
         return {**pool.describe(), **(upstreams.describe() if upstreams else {})}
 
-    store_api.register(app, handle, memory, require_admin, writer, versions["config_id"])
+    store_api.register(app, handle, memory, require_admin, writer, versions["config_id"],
+                       config.served_model_name)
 
     @app.get("/v1/models")
     async def models() -> dict:

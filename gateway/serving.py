@@ -749,6 +749,11 @@ class Service:
         self._fill_static(trace, params)
         trace.record.prompt_tokens, trace.record.stream, trace.record.n = \
             len(prompt), req.stream, req.n
+        if self.config.record_token_ids and tenant.capture == "full":  # what replay rebuilds
+            trace.record.sampling_params = json.dumps({
+                "engine": dataclasses.asdict(params), "n": req.n, "stop": self.stops(req),
+                "include_stop_str_in_output": req.include_stop_str_in_output,
+                "scoring": scoring})
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         trace.record.response_id = rid
         created = int(time.time())

@@ -27,7 +27,7 @@ from engine.observer import StepStats
 from gateway.errors import APIError, bad_request
 from gateway.schemas import DebugQuery
 from tracing import queries as Q
-from tracing.schema import BenchRunRow, EngineStepRow, EvalResultRow, EvalRunRow
+from tracing.schema import BenchRunRow, ConfigRow, EngineStepRow, EvalResultRow, EvalRunRow
 from tracing.store import (
     QueryLimits,
     QueryRefused,
@@ -98,6 +98,33 @@ def open_store(dsn: str, spool_dir: str | None, fault_file: str | None,
     return handle, writer
 
 
+CONFIG_EXISTS = "SELECT count() FROM tailscope.configs WHERE config_id = {c:String}"
+
+
+async def store_config(handle: StoreHandle, config_id: str, name: str, config: dict,
+                       retry_s: float = 30.0) -> None:
+    """Write this gateway's config to the ``configs`` table unless that config_id is there
+    already; while the store is down, try again every ``retry_s`` (a task the gateway cancels
+    when it stops)."""
+    row = ConfigRow(config_id=config_id, ts_us=int(time.time() * 1e6), name=name,
+                    config=json.dumps(config, sort_keys=True))
+
+    def once() -> None:
+        store = handle.get()
+        if store.select(CONFIG_EXISTS, {"c": config_id})[1][0][0] == 0:
+            store.insert_rows("configs", [row], token=f"config-{config_id}")
+
+    while True:
+        try:
+            await asyncio.to_thread(once)
+            return
+        except Exception as exc:  # the store down or refusing: never the gateway's problem
+            log.warning("storing config %s failed (%s); retrying in %.0f s", config_id,
+                        str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__,
+                        retry_s)
+            await asyncio.sleep(retry_s)
+
+
 # the engine_steps columns that are the replica's StepStats fields of the same name
 _STEP_FIELDS = tuple(f.name for f in dataclasses.fields(EngineStepRow)
                      if f.name in StepStats.__struct_fields__)
@@ -131,9 +158,10 @@ def _jsonable(v):
 
 
 def register(app: FastAPI, handle: StoreHandle | None, memory, require_admin,
-             writer: RecordWriter | None = None, config_id: str = "") -> None:
+             writer: RecordWriter | None = None, config_id: str = "",
+             served_model: str = "") -> None:
     """``config_id`` (this gateway's) is stored with a bench run that names none: the run
-    measured this gateway."""
+    measured this gateway. ``served_model``: the model name replays are sent as."""
     async def in_thread(fn, *args):
         if handle is None:
             raise APIError(503, "no trace store is configured (TAILSCOPE_STORE_DSN)",
@@ -245,6 +273,45 @@ def register(app: FastAPI, handle: StoreHandle | None, memory, require_admin,
                 out["why"] = {"sentence": sentence, "gaps": json.loads(
                     gaps.drop(columns=["neighbours"]).to_json(orient="records"))}
         return _jsonable(out)
+
+    @app.post("/debug/replay")
+    async def debug_replay(request: Request) -> dict:
+        """Run a recorded request again on this gateway (``tracing.replay``):
+        ``{"trace_id": ..., "n": 1, "background": 0}``. The replays go through this gateway's
+        own ``/v1/completions`` (at the address the call came to, with the caller's key), so
+        each gets a record of its own; the answer is the report (identical or not, the first
+        divergence, texts and stage timings side by side, the replays' trace ids)."""
+        from tracing import replay as R
+
+        require_admin(request)
+        body = await json_body(request)
+        if not isinstance(body, dict) or not isinstance(body.get("trace_id"), str):
+            raise bad_request("body: {\"trace_id\": \"...\", \"n\": 1, \"background\": 0}",
+                              "trace_id")
+        copies, background = body.get("n", 1), body.get("background", 0)
+        for name, value, hi in (("n", copies, 16), ("background", background, 8)):
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= hi:
+                raise bad_request(f"{name} must be an integer in [{int(name == 'n')}, {hi}]",
+                                  name)
+        if copies < 1:
+            raise bad_request("n must be an integer in [1, 16]", "n")
+        trace_id = body["trace_id"].strip().lower()
+        mem = memory.find(trace_id)
+        record = mem.to_dict() if mem is not None else None
+        if record is None and handle is not None:
+            record = (await in_thread(_lookup, trace_id))["record"]
+        if record is None:
+            raise APIError(404, f"no record for trace {trace_id}", code="not_found")
+        try:
+            R.replay_params(record)
+        except R.ReplayRefused as exc:
+            raise APIError(422, str(exc), param="trace_id", code="not_replayable") from None
+        auth = request.headers.get("authorization") or ""
+        key = auth[7:] if auth.lower().startswith("bearer ") else None
+        report = await R.replay(str(request.base_url), record, served_model, copies,
+                                background, key, key)
+        report["replayed_on_config_id"] = config_id
+        return _jsonable(report)
 
     @app.post("/debug/bench-runs")
     async def record_bench_run(request: Request) -> dict:

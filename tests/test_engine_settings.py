@@ -18,7 +18,7 @@ from tailscope.settings import Settings
 SAMPLE = {"dtype": "bfloat16", "kv_cache_mb": 64, "num_kv_blocks": 40, "block_size": 8,
           "max_num_seqs": 3, "max_batched_tokens": 128, "max_model_len": 512,
           "prefix_caching": False, "preemption": "swap", "step_detail": False,
-          "scheduling_policy": "priority", "priority_aging_s": 2.5}
+          "scheduling_policy": "priority", "priority_aging_s": 2.5, "batch_invariant": True}
 # settings with one valid value so far (no other value to send through every surface)
 SINGLE_CHOICE: dict[str, tuple] = {}
 
@@ -41,7 +41,8 @@ def test_each_setting_is_an_env_var_a_flag_a_yaml_key_and_part_of_config_id(
     p = argparse.ArgumentParser()
     add_engine_flags(p)
     flag = "--" + name.replace("_", "-")
-    argv = [f"--no-{flag[2:]}"] if value is False else [flag, str(value)]
+    argv = [f"--no-{flag[2:]}"] if value is False else [flag] if value is True else [
+        flag, str(value)]
     assert getattr(engine_config(p.parse_args(argv), EngineConfig()), name) == value
 
     f = tmp_path / "c.yaml"

@@ -85,6 +85,10 @@ class RequestRecord:
     seed: int | None = None
     max_tokens: int | None = None
     stream: bool = False
+    # everything the engine was given besides the prompt, JSON (tracing.replay rebuilds the
+    # request from it and input_token_ids): {"engine": SamplingParams fields, "n", "stop",
+    # "include_stop_str_in_output", "scoring"}; empty when the record keeps no token ids
+    sampling_params: str = ""
     # gateway stages
     ingress_ms: float = 0.0  # arrival -> past the ingress gate and parsed
     tokenize_ms: float = 0.0

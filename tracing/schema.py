@@ -101,6 +101,18 @@ class EvalResultRow:
 
 
 @dataclass(slots=True)
+class ConfigRow:
+    """One row per config a gateway ran (written once, at its start): what ``config_id``
+    stands for, so a record alone names the engine that ran it (``tailscope replay``)."""
+
+    config_id: str
+    ts_us: int
+    name: str = ""
+    config: str = ""  # the resolved config, JSON (gateway.app.resolved_config)
+    ttl_days: int = 3650
+
+
+@dataclass(slots=True)
 class BenchRunRow:
     run_id: str
     ts_us: int
@@ -185,6 +197,7 @@ TABLES: dict[str, Table] = {t.name: t for t in [
     Table("eval_runs", EvalRunRow, _columns(EvalRunRow), "ts", "ts, run_id"),
     Table("eval_results", EvalResultRow, _columns(EvalResultRow), "ts", "run_id, case_id"),
     Table("bench_runs", BenchRunRow, _columns(BenchRunRow), "ts", "ts, run_id"),
+    Table("configs", ConfigRow, _columns(ConfigRow), "ts", "config_id, ts"),
 ]}
 
 
@@ -235,7 +248,15 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
         "LowCardinality(String) AFTER detail_kept"]),
     (11, "requests.priority", [f"ALTER TABLE {DATABASE}.requests ADD COLUMN IF NOT EXISTS "
                                "priority Int32 AFTER detail_reason"]),
+    (12, "requests.sampling_params, the configs table", [
+        f"ALTER TABLE {DATABASE}.requests ADD COLUMN IF NOT EXISTS sampling_params String "
+        "AFTER stream",
+        f"CREATE TABLE IF NOT EXISTS {DATABASE}.configs (\n    `config_id` LowCardinality(String),"
+        "\n    `ts` DateTime64(6, 'UTC'),\n    `name` String,\n    `config` String,\n    "
+        "`ttl_days` UInt16\n)\nENGINE = MergeTree\nPARTITION BY toDate(ts)\n"
+        "ORDER BY (config_id, ts)\nTTL toDateTime(ts) + toIntervalDay(ttl_days)\n"
+        f"SETTINGS non_replicated_deduplication_window = {DEDUP_WINDOW}"]),
 ]
 
-__all__ = ["DATABASE", "TABLES", "MIGRATIONS", "EngineStepRow", "EventRow", "EvalRunRow",
-           "EvalResultRow", "BenchRunRow", "RecordEvent"]
+__all__ = ["DATABASE", "TABLES", "MIGRATIONS", "ConfigRow", "EngineStepRow", "EventRow",
+           "EvalRunRow", "EvalResultRow", "BenchRunRow", "RecordEvent"]

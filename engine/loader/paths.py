@@ -63,9 +63,11 @@ def load_weights(model: str | Path | None) -> tuple[ModelConfig, dict[str, Weigh
     raise UnsupportedModelError(f"{path}: expected a .gguf file or an HF model directory")
 
 
-def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "float32") -> LlamaModel:
+def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "float32",
+               batch_invariant: bool = False) -> LlamaModel:
+    """``batch_invariant``: run on the batch-invariant kernels (``engine.batch_invariant``)."""
     from engine.dtypes import parse_dtype
     from engine.model import LlamaModel
 
     config, weights = load_weights(model)
-    return LlamaModel(config, weights, parse_dtype(dtype))
+    return LlamaModel(config, weights, parse_dtype(dtype), batch_invariant=batch_invariant)
