@@ -264,6 +264,10 @@ def evals_page(src, now: dt.datetime) -> None:
             "detail B": changed["detail_b"], "output B": changed["output_b"],
             "trace": changed["trace_id_b"].map(trace_link)}), hide_index=True,
             column_config={"trace": link})
+    st.subheader("Reproducibility, case by case")
+    st.caption("consistent: the run's own attempts of the case agreed (batch mixes, prefix-"
+               "cache hits); same output: B gave A's text, else where it first parted")
+    st.dataframe(C.reproducibility(res_a, res_b), hide_index=True)
     failing = res_b[~res_b["passed"]]
     st.subheader(f"Failing cases in B ({len(failing)} of {len(res_b)})")
     if not failing.empty:

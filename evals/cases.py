@@ -141,6 +141,17 @@ class Score:
     detail: str
 
 
+def divergence(a: list[str], b: list[str]) -> str:
+    """Where two attempts' choices first part: the choice, the character, both texts there."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            at = next((j for j, (u, v) in enumerate(zip(x, y, strict=False)) if u != v),
+                      min(len(x), len(y)))
+            return (f"first diverges in choice {i} at character {at}: {x[at:at + 24]!r} vs "
+                    f"{y[at:at + 24]!r} (after {x[max(0, at - 24):at]!r})")
+    return f"has {len(b)} choices, not {len(a)}"
+
+
 def score(case: Case, output: str, finish_reason: str | None, *,
           choices: list[str] | None = None, repeats: list[list[str]] | None = None,
           prompt_tokens: int | None = None) -> Score:
@@ -202,8 +213,11 @@ def score(case: Case, output: str, finish_reason: str | None, *,
     if e.get("consistent"):
         first = choices if choices is not None else [output]
         differ = [i + 1 for i, r in enumerate(repeats or []) if r != first]
-        check(bool(repeats) and not differ,
-              f"attempts {differ} differ from the first" if differ else "no repeats to compare")
+        why = "no repeats to compare"
+        if differ:
+            why = (f"attempts {differ} differ from the first; attempt {differ[0]} "
+                   + divergence(first, (repeats or [])[differ[0] - 1]))
+        check(bool(repeats) and not differ, why)
     if "prompt_tokens" in e:
         check(prompt_tokens == int(e["prompt_tokens"]),
               f"prompt has {prompt_tokens} tokens, not {e['prompt_tokens']}")

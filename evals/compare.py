@@ -94,6 +94,26 @@ def load_run(source, run_id: str) -> tuple[dict, pd.DataFrame]:
     return run, results
 
 
+def reproducibility(res_a: pd.DataFrame, res_b: pd.DataFrame) -> pd.DataFrame:
+    """Case by case: whether each run's own attempts agreed (the ``consistent`` check: batch
+    mixes, prefix-cache hits), whether B gave A's output, and where it first parted."""
+    from evals.cases import divergence
+
+    b = res_b.set_index("case_id")
+    rows = []
+    for _, ra in res_a.iterrows():
+        rb = b.loc[ra["case_id"]] if ra["case_id"] in b.index else None
+        same = rb is not None and rb["output"] == ra["output"]
+        rows.append({
+            "case_id": ra["case_id"],
+            "consistent A": "differ from the first" not in ra["detail"],
+            "consistent B": None if rb is None else "differ from the first" not in rb["detail"],
+            "same output": same,
+            "first divergence": "" if same or rb is None else divergence(
+                [ra["output"]], [rb["output"]]).replace("in choice 0 ", "")})
+    return pd.DataFrame(rows)
+
+
 def mcnemar_one_sided(b: int, c: int) -> float:
     """P(X >= b), X ~ Binomial(b + c, 1/2): the chance of at least ``b`` losses among the
     ``b + c`` discordant pairs if neither run were better."""

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from evals.cases import Case, load_cases, score
+from evals.cases import Case, divergence, load_cases, score
 from tracing import queries as Q
 from tracing.client import GatewayProcess as _Gateway
 from tracing.client import GatewayStartError, sse_json
@@ -287,3 +287,35 @@ def run(url: str, suite: str, cases: list[Case], *, concurrency: int = 8,
               results, admin_key)
     found = wait_for_records(url, [r.trace_id for r in results], admin_key)
     return RunSummary(run_id, suite, cfg["config_id"], cfg.get("name", ""), results, found)
+
+
+def across_configs(summaries: list[RunSummary]) -> str:
+    """The reproducibility report of one suite run on several configs: per case, whether each
+    run's own attempts agreed (batch mixes, prefix-cache hits: the ``consistent`` check) and
+    whether each config gave the first config's output, and where it first parted."""
+    base = summaries[0]
+    label = base.config_name or base.config_id
+    lines = [f"reproducibility across {len(summaries)} configs (baseline {label}, "
+             f"run {base.run_id}):"]
+    names = [s.config_name or s.config_id for s in summaries]
+    lines.append(f"{'case':<28}" + "".join(f"{n[:24]:>26}" for n in names))
+    by_run = [{r.case_id: r for r in s.results} for s in summaries]
+    parted: list[str] = []
+    for r0 in base.results:
+        cells = []
+        for name, results in zip(names, by_run, strict=True):
+            r = results.get(r0.case_id)
+            if r is None:
+                cells.append("-")
+                continue
+            within = "consistent" if "differ from the first" not in r.detail else "varies"
+            same = r.output == r0.output
+            cells.append(f"{within}, {'same' if same else 'DIFFERS'}")
+            if not same:
+                parted.append(f"  {r0.case_id} on {name}: "
+                              + divergence([r0.output], [r.output]).replace("in choice 0 ", ""))
+        lines.append(f"{r0.case_id:<28}" + "".join(f"{c:>26}" for c in cells))
+    identical = sum(all(res.get(r.case_id) is not None and res[r.case_id].output == r.output
+                        for res in by_run) for r in base.results)
+    lines.append(f"{identical}/{len(base.results)} cases gave the same output on every config")
+    return "\n".join(lines + parted)

@@ -98,9 +98,6 @@ def open_store(dsn: str, spool_dir: str | None, fault_file: str | None,
     return handle, writer
 
 
-CONFIG_EXISTS = "SELECT count() FROM tailscope.configs WHERE config_id = {c:String}"
-
-
 async def store_config(handle: StoreHandle, config_id: str, name: str, config: dict,
                        retry_s: float = 30.0) -> None:
     """Write this gateway's config to the ``configs`` table unless that config_id is there
@@ -111,7 +108,7 @@ async def store_config(handle: StoreHandle, config_id: str, name: str, config: d
 
     def once() -> None:
         store = handle.get()
-        if store.select(CONFIG_EXISTS, {"c": config_id})[1][0][0] == 0:
+        if store.select(Q.CONFIG_EXISTS, {"c": config_id})[1][0][0] == 0:
             store.insert_rows("configs", [row], token=f"config-{config_id}")
 
     while True:

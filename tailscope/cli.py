@@ -456,16 +456,25 @@ def cmd_eval(args: argparse.Namespace) -> int:
             else:
                 from tracing.store import is_embedded, normalise_dsn
 
-                config = args.config or str(R.CONFIGS_DIR / "bundled.yaml")
+                configs = args.config or [str(R.CONFIGS_DIR / "bundled.yaml")]
                 if is_embedded(normalise_dsn(s.store_dsn)) and _gateway_up(s.gateway_url):
                     print(f"error: a gateway at {s.gateway_url} holds the embedded store; stop "
                           "it, or run against it with --url", file=sys.stderr)
                     return 2
                 env = {"TAILSCOPE_STORE_FLUSH_S": os.environ.get("TAILSCOPE_STORE_FLUSH_S",
                                                                  "1")}
-                with R.GatewayProcess(config, env=env, log_path=args.gateway_log) as gw:
-                    print(f"gateway for {config} on {gw.url}", file=sys.stderr)
-                    summary = R.run(gw.url, suite, cases, **kwargs)
+                summaries = []
+                for config in configs:  # one after the other: the embedded store is theirs
+                    with R.GatewayProcess(config, env=env, log_path=args.gateway_log) as gw:
+                        print(f"gateway for {config} on {gw.url}", file=sys.stderr)
+                        summaries.append(R.run(gw.url, suite, cases, **kwargs))
+                if len(summaries) > 1:
+                    for one in summaries:
+                        print(one.text(), end="\n\n")
+                    print(R.across_configs(summaries))
+                    print(" ".join(x.run_id for x in summaries))
+                    return 0
+                summary = summaries[0]
         except R.EvalError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
@@ -629,8 +638,11 @@ def _eval_parser(sub) -> None:
     r = es.add_parser("run", help="run a suite against a config file or a running gateway")
     r.add_argument("--suite", required=True,
                    help="protocol | smoke-qa | determinism, or a YAML/JSONL file of cases")
-    r.add_argument("--config", help="engine config YAML to start a gateway with "
-                   "(default evals/configs/bundled.yaml)")
+    r.add_argument("--config", action="append",
+                   help="engine config YAML to start a gateway with (default "
+                        "evals/configs/bundled.yaml); repeat it to run the suite on each "
+                        "config and report, per case, whether they all gave the first "
+                        "config's output and where not")
     r.add_argument("--url", help="run against this gateway instead (its own config is used)")
     r.add_argument("--model", help="with --url: which of its served models (default its "
                    "bundled model), e.g. an external backend's")

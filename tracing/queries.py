@@ -296,6 +296,10 @@ def slowest(source, start, end, metric: str = "e2e_ms", limit: int = 50,
 
 # One trace's rows (the drill-down's Trace view and the gateway's /debug/requests/{trace_id}).
 TRACE_RECORD = "SELECT * FROM tailscope.requests WHERE trace_id = {t:String} LIMIT 1"
+# the configs table (one row per config_id a gateway ran)
+CONFIG_EXISTS = "SELECT count() FROM tailscope.configs WHERE config_id = {c:String}"
+CONFIG_OF = ("SELECT name, config FROM tailscope.configs WHERE config_id = {c:String} "
+             "ORDER BY ts LIMIT 1")
 TRACE_EVENTS = ("SELECT ts, state, detail FROM tailscope.request_events WHERE "
                 "trace_id = {t:String} ORDER BY ts, seq")
 STEPS_BETWEEN = ("SELECT * FROM tailscope.engine_steps WHERE replica = {r:String} AND ts >= "

@@ -316,16 +316,12 @@ def fetch_record(source, trace_id: str, admin_key: str | None = None) -> dict:
     return dict(zip(cols, rows[0], strict=True))
 
 
-CONFIG_OF = ("SELECT name, config FROM tailscope.configs WHERE config_id = {c:String} "
-             "ORDER BY ts LIMIT 1")
-
-
 def fetch_config(source, config_id: str, admin_key: str | None = None) -> dict | None:
     """The resolved config a ``config_id`` stands for (the ``configs`` table), or None."""
     from tracing import queries as Q
 
     reader = Q.GatewaySource(source, admin_key) if isinstance(source, str) else source
-    _, rows = reader.select(CONFIG_OF, {"c": config_id})
+    _, rows = reader.select(Q.CONFIG_OF, {"c": config_id})
     if not rows:
         return None
     name, config = rows[0]

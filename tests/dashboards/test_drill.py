@@ -160,6 +160,10 @@ def test_evals_page_compares_two_runs_and_links_failures_to_traces(seeded, store
     assert sorted(failing["case_id"]) == [f"c{i}" for i in range(7)]
     by_case = dict(zip(failing["case_id"], failing["trace"], strict=True))
     assert by_case["c0"] == f"/?page=Requests&trace={recs[10].trace_id}"
+    repro = next(d.value for d in at.dataframe if "same output" in d.value.columns)
+    differ = repro[~repro["same output"]]
+    assert sorted(differ["case_id"]) == [f"c{i}" for i in range(7)]
+    assert differ["first divergence"].iloc[0].startswith("first diverges at character 0: 'Paris'")
 
 
 def test_stopping_tailscope_drill_leaves_no_streamlit_behind():

@@ -101,3 +101,34 @@ def test_builtin_suites_load(name):
         assert all(c.params.get("temperature") == 0 for c in cases)
     if name == "determinism":
         assert all(c.repeat >= 2 and c.expect.get("consistent") for c in cases)
+
+
+def test_a_case_whose_attempts_differ_says_where_they_part():
+    from evals.cases import Case, score
+
+    case = Case(id="c", prompt="p", repeat=2, expect={"consistent": True})
+    s = score(case, "The sea is wide and blue", "stop", choices=["The sea is wide and blue"],
+              repeats=[["The sea is wide and grey"]])
+    assert not s.passed
+    assert "attempt 1 first diverges in choice 0 at character 20" in s.detail
+    assert "'blue' vs 'grey'" in s.detail
+
+
+def test_the_across_configs_report_names_each_config_and_the_first_divergence():
+    from evals.runner import CaseResult, RunSummary, across_configs
+
+    def run(name, outputs, detail="all checks passed"):
+        return RunSummary(f"run-{name}", "determinism", f"id-{name}", name, [
+            CaseResult(cid, "t", 1.0, True, detail, [], out, "stop", 1.0)
+            for cid, out in outputs.items()], 2)
+
+    a = run("fp32", {"x": "one two three", "y": "same"})
+    b = run("bf16", {"x": "one two four", "y": "same"})
+    c = run("chunks", {"x": "one two three", "y": "same"},
+            detail="attempts [1] differ from the first; ...")
+    text = across_configs([a, b, c])
+    assert "1/2 cases gave the same output on every config" in text
+    assert "x on bf16: first diverges at character 8: 'three' vs 'four'" in text
+    row_x = next(line for line in text.splitlines() if line.startswith("x "))
+    assert row_x.split() == ["x", "consistent,", "same", "consistent,", "DIFFERS", "varies,",
+                             "same"]

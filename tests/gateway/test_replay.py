@@ -201,3 +201,36 @@ def _env() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if not k.startswith("TAILSCOPE_")}
+
+
+@pytest.mark.bundled
+def test_the_protocol_suites_seeded_case_holds_20_of_20_beside_other_traffic(replay_server):
+    """The protocol suite's seeded-sampling case, 20 times at once with other sampled traffic
+    of assorted lengths running beside it: every answer is the same as the case alone."""
+    from evals.runner import load_suite, send
+
+    _, cases = load_suite("protocol")
+    case = next(c for c in cases if c.id == "seeded-sampling")
+
+    async def run():
+        headers = {"Authorization": "Bearer sk-alpha"}
+        async with httpx.AsyncClient(base_url=replay_server.url, timeout=300,
+                                     headers=headers) as c:
+            alone = await send(c, case, "SmolLM2-135M-Instruct", "seeded-alone")
+            stop = asyncio.Event()
+            others = [asyncio.ensure_future(R._background(c, "SmolLM2-135M-Instruct", {}, stop,
+                                                          i)) for i in range(4)]
+            await asyncio.sleep(0.1)
+            try:
+                many = await asyncio.gather(*(send(c, case, "SmolLM2-135M-Instruct",
+                                                   "seeded-many") for _ in range(20)))
+            finally:
+                stop.set()
+            sent = await asyncio.gather(*others)
+            return alone, many, sum(sent)
+
+    alone, many, background = asyncio.run(run())
+    assert alone.choices and alone.choices[0] and not alone.error
+    assert background >= 4
+    differing = [i for i, a in enumerate(many) if a.error or a.choices != alone.choices]
+    assert not differing, [many[i].choices or many[i].error for i in differing]
