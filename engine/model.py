@@ -217,18 +217,22 @@ class LlamaModel:
         """``forward`` on the batch-invariant kernels: decodes and every prefill chunk (cached
         prefix or not) attend through the same fixed-order attention."""
         nd = meta.num_decodes
+        group = self.config.num_heads // self.config.num_kv_heads
+        # what every layer's attention shares this step: block tables, masks, query tiles
+        decodes = invariant.DecodePlan(meta.decode_block_tables, meta.decode_context_lens) \
+            if nd else None
+        prefills = [(p, invariant.PrefillPlan(p.block_table, p.context_len, p.end - p.start,
+                                              group)) for p in meta.prefills]
         for lw, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             q, k, v = self._qkv(lw, h, rope, positions, False)
             kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = torch.empty_like(q)
-            if nd:
-                attn[:nd] = invariant.paged_decode_attention(
-                    q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                    meta.decode_context_lens, self.scale)
-            for p in meta.prefills:
-                attn[p.start:p.end] = invariant.paged_prefill_attention(
-                    q[p.start:p.end], k_cache, v_cache, p.block_table, p.context_len,
-                    self.scale)
+            if decodes is not None:
+                attn[:nd] = invariant.decode_attention(q[:nd], k_cache, v_cache, decodes,
+                                                       self.scale)
+            for p, plan in prefills:
+                attn[p.start:p.end] = invariant.prefill_attention(
+                    q[p.start:p.end], k_cache, v_cache, plan, self.scale)
             h = self._mlp_residual(lw, h, attn, False)
         return self._logits(h[logits_indices], False)
 

@@ -6,18 +6,21 @@ machine kind (torch 2.13, 2 threads):
 - **Matmuls choose their kernel by the number of rows.** MKL's fp32 ``F.linear`` gives other
   last bits for 1 row (a gemv), 2-3, 4-15 and 16+ rows; oneDNN with a prepacked weight is the
   same kernel for every row count from 2 up in fp32, but 1 row is a gemv; in bf16 it is the same
-  kernel for 1-32 rows and another above. So ``InvariantLinear`` prepacks for oneDNN in both
-  dtypes and feeds it rows in chunks of 2..32 (one row is padded to two). ``verify_linear``
-  checks that premise on the CPU at hand when a model loads, and falls back to fixed two-row
-  calls if it does not hold.
+  kernel for 1-32 rows and others above (which differ again among themselves). So
+  ``InvariantLinear`` prepacks for oneDNN in both dtypes and feeds it rows in chunks (one row
+  is padded to two): up to 512 rows in fp32, up to 32 in bf16. ``invariant_chunk`` probes that
+  premise per weight shape on the CPU at hand when a model loads (``verify_linear``), and falls
+  back to fixed two-row calls if it does not hold.
 - **Attention's reductions run over a length that changes with the batch.** A prefill chunk's
   queries attend over the whole chunk's context, a decode query over its own; SDPA picks its
   blocking by those lengths, and a masked batch of decodes takes another path than one decode.
-  ``attention`` computes every query the same way whatever else is in the call: scores as a
-  matmul with at least two rows and a fixed reduction (the head dim), the max (exact in any
-  order), ``exp``, then sums over fixed blocks of ``KEY_BLOCK`` keys (zeros past a query's
-  context, so a longer padded context adds exact zeros) folded across blocks in key order by
-  ``cumsum`` (a sequential scan). All in fp32.
+  ``decode_attention`` and ``prefill_attention`` compute every query the same way whatever
+  else is in the call (``_attend``): scores per block of ``KEY_BLOCK`` keys as matmuls with at
+  least two rows and a fixed reduction (the head dim), the max (exact in any order), ``exp``,
+  then sums within each block folded across blocks in key order by ``cumsum`` (a sequential
+  scan). Blocks past a query's context are all masked and add exact zeros, so a decode in a
+  batch of longer contexts, or a prefill query tile that stops at its own last position (the
+  causal triangle's empty blocks skipped), gives the same bits. All in fp32.
 - **Elementwise ops with a vector tail.** ``F.silu`` gives other bits for elements in the
   scalar tail of a tensor whose size is not a multiple of the vector width; ``silu_and_mul``
   here is built from ``exp`` and exact IEEE ops, which agree in both paths.
@@ -33,7 +36,8 @@ import functools
 
 import torch
 
-CHUNK = 32  # rows per oneDNN call: the kernel is the same for every count in 2..CHUNK
+CHUNKS = (512, 32)  # rows per oneDNN call, largest first: the probe picks the first that holds
+CHUNK = 32
 KEY_BLOCK = 64  # keys per partial sum of the softmax and of P @ V
 
 
@@ -83,34 +87,44 @@ class InvariantLinear:
 
 def verify_linear(weight: torch.Tensor, chunk: int = CHUNK, seed: int = 0) -> bool:
     """Whether ``InvariantLinear(weight, chunk)`` is row-invariant on this CPU: random rows in
-    calls of every size up to ``chunk`` (and a few above) against each row alone."""
-    return _verify(tuple(weight.shape), weight.dtype, chunk, seed, weight)
+    calls of many sizes up to ``chunk`` (and above), at two places in memory, against each row
+    computed alone."""
+    g = torch.Generator().manual_seed(seed + 1)
+    lin = InvariantLinear(weight, chunk)
+    n = chunk + 3
+    x = torch.randn((n, weight.shape[1]), generator=g).to(weight.dtype)
+    alone: dict[int, torch.Tensor] = {}
+
+    def rows(a: int, b: int) -> torch.Tensor:
+        for i in range(a, b):
+            if i not in alone:
+                alone[i] = lin(x[i:i + 1])[0]
+        return torch.stack([alone[i] for i in range(a, b)])
+
+    for m in [s for s in _PROBE_SIZES if s <= chunk + 1] + [n]:
+        for at in (0, n - m):
+            if not torch.equal(lin(x[at:at + m]), rows(at, at + m)):
+                return False
+    return True
+
+
+# every row count up to 33 (kernels change at small counts), then around the powers of two
+_PROBE_SIZES = (*range(2, 34), 47, 48, 63, 64, 65, 96, 127, 128, 129, 255, 256, 257, 383, 384,
+                511, 512, 513)
 
 
 @functools.lru_cache(maxsize=64)
 def _verify_shape(shape: tuple[int, int], dtype: torch.dtype, chunk: int, seed: int) -> bool:
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(shape, generator=g) * shape[1] ** -0.5).to(dtype)
-    return _verify(shape, dtype, chunk, seed, w)
-
-
-def _verify(shape, dtype, chunk, seed, weight) -> bool:
-    g = torch.Generator().manual_seed(seed + 1)
-    lin = InvariantLinear(weight, chunk)
-    n = 2 * chunk + 3
-    x = torch.randn((n, shape[1]), generator=g).to(dtype)
-    alone = torch.cat([lin(x[i:i + 1]) for i in range(n)])
-    for m in (*range(2, chunk + 1), chunk + 1, n):
-        for at in (0, n - m):  # the rows' place in memory does not count either
-            if not torch.equal(lin(x[at:at + m]), alone[at:at + m]):
-                return False
-    return True
+    return verify_linear(w, chunk, seed)
 
 
 def invariant_chunk(shape: tuple[int, int], dtype: torch.dtype) -> int:
-    """The row chunk ``InvariantLinear`` may use for this weight shape on this CPU: ``CHUNK``
-    if the probe holds, else 2 (every call the same two-row shape); raises if neither holds."""
-    for chunk in (CHUNK, 2):
+    """The row chunk ``InvariantLinear`` may use for this weight shape on this CPU: the
+    largest of ``CHUNKS`` the probe holds for (fp32 oneDNN: 512; bf16: 32, where its kernel
+    changes), else 2 (every call the same two-row shape); raises if none holds."""
+    for chunk in (*CHUNKS, 2):
         if _verify_shape(tuple(shape), dtype, chunk, 0):
             return chunk
     raise RuntimeError(f"batch_invariant: this CPU's {dtype} matmul of a {shape} weight is not "
@@ -122,38 +136,35 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return gate / (1 + torch.exp(-gate)) * up
 
 
-def _softmax_pv(scores: torch.Tensor, valid: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """``scores [..., R, L]`` (L a multiple of KEY_BLOCK), ``valid`` broadcastable to them,
-    ``v [..., L, D]``: softmax(scores) @ v with every sum in blocks of KEY_BLOCK keys folded
-    in key order. Padding past a row's valid keys contributes exact zeros."""
-    s = scores.masked_fill(~valid, float("-inf"))
-    m = s.amax(-1, keepdim=True)
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor
+            ) -> torch.Tensor:
+    """softmax(q k^T) v for rows ``q [..., R, D]`` (R >= 2, already scaled) over key blocks
+    ``k, v [..., nb, KEY_BLOCK, D]``; ``valid`` broadcasts to the scores ``[..., nb, R,
+    KEY_BLOCK]``. The max is exact in any order; every sum runs over one block of KEY_BLOCK keys
+    and the blocks are folded in key order (``cumsum``), so blocks past a row's context (all
+    masked: exact zeros) change nothing and any number of them may follow."""
+    s = torch.matmul(q.unsqueeze(-3), k.transpose(-1, -2))
+    s = s.masked_fill(~valid, float("-inf"))
+    m = s.amax(-1, keepdim=True).amax(-3, keepdim=True)
     e = torch.exp(s - m)
-    *lead, r, length = e.shape
-    nb = length // KEY_BLOCK
-    eb = e.view(*lead, r, nb, KEY_BLOCK)
-    denom = eb.sum(-1).cumsum(-1)[..., -1:]  # [..., R, 1]
-    # P @ V per key block: [..., nb, R, K] @ [..., nb, K, D] -> [..., nb, R, D], then the fold
-    vb = v.reshape(*lead, nb, KEY_BLOCK, v.shape[-1])
-    partial = torch.matmul(eb.movedim(-2, -3).contiguous(), vb)
-    num = partial.cumsum(-3).select(-3, nb - 1)
-    return num / denom
+    denom = e.sum(-1).cumsum(-2).select(-2, -1)  # [..., R]
+    num = torch.matmul(e, v).cumsum(-3).select(-3, -1)  # [..., R, D]
+    return num / denom.unsqueeze(-1)
 
 
-def _padded_len(n: int) -> int:
-    return -(-n // KEY_BLOCK) * KEY_BLOCK
-
-
-def _keys(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-    """``[B, M]`` block tables -> fp32 ``[B, Hk, length, D]`` (``length`` padded up to a
-    multiple of KEY_BLOCK by repeating blocks; those keys are masked)."""
-    b, m = block_tables.shape
+def _blocks(cache: torch.Tensor, tables: torch.Tensor, nb: int) -> torch.Tensor:
+    """``tables [B, M]`` (padded with any valid block id) -> fp32 key blocks
+    ``[B, Hk, nb, KEY_BLOCK, D]`` of the first ``nb * KEY_BLOCK`` positions (one gather, one
+    copy)."""
+    b = tables.shape[0]
     _, bs, hk, d = cache.shape
+    length = nb * KEY_BLOCK
     need = -(-length // bs)
-    if need > m:
-        block_tables = torch.cat([block_tables, block_tables[:, :1].expand(b, need - m)], 1)
-    rows = cache.index_select(0, block_tables[:, :need].reshape(-1))
-    return rows.view(b, need * bs, hk, d)[:, :length].transpose(1, 2).float()
+    if need > tables.shape[1]:
+        tables = torch.cat([tables, tables[:, :1].expand(b, need - tables.shape[1])], 1)
+    rows = cache.index_select(0, tables[:, :need].reshape(-1)).view(b, need * bs, hk, d)
+    rows = rows[:, :length].transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+    return rows.view(b, hk, nb, KEY_BLOCK, d)
 
 
 def _two_rows(q: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -164,20 +175,70 @@ def _two_rows(q: torch.Tensor) -> tuple[torch.Tensor, int]:
     return torch.cat([q, torch.zeros_like(q)], -2), r
 
 
+class DecodePlan:
+    """What every layer's decode attention of one step shares: the padded block tables, the
+    number of key blocks and the mask (built once per forward, not once per layer)."""
+
+    def __init__(self, block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
+        self.tables = block_tables
+        self.nb = -(-int(context_lens.max()) // KEY_BLOCK)
+        pos = torch.arange(self.nb * KEY_BLOCK).view(self.nb, 1, KEY_BLOCK)
+        self.valid = (pos[None] < context_lens.view(-1, 1, 1, 1))[:, None]  # [B,1,nb,1,K]
+
+
+class PrefillPlan:
+    """The same for one sequence's prefill chunk: its queries in tiles of ``QUERY_TILE``
+    tokens, each attending only over the key blocks up to its last position (the causal
+    triangle's empty blocks are skipped, which the fold allows)."""
+
+    def __init__(self, block_table: torch.Tensor, context_len: int, n: int, group: int) -> None:
+        self.table, self.n, self.group = block_table[None], n, group
+        self.nb = -(-context_len // KEY_BLOCK)
+        first = context_len - n
+        self.tiles = []  # (row start, row end, key blocks, valid [nb, R, K])
+        for a in range(0, n, QUERY_TILE):
+            b = min(a + QUERY_TILE, n)
+            nb = -(-(first + b) // KEY_BLOCK)
+            q_pos = torch.arange(first + a, first + b).repeat_interleave(group)
+            if q_pos.numel() < 2:
+                q_pos = torch.cat([q_pos, q_pos])
+            pos = torch.arange(nb * KEY_BLOCK).view(nb, 1, KEY_BLOCK)
+            self.tiles.append((a * group, b * group, nb, pos <= q_pos.view(1, -1, 1)))
+
+
+QUERY_TILE = 64
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     plan: DecodePlan, scale: float) -> torch.Tensor:
+    b, h, d = q.shape
+    hk = k_cache.shape[2]
+    k = _blocks(k_cache, plan.tables, plan.nb)
+    v = _blocks(v_cache, plan.tables, plan.nb)
+    rows, r = _two_rows((q.float() * scale).view(b, hk, h // hk, d))
+    return _attend(rows, k, v, plan.valid)[:, :, :r].reshape(b, h, d).to(q.dtype)
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      plan: PrefillPlan, scale: float) -> torch.Tensor:
+    n, h, d = q.shape
+    hk = k_cache.shape[2]
+    g = plan.group
+    k = _blocks(k_cache, plan.table, plan.nb)[0]  # [Hk, nb, K, D]
+    v = _blocks(v_cache, plan.table, plan.nb)[0]
+    rows = (q.float() * scale).view(n, hk, g, d).transpose(0, 1).reshape(hk, n * g, d)
+    out = torch.empty_like(rows)
+    for a, b, nb, valid in plan.tiles:
+        tile, r = _two_rows(rows[:, a:b])
+        out[:, a:b] = _attend(tile, k[:, :nb], v[:, :nb], valid)[:, :r]
+    return out.view(hk, n, g, d).transpose(0, 1).reshape(n, h, d).to(q.dtype)
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float) -> torch.Tensor:
     """As ``kernels.reference.paged_decode_attention``, batch-invariant."""
-    b, h, d = q.shape
-    hk = k_cache.shape[2]
-    length = _padded_len(int(context_lens.max()))
-    k = _keys(k_cache, block_tables, length)
-    v = _keys(v_cache, block_tables, length)
-    qg, r = _two_rows(q.float().view(b, hk, h // hk, d))
-    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [B, Hk, G, L]
-    valid = (torch.arange(length)[None, :] < context_lens[:, None])[:, None, None, :]
-    out = _softmax_pv(scores, valid, v)[:, :, :r]
-    return out.reshape(b, h, d).to(q.dtype)
+    return decode_attention(q, k_cache, v_cache, DecodePlan(block_tables, context_lens), scale)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -185,18 +246,5 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             ) -> torch.Tensor:
     """As ``kernels.reference.paged_prefill_attention``, batch-invariant: query ``i`` of the
     chunk gives what it would as a decode at its position."""
-    n, h, d = q.shape
-    hk = k_cache.shape[2]
-    g = h // hk
-    length = _padded_len(context_len)
-    k = _keys(k_cache, block_table[None], length)[0]  # [Hk, L, D]
-    v = _keys(v_cache, block_table[None], length)[0]
-    rows = q.float().view(n, hk, g, d).permute(1, 0, 2, 3).reshape(hk, n * g, d)
-    rows, r = _two_rows(rows)
-    scores = torch.matmul(rows, k.transpose(-1, -2)) * scale  # [Hk, n*G (+1), L]
-    q_pos = torch.arange(context_len - n, context_len).repeat_interleave(g)
-    if rows.shape[-2] > r:
-        q_pos = torch.cat([q_pos, q_pos[-1:]])
-    valid = torch.arange(length)[None, :] <= q_pos[:, None]
-    out = _softmax_pv(scores, valid[None], v)[:, :r]  # [Hk, n*G, D]
-    return out.view(hk, n, g, d).permute(1, 0, 2, 3).reshape(n, h, d).to(q.dtype)
+    plan = PrefillPlan(block_table, context_len, q.shape[0], q.shape[1] // k_cache.shape[2])
+    return prefill_attention(q, k_cache, v_cache, plan, scale)

@@ -19,7 +19,7 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(100, 40000, (n,), generator=g).tolist()
 
 
-PROMPT = _prompt(45, 0)
+PROMPT = _prompt(150, 0)  # 3 key blocks, 3 query tiles: the folds and tiles are exercised
 
 
 def _engine(model, dtype: str, bi: bool, **kw) -> Engine:
@@ -78,7 +78,7 @@ def _scenarios(model, dtype: str, bi: bool) -> dict[str, tuple[list[int], torch.
         "max_num_seqs (16)": _run(_engine(model, dtype, bi), _mixed(15), stagger=1),
         "chunked prefill (chunks of 16)": _run(_engine(model, dtype, bi, max_batched_tokens=16),
                                                _mixed(3), stagger=3),
-        "prefix cached": _run(_engine(model, dtype, bi), _mixed(2), warm=PROMPT[:40]),
+        "prefix cached": _run(_engine(model, dtype, bi), _mixed(2), warm=PROMPT[:130]),
     }
 
 
