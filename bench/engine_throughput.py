@@ -143,18 +143,21 @@ def run_transformers(w: dict, dtype: str) -> dict:
     }
 
 
+def _measures(quick: bool) -> list[tuple[str, str]]:
+    """(label, result key) of each figure, in the order both reports print them."""
+    return [("batch 1 output tok/s", "batch1_tok_s"),
+            ("batch 1 decode ms/token", "batch1_decode_ms"),
+            ("8 streams aggregate output tok/s", "streams8_tok_s"),
+            (f"{8 if quick else 32} mixed requests output tok/s", "mixed_tok_s")]
+
+
 def report_invariant(off: dict, on: dict, args: argparse.Namespace) -> None:
-    n_mixed = 8 if args.quick else 32
     print(f"# engine_throughput --batch-invariant  dtype={args.dtype}  threads={args.threads}"
           f"{'  (quick)' if args.quick else ''}")
     print(f"load: off {off['load_s']:.1f} s, on {on['load_s']:.1f} s (the probe of each weight "
           "shape included)")
     print(f"{'measure':<40}{'mode off':>12}{'mode on':>12}{'cost':>9}")
-    rows = [("batch 1 output tok/s", "batch1_tok_s"),
-            ("batch 1 decode ms/token", "batch1_decode_ms"),
-            ("8 streams aggregate output tok/s", "streams8_tok_s"),
-            (f"{n_mixed} mixed requests output tok/s", "mixed_tok_s")]
-    for label, key in rows:
+    for label, key in _measures(args.quick):
         # cost: how much more time the same work takes with the mode on
         cost = on[key] / off[key] - 1 if key.endswith("_ms") else off[key] / on[key] - 1
         print(f"{label:<40}{off[key]:12.1f}{on[key]:12.1f}{cost:+8.1%}")
@@ -171,7 +174,6 @@ def child(part: str, args: argparse.Namespace) -> dict:
 
 def report(e: dict, h: dict | None, args: argparse.Namespace) -> None:
     floor_ms = e["weight_bytes"] / (e["bandwidth_gbs"] * 1e9) * 1e3
-    n_mixed = 8 if args.quick else 32
     print(f"# engine_throughput  dtype={args.dtype}  threads={args.threads}"
           f"{'  (quick)' if args.quick else ''}")
     print(f"weights {e['weight_bytes'] / 1e6:.0f} MB, copy bandwidth {e['bandwidth_gbs']:.1f} GB/s"
@@ -179,11 +181,7 @@ def report(e: dict, h: dict | None, args: argparse.Namespace) -> None:
     theirs_load = f", transformers {h['load_s']:.1f} s" if h else ""
     print(f"load: engine {e['load_s']:.1f} s{theirs_load}")
     print(f"{'measure':<40}{'engine':>12}{'transformers':>14}{'ratio':>8}")
-    rows = [("batch 1 output tok/s", "batch1_tok_s"),
-            ("batch 1 decode ms/token", "batch1_decode_ms"),
-            ("8 streams aggregate output tok/s", "streams8_tok_s"),
-            (f"{n_mixed} mixed requests output tok/s", "mixed_tok_s")]
-    for label, key in rows:
+    for label, key in _measures(args.quick):
         ratio = ""
         theirs = ""
         if h:

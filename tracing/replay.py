@@ -43,6 +43,12 @@ def _ids(value) -> list[int]:
 def replay_params(record: dict) -> dict:
     """The record's sampling parameters, or ``ReplayRefused`` saying what is missing."""
     trace = record.get("trace_id", "?")
+    status = int(record.get("http_status") or 0)
+    if status >= 400 and not record.get("generated_tokens"):
+        raise ReplayRefused(
+            f"trace {trace} was answered {status} ({record.get('error_type') or 'error'}: "
+            f"{(record.get('error_message') or '')[:200]}) before the engine ran it: "
+            "there is nothing to replay")
     if record.get("timing_source") in ("upstream", "gateway"):
         raise ReplayRefused(f"trace {trace} ran on the external backend {record.get('replica')!r}"
                             ": replay runs recorded requests on the bundled engine")

@@ -195,6 +195,13 @@ def test_a_record_without_token_ids_is_refused_with_the_reason(replay_server):
         timeout=120)
     assert proc.returncode == 2 and 'capture = "counts"' in proc.stderr, proc.stderr
     assert _replay(replay_server, "0" * 32).status_code == 404
+    bad = httpx.post(f"{replay_server.url}/v1/completions",
+                     json={"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "temperature": -1},
+                     headers={"Authorization": "Bearer sk-alpha"}, timeout=60)
+    assert bad.status_code == 400
+    refused = _replay(replay_server, bad.headers["x-tailscope-trace-id"])
+    assert refused.status_code == 422
+    assert "answered 400" in refused.json()["error"]["message"]
 
 
 def _env() -> dict[str, str]:
