@@ -44,7 +44,7 @@ class ModelConfig:
 # torch-free).
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 PREEMPTION_MODES = ("recompute", "swap", "auto", "off")
-SCHEDULING_POLICIES = ("fcfs", "priority")  # engine.policy.POLICIES (torch- and engine-free)
+SCHEDULING_POLICIES = ("fcfs", "priority", "sjf")  # engine.policy.POLICIES (torch-free)
 
 
 def _setting(default, help: str):
@@ -78,6 +78,9 @@ class EngineConfig:
                                       + ", ".join(SCHEDULING_POLICIES))
     priority_aging_s: float = _setting(1.0, "priority policy: one priority level is worth "
                                             "this many seconds of waiting, so nothing starves")
+    sjf_token_s: float = _setting(0.01, "sjf policy: one predicted output token is worth this "
+                                        "many seconds of waiting, so long requests do not "
+                                        "starve")
     batch_invariant: bool = _setting(False, "bitwise the same logits for a request whatever "
                                             "else is in its batch, however its prompt was "
                                             "chunked and whether its prefix was cached "
@@ -102,6 +105,8 @@ class EngineConfig:
                              f"{self.preemption!r}")
         if not self.priority_aging_s > 0:
             raise ValueError(f"priority_aging_s must be > 0, got {self.priority_aging_s}")
+        if not self.sjf_token_s > 0:
+            raise ValueError(f"sjf_token_s must be > 0, got {self.sjf_token_s}")
 
     @classmethod
     def setting_types(cls) -> dict[str, tuple[type, bool, str]]:

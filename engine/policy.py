@@ -6,8 +6,8 @@ back into the queue at its key) and, when a running request needs a KV block and
 which running request not yet scheduled this tick gives its blocks up (``victim``). The head of
 the queue waits for capacity and nobody overtakes it.
 
-Policies (``EngineConfig.scheduling_policy``): ``fcfs`` and ``priority``; shortest-job-first
-and per-tenant fair share plug in here as further classes in ``POLICIES``.
+Policies (``EngineConfig.scheduling_policy``): ``fcfs``, ``priority`` and ``sjf``; per-tenant
+fair share plugs in here as a further class in ``POLICIES``.
 """
 
 from __future__ import annotations
@@ -64,12 +64,35 @@ class Priority:
         return max(candidates, key=self.key)
 
 
-POLICIES: dict[str, type] = {"fcfs": Fcfs, "priority": Priority}
+class ShortestJobFirst:
+    """Shortest predicted job first, with aging: a request's place is its arrival time plus its
+    expected output tokens (``SamplingParams.expected_tokens``: the gateway's running mean of
+    its tenant's actual lengths on its endpoint, at most ``max_tokens``) at ``token_s`` each.
+    A 500-token request therefore queues as if it had arrived 500 x ``token_s`` later, and a
+    constant stream of short requests delays it by at most (its tokens - theirs) x ``token_s``:
+    nothing starves, and the key never changes while a request waits. The running request
+    that yields KV is the one with the largest key (the longest expected, then latest)."""
+
+    name = "sjf"
+
+    def __init__(self, token_s: float = 0.01) -> None:
+        self.token_ns = int(token_s * 1e9)
+
+    def key(self, req: Request) -> tuple:
+        return (req.arrival_ns + req.params.expected_tokens * self.token_ns, req.seq)
+
+    def victim(self, candidates: Sequence[Request]) -> Request:
+        return max(candidates, key=self.key)
 
 
-def make_policy(name: str, aging_s: float = 1.0) -> SchedulingPolicy:
+POLICIES: dict[str, type] = {"fcfs": Fcfs, "priority": Priority, "sjf": ShortestJobFirst}
+
+
+def make_policy(name: str, aging_s: float = 1.0, token_s: float = 0.01) -> SchedulingPolicy:
     if name == "priority":
         return Priority(aging_s)
+    if name == "sjf":
+        return ShortestJobFirst(token_s)
     try:
         return POLICIES[name]()
     except KeyError:

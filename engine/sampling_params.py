@@ -91,8 +91,15 @@ class SamplingParams:
     # the priority scheduling policy's order: lower runs first (vLLM's convention); the other
     # policies ignore it (the gateway refuses a non-zero one under them)
     priority: int = 0
+    # the sjf scheduling policy's estimate of this request's output length (the gateway's
+    # running mean for its tenant and endpoint); None: max_tokens. Only the order changes.
+    predicted_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        _check(self.predicted_tokens is None or (isinstance(self.predicted_tokens, int)
+                                                 and self.predicted_tokens >= 1),
+               "predicted_tokens", f"predicted_tokens must be None or an integer >= 1, got "
+               f"{self.predicted_tokens!r}")
         _check(isinstance(self.priority, int) and abs(self.priority) <= PRIORITY_MAX,
                "priority", f"priority must be an integer in [-{PRIORITY_MAX}, {PRIORITY_MAX}], "
                f"got {self.priority}")
@@ -124,6 +131,11 @@ class SamplingParams:
                f"{self.prompt_logprobs}")
         _check(self.seed is None or isinstance(self.seed, int), "seed",
                f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def expected_tokens(self) -> int:
+        """The output length the sjf policy orders by: the prediction, at most max_tokens."""
+        return min(self.max_tokens, self.predicted_tokens or self.max_tokens)
 
     @property
     def greedy(self) -> bool:

@@ -100,7 +100,8 @@ class Scheduler:
                  policy: SchedulingPolicy | None = None) -> None:
         self.config = config
         self.kv = kv
-        self.policy = policy or make_policy(config.scheduling_policy, config.priority_aging_s)
+        self.policy = policy or make_policy(config.scheduling_policy, config.priority_aging_s,
+                                            config.sjf_token_s)
         self.waiting: list[Request] = []  # in policy.key order
         self.running: list[Request] = []
         self.watermark = max(1, kv.pool.num_blocks // 100)

@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import re
 import threading
 import time
@@ -64,6 +65,7 @@ from gateway.upstream import NoBackendLeft, UpstreamPool
 
 DEFAULT_MAX_TOKENS = 512
 LARGE_TEXT_CHARS = 16_384  # tokenized off the event loop from this length (~10 ms of work)
+LENGTH_EWMA = 0.2  # sjf policy: weight of the latest output length in the running mean
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")
 
 log = logging.getLogger("tailscope.gateway")
@@ -149,6 +151,8 @@ class Service:
         self._tenant_of: dict[str, str] = {}
         self._neighbours: dict[str, dict[str, int]] = {}
         self._grammar: GrammarCompiler | None = None  # built on first use (~1 s)
+        # sjf policy: running mean of choice 0's output tokens per (tenant, endpoint)
+        self._lengths: dict[tuple[str, str], float] = {}
         self._grammar_lock = threading.Lock()
 
     def trace_of(self, engine_id: str) -> str:
@@ -329,11 +333,20 @@ class Service:
                            param="priority", code="unsupported_parameter")
         return 0
 
+    def predicted_tokens(self, tenant: Tenant, endpoint: str) -> int | None:
+        """Under the sjf policy: the running mean (EWMA, ``LENGTH_EWMA``) of choice 0's output
+        tokens of this tenant's finished requests on this endpoint; None before the first one
+        (the engine then orders by ``max_tokens``) and under the other policies."""
+        if self.config.engine.scheduling_policy != "sjf":
+            return None
+        est = self._lengths.get((tenant.name, endpoint))
+        return None if est is None else max(1, math.ceil(est))
+
     async def sampling(self, req: SamplingFields, prompt_len: int, max_tokens: int | None,
                        logprobs: bool, top_logprobs: int, response_format,
                        prompt_logprobs: int | None = None,
-                       grammar_param: str = "response_format", priority: int = 0
-                       ) -> SamplingParams:
+                       grammar_param: str = "response_format", priority: int = 0,
+                       predicted_tokens: int | None = None) -> SamplingParams:
         limit = self.pool.max_model_len
         if max_tokens is None:
             max_tokens = max(1, min(DEFAULT_MAX_TOKENS, limit - prompt_len))
@@ -360,7 +373,7 @@ class Service:
                 stop_token_ids=tuple(req.stop_token_ids or ()), logprobs=logprobs,
                 top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
                 structured=StructuredOutput.from_response_format(response_format),
-                priority=priority)
+                priority=priority, predicted_tokens=predicted_tokens)
             params.check_vocab(vocab)
         except SamplingParamsError as exc:
             raise bad_request(str(exc), exc.param) from None
@@ -499,7 +512,9 @@ class Service:
                                      req.top_logprobs or 0, response_format,
                                      prompt_logprobs=req.prompt_logprobs,
                                      grammar_param=grammar_param,
-                                     priority=self.priority(req, tenant))
+                                     priority=self.priority(req, tenant),
+                                     predicted_tokens=self.predicted_tokens(
+                                         tenant, trace.record.endpoint))
         return await self.run(request, req, prompt, params, chat=True, tenant=tenant,
                               tools=spec if spec is not None and spec.mode != "none" else None)
 
@@ -527,7 +542,8 @@ class Service:
             req, len(prompt), 1 if scoring else req.max_tokens, req.logprobs is not None,
             req.logprobs or 0, req.response_format,
             prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None
-            else req.prompt_logprobs, priority=self.priority(req, tenant))
+            else req.prompt_logprobs, priority=self.priority(req, tenant),
+            predicted_tokens=self.predicted_tokens(tenant, trace.record.endpoint))
         echo = None
         if req.echo:
             echo = req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(
@@ -729,6 +745,10 @@ class Service:
         c0 = choices[0]
         r.final_state = "FINISHED"
         r.finish_reason = "stop_string" if c0.stream.stopped else (c0.finish_reason or "stop")
+        if self.config.engine.scheduling_policy == "sjf":  # what the next prediction rests on
+            key, n_out = (tenant.name, r.endpoint), c0.stream.generated_tokens
+            old = self._lengths.get(key)
+            self._lengths[key] = n_out if old is None else old + LENGTH_EWMA * (n_out - old)
 
     def _fill_static(self, trace: RequestTrace, params: SamplingParams) -> None:
         r = trace.record

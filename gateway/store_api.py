@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -305,8 +306,12 @@ def register(app: FastAPI, handle: StoreHandle | None, memory, require_admin,
             raise APIError(422, str(exc), param="trace_id", code="not_replayable") from None
         auth = request.headers.get("authorization") or ""
         key = auth[7:] if auth.lower().startswith("bearer ") else None
-        report = await R.replay(str(request.base_url), record, served_model, copies,
-                                background, key, key)
+        try:
+            report = await R.replay(str(request.base_url), record, served_model, copies,
+                                    background, key, key)
+        except httpx.HTTPError as exc:  # this gateway, as the caller reached it, did not answer
+            raise APIError(502, f"the replay could not reach {request.base_url}: {exc!r}",
+                           "server_error", code="replay_failed") from None
         report["replayed_on_config_id"] = config_id
         return _jsonable(report)
 

@@ -310,6 +310,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from tracing import replay as R
     from tracing.client import GatewayProcess, GatewayStartError
 
+    if not 1 <= args.n <= 64 or not 0 <= args.background <= 16:
+        print("error: --n must be in [1, 64] and --background in [0, 16]", file=sys.stderr)
+        return 2
     s = Settings.from_env()
     if args.source:
         kind, source = "gateway", args.source.rstrip("/")

@@ -24,9 +24,10 @@ def _setup(policy=None, **kw):
 
 
 def _add(sched: Scheduler, rid: str, arrival: int, prompt_len: int = 6,
-         priority: int = 0) -> Request:
+         priority: int = 0, max_tokens: int = 8, predicted: int | None = None) -> Request:
     req = Request(rid, list(range(3, 3 + prompt_len)),
-                  SamplingParams(max_tokens=8, priority=priority), arrival_ns=arrival)
+                  SamplingParams(max_tokens=max_tokens, priority=priority,
+                                 predicted_tokens=predicted), arrival_ns=arrival)
     req.transition(S.QUEUED)
     sched.add(req)
     return req
@@ -155,6 +156,58 @@ def test_a_low_priority_request_is_not_starved_by_a_constant_high_priority_strea
     assert admitted_at <= 2.0 + 0.25
 
 
+def _admission_order(sched, kv, running) -> list[str]:
+    order = []
+    while sched.waiting:
+        sched.remove(running)
+        kv.free(running.request_id)
+        out, _ = _tick(sched, kv)
+        running = out.prefills[0].request
+        order.append(running.request_id)
+    return order
+
+
+@pytest.mark.parametrize("arrivals,admitted", [
+    # (request, arrival s, max_tokens, predicted tokens) -> the order they are admitted;
+    # sjf_token_s 0.01: 100 expected tokens weigh as 1 s of waiting
+    ([("a", 0.0, 50, None), ("b", 0.1, 50, None)], ["a", "b"]),  # equal: FCFS
+    ([("long", 0.0, 400, None), ("short", 0.5, 20, None)], ["short", "long"]),
+    ([("long", 0.0, 400, None), ("short", 3.9, 20, None)], ["long", "short"]),  # aged
+    # the prediction (a tenant's running mean) orders, capped at max_tokens
+    ([("big-cap", 0.0, 1000, 10), ("small-cap", 0.05, 30, None)], ["big-cap", "small-cap"]),
+    ([("x", 0.0, 100, 500), ("y", 0.2, 200, None)], ["x", "y"]),  # 500 capped at 100
+])
+def test_sjf_admits_the_shortest_expected_job_first_with_aging(arrivals, admitted):
+    sched, kv = _setup(scheduling_policy="sjf", max_num_seqs=1, num_kv_blocks=64)
+    blocker = _add(sched, "blocker", -10 * SECOND, prompt_len=2)
+    _tick(sched, kv)
+    for rid, at, max_tokens, predicted in arrivals:
+        _add(sched, rid, int(at * SECOND), prompt_len=2, max_tokens=max_tokens,
+             predicted=predicted)
+    assert _admission_order(sched, kv, blocker) == admitted
+
+
+def test_a_long_job_is_not_starved_by_a_constant_stream_of_short_ones():
+    # a 10-token request every 0.25 s; the 300-token one that came first runs within its
+    # bound: (300 - 10) tokens x 0.01 s after its arrival
+    sched, kv = _setup(scheduling_policy="sjf", max_num_seqs=1, num_kv_blocks=64,
+                       sjf_token_s=0.01)
+    running = _add(sched, "first", 0, prompt_len=2)
+    _tick(sched, kv)
+    long = _add(sched, "long", 1, prompt_len=2, max_tokens=300)
+    t, admitted_at = 0.0, None
+    while admitted_at is None:
+        t += 0.25
+        _add(sched, f"s{t}", int(t * SECOND), prompt_len=2, max_tokens=10)
+        sched.remove(running)
+        kv.free(running.request_id)
+        out, _ = _tick(sched, kv)
+        running = out.prefills[0].request
+        if running is long:
+            admitted_at = t
+    assert 2.0 <= admitted_at <= 2.9 + 0.25  # it did wait behind shorter jobs, within bound
+
+
 def test_greedy_outputs_are_the_same_under_every_policy(tiny49k):
     from engine import Engine
 
@@ -166,10 +219,11 @@ def test_greedy_outputs_are_the_same_under_every_policy(tiny49k):
                                             prefix_caching=False, scheduling_policy=policy))
         for i, (rid, p) in enumerate(prompts.items()):
             engine.add_request(rid, p, SamplingParams(max_tokens=6, ignore_eos=True,
-                                                      priority=(-i) % 3))
+                                                      priority=(-i) % 3,
+                                                      predicted_tokens=1 + (-i) % 4))
         got: dict[str, list[int]] = {rid: [] for rid in prompts}
         while engine.has_unfinished():
             for o in engine.step():
                 got[o.request_id] += o.new_token_ids
         outs[policy] = got
-    assert outs["priority"] == outs["fcfs"]
+    assert all(outs[p] == outs["fcfs"] for p in SCHEDULING_POLICIES)

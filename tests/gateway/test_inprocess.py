@@ -51,3 +51,28 @@ def test_streaming_and_refusals_through_the_backend(client):
     assert too_long.status_code == 400 and "max_tokens" in too_long.text
     rec = client.sink.find(too_long.headers["x-tailscope-trace-id"])
     assert rec.final_state == "REJECTED" and rec.prompt_tokens > 0  # it was tokenized
+
+
+def test_sjf_predicts_from_the_tenants_finished_lengths_per_endpoint(tiny49k, bundled_path):
+    """Under sjf the engine orders by the gateway's running mean of the tenant's output
+    lengths on the endpoint (kept in the record's sampling_params); none before the first."""
+    import json
+
+    from gateway.serving import LENGTH_EWMA
+
+    cfg = EngineConfig(num_kv_blocks=64, block_size=16, scheduling_policy="sjf")
+    with inprocess_client(tiny49k, bundled_path, cfg) as c:
+        def send(path, max_tokens, **body):
+            r = c.post(path, json={"model": "SmolLM2-135M-Instruct", "max_tokens": max_tokens,
+                                   "temperature": 0, "ignore_eos": True, **body})
+            assert r.status_code == 200, r.text
+            rec = c.sink.find(r.headers["x-tailscope-trace-id"])
+            return json.loads(rec.sampling_params)["engine"]["predicted_tokens"]
+
+        assert send("/v1/completions", 4, prompt="a") is None
+        assert send("/v1/completions", 12, prompt="b") == 4  # the first one's 4 tokens
+        mean = 4 + LENGTH_EWMA * (12 - 4)
+        assert send("/v1/completions", 40, prompt="c") == int(-(-mean // 1))
+        # the chat endpoint has its own estimate
+        assert send("/v1/chat/completions", 3, messages=[{"role": "user", "content": "x"}]) \
+            is None
