@@ -45,6 +45,7 @@ class ModelConfig:
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 PREEMPTION_MODES = ("recompute", "swap", "auto", "off")
 SCHEDULING_POLICIES = ("fcfs", "priority", "sjf")  # engine.policy.POLICIES (torch-free)
+BUDGET_SPLITS = ("decode_first", "prefill_first", "decode_reserve")
 
 
 def _setting(default, help: str):
@@ -81,6 +82,10 @@ class EngineConfig:
     sjf_token_s: float = _setting(0.01, "sjf policy: one predicted output token is worth this "
                                         "many seconds of waiting, so long requests do not "
                                         "starve")
+    budget_split: str = _setting("decode_first", "who gets a tick's token budget first: "
+                                 + ", ".join(BUDGET_SPLITS))
+    decode_reserve_tokens: int = _setting(32, "budget_split decode_reserve: tokens of each "
+                                              "tick kept for decodes, prefills first")
     batch_invariant: bool = _setting(False, "bitwise the same logits for a request whatever "
                                             "else is in its batch, however its prompt was "
                                             "chunked and whether its prefix was cached "
@@ -105,6 +110,12 @@ class EngineConfig:
                              f"{self.preemption!r}")
         if not self.priority_aging_s > 0:
             raise ValueError(f"priority_aging_s must be > 0, got {self.priority_aging_s}")
+        if self.budget_split not in BUDGET_SPLITS:
+            raise ValueError(f"budget_split must be one of {BUDGET_SPLITS}, got "
+                             f"{self.budget_split!r}")
+        if self.decode_reserve_tokens < 0:
+            raise ValueError(f"decode_reserve_tokens must be >= 0, got "
+                             f"{self.decode_reserve_tokens}")
         if not self.sjf_token_s > 0:
             raise ValueError(f"sjf_token_s must be > 0, got {self.sjf_token_s}")
 

@@ -3,10 +3,11 @@
 
 There are no prefill/decode phases: each tick gives every running request its next tokens
 (one for a decoding request, a chunk for a prefilling one) within ``max_batched_tokens`` and
-``max_num_seqs``. Decodes are served first so a long prompt cannot stall every stream's ITL;
-then unfinished prefills continue; then waiting requests join in the order of the scheduling
-policy (``engine.policy``; FCFS: arrival order, and preempted requests keep their original
-arrival), refilling freed slots, the head of the queue waiting for capacity with nobody
+``max_num_seqs``. By default (``budget_split: decode_first``) decodes are served first so a
+long prompt cannot stall every stream's ITL (``prefill_first`` and ``decode_reserve`` trade
+that for TTFT); then unfinished prefills continue; then waiting requests join in the order of
+the scheduling policy (``engine.policy``; FCFS: arrival order, and preempted requests keep
+their original arrival), refilling freed slots, the head of the queue waiting for capacity with nobody
 overtaking it. The scheduler owns its waiting and running sets, reaches the KV cache only
 through ``KVCacheManager``'s narrow API and only emits state transitions; timings are derived
 elsewhere.
@@ -222,15 +223,41 @@ class Scheduler:
         return Preemption(req, mode, n)
 
     def schedule(self) -> SchedulerOutput:
+        """One tick. The budget split (``EngineConfig.budget_split``) decides who gets the
+        token budget first: ``decode_first`` (every decoding request's next token, then the
+        running prefills' chunks, then admissions), ``prefill_first`` (running prefills and
+        admissions, then decodes with what is left: better TTFT, worse ITL under load) or
+        ``decode_reserve`` (prefill first, but ``decode_reserve_tokens`` of the budget are kept
+        for decodes)."""
         out = SchedulerOutput()
         budget = self.config.max_batched_tokens
         scheduled: set[str] = set()
+        split = self.config.budget_split
+        if split == "decode_first":
+            budget = self._decodes(budget, scheduled, out)
+            budget = self._prefills(budget, scheduled, out)
+            budget, blocked = self._join(budget, scheduled, out)
+        else:
+            decoding = sum(r.state == S.DECODING for r in self.running)
+            reserve = 0 if split == "prefill_first" else min(
+                self.config.decode_reserve_tokens, decoding, budget)
+            budget = self._prefills(budget - reserve, scheduled, out)
+            budget, blocked = self._join(budget, scheduled, out)
+            budget = self._decodes(budget + reserve, scheduled, out)
+        if self.waiting and self.config.step_detail:
+            self._note_waits(blocked or ("budget" if budget <= 0 else "seqs"), out)
+        return out
+
+    def _decodes(self, budget: int, scheduled: set[str], out: SchedulerOutput) -> int:
         for req in list(self.running):
             if req.state == S.DECODING and budget > 0 and req in self.running:
                 if self._allocate(req, 1, scheduled, out):
                     out.decodes.append(ScheduledSeq(req, 1))
                     scheduled.add(req.request_id)
                     budget -= 1
+        return budget
+
+    def _prefills(self, budget: int, scheduled: set[str], out: SchedulerOutput) -> int:
         for req in list(self.running):  # BACKPRESSURED requests hold their KV, get no tokens
             if req.state in (S.RUNNABLE, S.PREFILLING, S.RESUMED) and budget > 0 \
                     and req in self.running and req.request_id not in scheduled:
@@ -239,8 +266,14 @@ class Scheduler:
                     out.prefills.append(ScheduledSeq(req, n))
                     scheduled.add(req.request_id)
                     budget -= n
+        return budget
+
+    def _join(self, budget: int, scheduled: set[str], out: SchedulerOutput
+               ) -> tuple[int, str]:
+        """Waiting requests join in the policy's order; returns the budget left and why the
+        head of the queue stays (``kv``, or "" when it was the budget or the seats)."""
         self._reserve_waiting()
-        blocked = ""  # why the head of the queue stays
+        blocked = ""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if not self.kv.has_reservation(req.request_id):
@@ -266,9 +299,7 @@ class Scheduler:
             out.prefills.append(ScheduledSeq(req, n))
             scheduled.add(req.request_id)
             budget -= n
-        if self.waiting and self.config.step_detail:
-            self._note_waits(blocked or ("budget" if budget <= 0 else "seqs"), out)
-        return out
+        return budget, blocked
 
     # ---- why the waiting requests wait --------------------------------------------------
     def _note(self, req: Request, cause: str, detail: str = "",

@@ -24,6 +24,35 @@ def test_long_prompt_is_chunked_within_the_token_budget(tiny_model):
     assert [s.prefill_tokens for s in engine.observer.steps] == [8, 8, 4]
 
 
+def _split_tick(tiny_model, split: str, reserve: int = 2) -> list[tuple[int, int]]:
+    """Three streams decoding, then a long prompt arrives: each tick's (decode, prefill)
+    tokens under the budget split (budget 8, four seats)."""
+    engine = _engine(tiny_model, budget_split=split, decode_reserve_tokens=reserve,
+                     max_num_seqs=4)
+    for i in range(3):
+        engine.add_request(f"d{i}", [5 + i, 6, 7], SamplingParams(max_tokens=12))
+    engine.step()
+    engine.step()
+    engine.add_request("long", list(range(3, 40)), SamplingParams(max_tokens=2))
+    engine.step()
+    engine.step()
+    return [(s.decode_tokens, s.prefill_tokens) for s in list(engine.observer.steps)[-2:]]
+
+
+def test_the_budget_split_decides_who_gets_a_tick_first(tiny_model):
+    assert _split_tick(tiny_model, "decode_first") == [(3, 5), (3, 5)]
+    assert _split_tick(tiny_model, "prefill_first") == [(0, 8), (0, 8)]  # decodes starve
+    assert _split_tick(tiny_model, "decode_reserve", 2) == [(2, 6), (2, 6)]
+    # greedy outputs do not depend on the split (only the timing does)
+    outs = {}
+    for split in ("decode_first", "prefill_first", "decode_reserve"):
+        engine = _engine(tiny_model, budget_split=split, max_num_seqs=4)
+        reqs = engine.generate([[5, 6, 7], list(range(3, 30)), [9, 8]],
+                               SamplingParams(max_tokens=6, ignore_eos=True))
+        outs[split] = [r.output_token_ids for r in reqs]
+    assert outs["prefill_first"] == outs["decode_first"] == outs["decode_reserve"]
+
+
 def test_decodes_are_served_before_prefill_chunks(tiny_model):
     engine = _engine(tiny_model)
     a = engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=5))
