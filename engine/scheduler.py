@@ -7,10 +7,10 @@ There are no prefill/decode phases: each tick gives every running request its ne
 long prompt cannot stall every stream's ITL (``prefill_first`` and ``decode_reserve`` trade
 that for TTFT); then unfinished prefills continue; then waiting requests join in the order of
 the scheduling policy (``engine.policy``; FCFS: arrival order, and preempted requests keep
-their original arrival), refilling freed slots, the head of the queue waiting for capacity with nobody
-overtaking it. The scheduler owns its waiting and running sets, reaches the KV cache only
-through ``KVCacheManager``'s narrow API and only emits state transitions; timings are derived
-elsewhere.
+their original arrival), refilling freed slots, the head of the queue waiting for capacity
+with nobody overtaking it. The scheduler owns its waiting and running sets, reaches the KV
+cache only through ``KVCacheManager``'s narrow API and only emits state transitions; timings
+are derived elsewhere.
 
 Preemption. Unless ``preemption="off"`` (admission then reserves prompt + max_tokens, so a
 running request can always grow), admission reserves only a request's prompt, and a running
