@@ -50,9 +50,11 @@ class Priority:
     requests therefore delays a lower one by at most (its priority - theirs) x ``aging_s``:
     nothing starves, and the key never changes while a request waits (the queue stays sorted).
     The running request that yields KV is the one with the largest key (lowest priority, then
-    latest)."""
+    latest), and a request at the head of the queue that cannot get KV takes it from running
+    requests behind it in this order (``preempts_to_admit``)."""
 
     name = "priority"
+    preempts_to_admit = True
 
     def __init__(self, aging_s: float = 1.0) -> None:
         self.aging_ns = int(aging_s * 1e9)

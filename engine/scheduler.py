@@ -232,6 +232,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_batched_tokens
         scheduled: set[str] = set()
+        self._make_room_for_head(out)
         split = self.config.budget_split
         if split == "decode_first":
             budget = self._decodes(budget, scheduled, out)
@@ -247,6 +248,25 @@ class Scheduler:
         if self.waiting and self.config.step_detail:
             self._note_waits(blocked or ("budget" if budget <= 0 else "seqs"), out)
         return out
+
+    def _make_room_for_head(self, out: SchedulerOutput) -> None:
+        """Under a policy that says so (``preempts_to_admit``: priority), the head of the queue
+        that cannot get KV takes it from running requests behind it in the policy's order,
+        the policy's victim first, before anything is scheduled this tick (they wait again at
+        their place: behind it)."""
+        if not getattr(self.policy, "preempts_to_admit", False) or not self.waiting \
+                or self.config.preemption == "off":
+            return
+        head = self.waiting[0]
+        if self.kv.has_reservation(head.request_id) or head.state == S.SWAPPED \
+                or head.branch_parent is not None:
+            return
+        key = self.policy.key(head)
+        while not self._admit(head):
+            behind = [r for r in self.running if self.policy.key(r) > key]
+            if not behind:
+                return
+            out.preempted.append(self._preempt(self.policy.victim(behind)))
 
     def _decodes(self, budget: int, scheduled: set[str], out: SchedulerOutput) -> int:
         for req in list(self.running):

@@ -227,3 +227,25 @@ def test_greedy_outputs_are_the_same_under_every_policy(tiny49k):
                 got[o.request_id] += o.new_token_ids
         outs[policy] = got
     assert all(outs[p] == outs["fcfs"] for p in SCHEDULING_POLICIES)
+
+
+@pytest.mark.parametrize("policy,preempted", [("priority", True), ("fcfs", False)])
+def test_a_higher_priority_request_takes_kv_from_a_lower_one_to_be_admitted(policy, preempted):
+    # 6 blocks of 4 tokens: the low-priority request holds 4 (13 prompt tokens + decodes), the
+    # urgent one needs 3 for its 9 tokens and finds 1 free (plus the watermark): under priority
+    # it preempts the low one at the next tick; under fcfs it waits for it
+    sched, kv = _setup(scheduling_policy=policy, num_kv_blocks=6, max_num_seqs=4)
+    low = _add(sched, "low", 0, prompt_len=13, priority=5)
+    for _ in range(2):
+        _tick(sched, kv)
+    assert low.state == S.DECODING and len(kv.block_table("low").blocks) == 4
+    urgent = _add(sched, "urgent", SECOND, prompt_len=9, priority=0)
+    assert not kv.has_reservation("urgent")
+    out, _ = _tick(sched, kv)
+    if preempted:
+        assert [(p.request, p.mode) for p in out.preempted] == [(low, "recompute")]
+        assert [s.request for s in out.prefills] == [urgent] and not out.decodes
+        assert sched.waiting == [low] and low.state == S.PREEMPTED
+    else:
+        assert not out.preempted and [s.request for s in out.decodes] == [low]
+        assert sched.waiting == [urgent]
