@@ -141,6 +141,9 @@ class Score:
     detail: str
 
 
+VARIES = "differ from the first"  # in a result's detail: its attempts did not agree
+
+
 def divergence(a: list[str], b: list[str]) -> str:
     """Where two attempts' choices first part: the choice, the character, both texts there."""
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
@@ -215,7 +218,7 @@ def score(case: Case, output: str, finish_reason: str | None, *,
         differ = [i + 1 for i, r in enumerate(repeats or []) if r != first]
         why = "no repeats to compare"
         if differ:
-            why = (f"attempts {differ} differ from the first; attempt {differ[0]} "
+            why = (f"attempts {differ} {VARIES}; attempt {differ[0]} "
                    + divergence(first, (repeats or [])[differ[0] - 1]))
         check(bool(repeats) and not differ, why)
     if "prompt_tokens" in e:

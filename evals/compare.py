@@ -97,7 +97,7 @@ def load_run(source, run_id: str) -> tuple[dict, pd.DataFrame]:
 def reproducibility(res_a: pd.DataFrame, res_b: pd.DataFrame) -> pd.DataFrame:
     """Case by case: whether each run's own attempts agreed (the ``consistent`` check: batch
     mixes, prefix-cache hits), whether B gave A's output, and where it first parted."""
-    from evals.cases import divergence
+    from evals.cases import VARIES, divergence
 
     b = res_b.set_index("case_id")
     rows = []
@@ -106,8 +106,8 @@ def reproducibility(res_a: pd.DataFrame, res_b: pd.DataFrame) -> pd.DataFrame:
         same = rb is not None and rb["output"] == ra["output"]
         rows.append({
             "case_id": ra["case_id"],
-            "consistent A": "differ from the first" not in ra["detail"],
-            "consistent B": None if rb is None else "differ from the first" not in rb["detail"],
+            "consistent A": VARIES not in ra["detail"],
+            "consistent B": None if rb is None else VARIES not in rb["detail"],
             "same output": same,
             "first divergence": "" if same or rb is None else divergence(
                 [ra["output"]], [rb["output"]]).replace("in choice 0 ", "")})

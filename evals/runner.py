@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from evals.cases import Case, divergence, load_cases, score
+from evals.cases import VARIES, Case, divergence, load_cases, score
 from tracing import queries as Q
 from tracing.client import GatewayProcess as _Gateway
 from tracing.client import GatewayStartError, sse_json
@@ -308,7 +308,7 @@ def across_configs(summaries: list[RunSummary]) -> str:
             if r is None:
                 cells.append("-")
                 continue
-            within = "consistent" if "differ from the first" not in r.detail else "varies"
+            within = "consistent" if VARIES not in r.detail else "varies"
             same = r.output == r0.output
             cells.append(f"{within}, {'same' if same else 'DIFFERS'}")
             if not same:
