@@ -111,6 +111,34 @@ def test_every_configured_policy_exists_and_unknown_ones_are_refused():
 SECOND = 1_000_000_000
 
 
+def _next_admitted(sched: Scheduler, kv: KVCacheManager, running: Request) -> Request:
+    """With one seat (max_num_seqs 1): ``running`` finishes, and the next one is admitted."""
+    sched.remove(running)
+    kv.free(running.request_id)
+    out, _ = _tick(sched, kv)
+    return out.prefills[0].request
+
+
+def _admission_order(sched: Scheduler, kv: KVCacheManager, running: Request) -> list[str]:
+    order = []
+    while sched.waiting:
+        running = _next_admitted(sched, kv, running)
+        order.append(running.request_id)
+    return order
+
+
+def _admitted_at(sched: Scheduler, kv: KVCacheManager, running: Request, target: Request,
+                 arrive) -> float:
+    """Every 0.25 s ``arrive(t)`` queues one more request and the running one finishes: the
+    time at which ``target`` is admitted."""
+    t = 0.0
+    while running is not target:
+        t += 0.25
+        arrive(t)
+        running = _next_admitted(sched, kv, running)
+    return t
+
+
 @pytest.mark.parametrize("arrivals,admitted", [
     # (request, arrival s, priority) in arrival order -> the order they are admitted
     ([("a", 0.0, 0), ("b", 0.1, 0), ("c", 0.2, 0)], ["a", "b", "c"]),  # equal: FCFS
@@ -125,14 +153,7 @@ def test_priority_admits_in_its_order_with_aging(arrivals, admitted):
     _tick(sched, kv)
     for rid, at, prio in arrivals:
         _add(sched, rid, int(at * SECOND), prompt_len=2, priority=prio)
-    order, running = [], blocker
-    while sched.waiting:
-        sched.remove(running)
-        kv.free(running.request_id)
-        out, _ = _tick(sched, kv)
-        running = out.prefills[0].request
-        order.append(running.request_id)
-    assert order == admitted
+    assert _admission_order(sched, kv, blocker) == admitted
 
 
 def test_a_low_priority_request_is_not_starved_by_a_constant_high_priority_stream():
@@ -143,28 +164,9 @@ def test_a_low_priority_request_is_not_starved_by_a_constant_high_priority_strea
     running = _add(sched, "first", 0, prompt_len=2)
     _tick(sched, kv)
     low = _add(sched, "low", 1, prompt_len=2, priority=2)
-    t, admitted_at = 0.0, None
-    while admitted_at is None:
-        t += 0.25
-        _add(sched, f"h{t}", int(t * SECOND), prompt_len=2, priority=0)
-        sched.remove(running)
-        kv.free(running.request_id)
-        out, _ = _tick(sched, kv)
-        running = out.prefills[0].request
-        if running is low:
-            admitted_at = t
+    admitted_at = _admitted_at(sched, kv, running, low, lambda t: _add(
+        sched, f"h{t}", int(t * SECOND), prompt_len=2, priority=0))
     assert admitted_at <= 2.0 + 0.25
-
-
-def _admission_order(sched, kv, running) -> list[str]:
-    order = []
-    while sched.waiting:
-        sched.remove(running)
-        kv.free(running.request_id)
-        out, _ = _tick(sched, kv)
-        running = out.prefills[0].request
-        order.append(running.request_id)
-    return order
 
 
 @pytest.mark.parametrize("arrivals,admitted", [
@@ -195,16 +197,8 @@ def test_a_long_job_is_not_starved_by_a_constant_stream_of_short_ones():
     running = _add(sched, "first", 0, prompt_len=2)
     _tick(sched, kv)
     long = _add(sched, "long", 1, prompt_len=2, max_tokens=300)
-    t, admitted_at = 0.0, None
-    while admitted_at is None:
-        t += 0.25
-        _add(sched, f"s{t}", int(t * SECOND), prompt_len=2, max_tokens=10)
-        sched.remove(running)
-        kv.free(running.request_id)
-        out, _ = _tick(sched, kv)
-        running = out.prefills[0].request
-        if running is long:
-            admitted_at = t
+    admitted_at = _admitted_at(sched, kv, running, long, lambda t: _add(
+        sched, f"s{t}", int(t * SECOND), prompt_len=2, max_tokens=10))
     assert 2.0 <= admitted_at <= 2.9 + 0.25  # it did wait behind shorter jobs, within bound
 
 
