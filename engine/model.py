@@ -219,10 +219,11 @@ class LlamaModel:
         nd = meta.num_decodes
         group = self.config.num_heads // self.config.num_kv_heads
         # what every layer's attention shares this step: block tables, masks, query tiles
-        decodes = invariant.DecodePlan(meta.decode_block_tables, meta.decode_context_lens) \
-            if nd else None
+        block_size = kv_caches[0][0].shape[1]
+        decodes = invariant.DecodePlan(meta.decode_block_tables, meta.decode_context_lens,
+                                       block_size) if nd else None
         prefills = [(p, invariant.PrefillPlan(p.block_table, p.context_len, p.end - p.start,
-                                              group)) for p in meta.prefills]
+                                              group, block_size)) for p in meta.prefills]
         for lw, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             q, k, v = self._qkv(lw, h, rope, positions, False)
             kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)

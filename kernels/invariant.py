@@ -69,19 +69,20 @@ class InvariantLinear:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
         return torch.nn.functional.linear(x, self.weight)
 
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """One call of at most ``chunk`` rows; a single row is a gemv otherwise, so it is padded
+        to the two-row kernel."""
+        if x.shape[0] == 1:
+            return self._mm(torch.cat([x, torch.zeros_like(x)]))[:1]
+        return self._mm(x)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
-        if m == 1:  # a gemv otherwise: pad to the two-row kernel
-            return self._mm(torch.cat([x, torch.zeros_like(x)]))[:1]
         if m <= self.chunk:
-            return self._mm(x)
+            return self._rows(x)
         out = x.new_empty((m, self.shape[0]))
         for a in range(0, m, self.chunk):
-            b = min(a + self.chunk, m)
-            if b - a == 1:
-                out[a:b] = self._mm(torch.cat([x[a:b], torch.zeros_like(x[a:b])]))[:1]
-            else:
-                out[a:b] = self._mm(x[a:b])
+            out[a:a + self.chunk] = self._rows(x[a:a + self.chunk])
         return out
 
 
@@ -151,18 +152,25 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tens
     return num / denom.unsqueeze(-1)
 
 
-def _blocks(cache: torch.Tensor, tables: torch.Tensor, nb: int) -> torch.Tensor:
-    """``tables [B, M]`` (padded with any valid block id) -> fp32 key blocks
-    ``[B, Hk, nb, KEY_BLOCK, D]`` of the first ``nb * KEY_BLOCK`` positions (one gather, one
-    copy)."""
+def _block_index(tables: torch.Tensor, nb: int, block_size: int) -> torch.Tensor:
+    """``tables [B, M]`` -> the flat cache block ids holding the first ``nb * KEY_BLOCK``
+    positions of each row (past a table's end its first block repeats: those keys are
+    masked). Once per step, shared by every layer's K and V."""
     b = tables.shape[0]
-    _, bs, hk, d = cache.shape
-    length = nb * KEY_BLOCK
-    need = -(-length // bs)
+    need = -(-nb * KEY_BLOCK // block_size)
     if need > tables.shape[1]:
         tables = torch.cat([tables, tables[:, :1].expand(b, need - tables.shape[1])], 1)
-    rows = cache.index_select(0, tables[:, :need].reshape(-1)).view(b, need * bs, hk, d)
-    rows = rows[:, :length].transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+    return tables[:, :need].reshape(-1)
+
+
+def _blocks(cache: torch.Tensor, index: torch.Tensor, b: int, nb: int) -> torch.Tensor:
+    """fp32 key blocks ``[B, Hk, nb, KEY_BLOCK, D]`` of ``b`` sequences from their
+    ``_block_index`` (one gather, one copy)."""
+    _, bs, hk, d = cache.shape
+    length = nb * KEY_BLOCK
+    rows = cache.index_select(0, index).view(b, -1, hk, d)
+    rows = rows[:, :length].transpose(1, 2).to(torch.float32,
+                                               memory_format=torch.contiguous_format)
     return rows.view(b, hk, nb, KEY_BLOCK, d)
 
 
@@ -178,9 +186,11 @@ class DecodePlan:
     """What every layer's decode attention of one step shares: the padded block tables, the
     number of key blocks and the mask (built once per forward, not once per layer)."""
 
-    def __init__(self, block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
-        self.tables = block_tables
+    def __init__(self, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                 block_size: int) -> None:
+        self.b = block_tables.shape[0]
         self.nb = -(-int(context_lens.max()) // KEY_BLOCK)
+        self.index = _block_index(block_tables, self.nb, block_size)
         pos = torch.arange(self.nb * KEY_BLOCK).view(self.nb, 1, KEY_BLOCK)
         self.valid = (pos[None] < context_lens.view(-1, 1, 1, 1))[:, None]  # [B,1,nb,1,K]
 
@@ -190,9 +200,11 @@ class PrefillPlan:
     tokens, each attending only over the key blocks up to its last position (the causal
     triangle's empty blocks are skipped, which the fold allows)."""
 
-    def __init__(self, block_table: torch.Tensor, context_len: int, n: int, group: int) -> None:
-        self.table, self.n, self.group = block_table[None], n, group
+    def __init__(self, block_table: torch.Tensor, context_len: int, n: int, group: int,
+                 block_size: int) -> None:
+        self.n, self.group = n, group
         self.nb = -(-context_len // KEY_BLOCK)
+        self.index = _block_index(block_table[None], self.nb, block_size)
         first = context_len - n
         self.tiles = []  # (row start, row end, key blocks, valid [nb, R, K])
         for a in range(0, n, QUERY_TILE):
@@ -212,8 +224,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      plan: DecodePlan, scale: float) -> torch.Tensor:
     b, h, d = q.shape
     hk = k_cache.shape[2]
-    k = _blocks(k_cache, plan.tables, plan.nb)
-    v = _blocks(v_cache, plan.tables, plan.nb)
+    k = _blocks(k_cache, plan.index, plan.b, plan.nb)
+    v = _blocks(v_cache, plan.index, plan.b, plan.nb)
     rows, r = _two_rows((q.float() * scale).view(b, hk, h // hk, d))
     return _attend(rows, k, v, plan.valid)[:, :, :r].reshape(b, h, d).to(q.dtype)
 
@@ -223,8 +235,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     n, h, d = q.shape
     hk = k_cache.shape[2]
     g = plan.group
-    k = _blocks(k_cache, plan.table, plan.nb)[0]  # [Hk, nb, K, D]
-    v = _blocks(v_cache, plan.table, plan.nb)[0]
+    k = _blocks(k_cache, plan.index, 1, plan.nb)[0]  # [Hk, nb, K, D]
+    v = _blocks(v_cache, plan.index, 1, plan.nb)[0]
     rows = (q.float() * scale).view(n, hk, g, d).transpose(0, 1).reshape(hk, n * g, d)
     out = torch.empty_like(rows)
     for a, b, nb, valid in plan.tiles:
@@ -237,7 +249,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float) -> torch.Tensor:
     """As ``kernels.reference.paged_decode_attention``, batch-invariant."""
-    return decode_attention(q, k_cache, v_cache, DecodePlan(block_tables, context_lens), scale)
+    plan = DecodePlan(block_tables, context_lens, k_cache.shape[1])
+    return decode_attention(q, k_cache, v_cache, plan, scale)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -245,5 +258,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             ) -> torch.Tensor:
     """As ``kernels.reference.paged_prefill_attention``, batch-invariant: query ``i`` of the
     chunk gives what it would as a decode at its position."""
-    plan = PrefillPlan(block_table, context_len, q.shape[0], q.shape[1] // k_cache.shape[2])
+    plan = PrefillPlan(block_table, context_len, q.shape[0], q.shape[1] // k_cache.shape[2],
+                       k_cache.shape[1])
     return prefill_attention(q, k_cache, v_cache, plan, scale)
