@@ -27,6 +27,9 @@ import streamlit as st
 from tracing import queries as Q
 
 PAGES = ("Overview", "Regression", "Requests", "Evals")
+# dimensions the Regression page does not offer to explain a shift by (the model is one per
+# window; a request's end state is an outcome, not a cause)
+_NOT_A_CAUSE = ("model", "final_state", "finish_reason")
 
 
 def source_spec() -> str:
@@ -95,10 +98,7 @@ def overview(src, now: dt.datetime) -> None:
 def regression(src, now: dt.datetime) -> None:
     mode = st.radio("Compare", ["two windows", "two configs"], horizontal=True, key="rg_mode")
     metric = st.selectbox("Metric", ["ttft_ms", "e2e_ms"], key="rg_m")
-    by = st.selectbox("By", ["replica", "model_revision", "engine_version", "config_id",
-                             "tenant", "prompt_bucket", "endpoint", "neighbour_tenant",
-                             "priority"],
-                      key="rg_by")
+    by = st.selectbox("By", [d for d in Q.DIMENSIONS if d not in _NOT_A_CAUSE], key="rg_by")
     base_f = suspect_f = None
     if mode == "two windows":
         base = window("Baseline", now - dt.timedelta(hours=2), now - dt.timedelta(hours=1),
@@ -147,7 +147,10 @@ def trace_view(src, trace_id: str) -> None:
         st.error(f"no record for trace {trace_id}")
         return
     st.caption(f"{rec['final_state']} · {rec['finish_reason']} · HTTP {rec['http_status']} · "
-               f"replica {rec['replica'] or '-'} · tenant {rec['tenant']}")
+               f"replica {rec['replica'] or '-'} · tenant {rec['tenant']} · priority "
+               f"{rec.get('priority', 0)} · lane {rec.get('lane') or 'standard'}")
+    if rec.get("degraded"):
+        st.warning(f"admitted DEGRADED: {rec['degraded']}")
     stages = pd.DataFrame([{"stage": Q.STAGE_NAMES[c], "ms": float(rec[c] or 0.0)}
                            for c in Q.STAGES["e2e_ms"]])
     other = float(rec["e2e_ms"]) - stages["ms"].sum()

@@ -128,6 +128,16 @@ PANELS: list[Panel] = [
           "SELECT $__timeInterval(arrival_ts) AS time, "
           f"countIf({timing.slo_sql(TTFT_SLO, TPOT_SLO)}) / $__interval_s AS goodput FROM "
           f"tailscope.requests WHERE {REQ_FILTER} GROUP BY time ORDER BY time", unit="reqps"),
+    Panel("TTFT p99 by tenant (one tenant's burst in another's tail?)",
+          "SELECT $__timeInterval(arrival_ts) AS time, tenant, quantile(0.99)(ttft_ms) AS p99 "
+          f"FROM tailscope.requests WHERE {REQ_FILTER} AND ttft_ms IS NOT NULL "
+          "GROUP BY time, tenant ORDER BY time"),
+    Panel("Tail by priority and lane (scheduling policy; degraded admission)",
+          "SELECT priority, lane, count() AS requests, quantile(0.5)(ttft_ms) AS ttft_p50, "
+          "quantile(0.99)(ttft_ms) AS ttft_p99, quantile(0.99)(e2e_ms) AS e2e_p99, "
+          "avg(engine_queue_ms) AS queue_ms, avg(wait_share_ms) AS fair_share_wait_ms, "
+          f"countIf(degraded != '') AS degraded FROM tailscope.requests WHERE {REQ_FILTER} "
+          "GROUP BY priority, lane ORDER BY priority, lane", kind="table"),
     Panel("Errors and rejections by tenant",
           "SELECT tenant, countIf(final_state = 'REJECTED') AS rejected, countIf(final_state "
           "IN ('FAILED', 'TIMED_OUT')) AS errors, countIf(final_state = 'CANCELLED') AS "

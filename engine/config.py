@@ -44,7 +44,7 @@ class ModelConfig:
 # torch-free).
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 PREEMPTION_MODES = ("recompute", "swap", "auto", "off")
-SCHEDULING_POLICIES = ("fcfs", "priority", "sjf")  # engine.policy.POLICIES (torch-free)
+SCHEDULING_POLICIES = ("fcfs", "priority", "sjf", "fair")  # engine.policy.POLICIES (torch-free)
 BUDGET_SPLITS = ("decode_first", "prefill_first", "decode_reserve")
 
 
@@ -82,6 +82,8 @@ class EngineConfig:
     sjf_token_s: float = _setting(0.01, "sjf policy: one predicted output token is worth this "
                                         "many seconds of waiting, so long requests do not "
                                         "starve")
+    fair_decode_cost: float = _setting(2.0, "fair policy: a decode token counts as this many "
+                                            "prefill tokens in a tenant's share")
     budget_split: str = _setting("decode_first", "who gets a tick's token budget first: "
                                  + ", ".join(BUDGET_SPLITS))
     decode_reserve_tokens: int = _setting(32, "budget_split decode_reserve: tokens of each "
@@ -116,6 +118,8 @@ class EngineConfig:
         if self.decode_reserve_tokens < 0:
             raise ValueError(f"decode_reserve_tokens must be >= 0, got "
                              f"{self.decode_reserve_tokens}")
+        if not self.fair_decode_cost >= 0:
+            raise ValueError(f"fair_decode_cost must be >= 0, got {self.fair_decode_cost}")
         if not self.sjf_token_s > 0:
             raise ValueError(f"sjf_token_s must be > 0, got {self.sjf_token_s}")
 

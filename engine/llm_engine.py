@@ -114,11 +114,14 @@ class Engine:
             self._end(req, S.REJECTED, "rejected", error=reason)
             return req
         req.transition(S.QUEUED)
+        if req.params.degraded:
+            req.transition(S.DEGRADED, req.params.degraded)
         parent = self.requests.get(branch_of) if branch_of else None
         if parent is not None and parent.branch_parent is None and not parent.output_token_ids \
                 and parent.prompt_token_ids == req.prompt_token_ids \
                 and parent.cache_salt == req.cache_salt \
-                and parent.state in (S.QUEUED, S.RUNNABLE, S.PREFILLING, S.PREEMPTED):
+                and parent.state in (S.QUEUED, S.DEGRADED, S.RUNNABLE, S.PREFILLING,
+                                     S.PREEMPTED):
             req.branch_parent = parent.request_id
             parent.pending_branches.append(req)
             return req

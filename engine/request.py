@@ -65,7 +65,7 @@ TRANSITIONS: dict[RequestState | None, frozenset[RequestState]] = {
 
 # Why a waiting request (queued, preempted, swapped out) did not run at a scheduler tick: the
 # binding constraint, recorded as a WaitNote when it changes (engine.scheduler).
-WAIT_CAUSES = ("step", "budget", "kv", "seqs", "hol")
+WAIT_CAUSES = ("step", "budget", "kv", "seqs", "hol", "share")
 
 
 @dataclass(frozen=True, slots=True)

@@ -94,8 +94,17 @@ class SamplingParams:
     # the sjf scheduling policy's estimate of this request's output length (the gateway's
     # running mean for its tenant and endpoint); None: max_tokens. Only the order changes.
     predicted_tokens: int | None = None
+    # the fair scheduling policy's accounting: whose share the request's tokens count against
+    # (the gateway's tenant) and that tenant's weight (its share relative to the others')
+    tenant: str = ""
+    weight: float = 1.0
+    # degraded admission (gateway.degrade): what the gateway reduced under load; the engine
+    # admits the request DEGRADED (after QUEUED) with this detail. "": admitted as asked.
+    degraded: str = ""
 
     def __post_init__(self) -> None:
+        _check(isinstance(self.weight, (int, float)) and 0 < self.weight <= 1e6, "weight",
+               f"weight must be in (0, 1e6], got {self.weight!r}")
         _check(self.predicted_tokens is None or (isinstance(self.predicted_tokens, int)
                                                  and self.predicted_tokens >= 1),
                "predicted_tokens", f"predicted_tokens must be None or an integer >= 1, got "

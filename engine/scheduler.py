@@ -38,7 +38,9 @@ Why a request waited. At the end of every tick each request still waiting gets t
 constraint that kept it out (``WaitNote``, recorded when it changes): ``budget`` (the tick's
 ``max_batched_tokens`` went to others, named), ``seqs`` (``max_num_seqs`` requests running),
 ``kv`` (the head of the queue has no KV: blocks held by the running requests, named) or
-``hol`` (behind the head of the queue, which waits for KV, under a head-of-line policy). Before
+``hol`` (behind the head of the queue, which waits for KV, under a head-of-line policy) or,
+under the fair policy, ``share`` (a later arrival of another tenant runs or waits ahead of it:
+other tenants' fair share held it back). Before
 its first tick a request waits for the step in progress (``step``, also noted when a swapped-out
 request is copied back in and waits for the next tick). The gateway's timing owner splits the
 request's queue and preempted time by these notes, so the causes add up to exactly that time.
@@ -102,7 +104,8 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.policy = policy or make_policy(config.scheduling_policy, config.priority_aging_s,
-                                            config.sjf_token_s)
+                                            config.sjf_token_s, config.fair_decode_cost)
+        self.dynamic = getattr(self.policy, "dynamic", False)  # keys change while waiting
         self.waiting: list[Request] = []  # in policy.key order
         self.running: list[Request] = []
         self.watermark = max(1, kv.pool.num_blocks // 100)
@@ -113,6 +116,7 @@ class Scheduler:
         """Queue an admitted request and reserve its KV if it fits now (with a head-of-line
         policy, nobody reserves ahead of an earlier request still waiting for capacity)."""
         request.seq = next(self._seq)
+        self._arrive(request)
         self._wait(request)
         self._reserve_waiting()
 
@@ -125,6 +129,7 @@ class Scheduler:
         """A request that must wait for KV without a reservation attempt now (a branch that
         did not fit: PREEMPTED, it recomputes when admitted)."""
         request.seq = next(self._seq)
+        self._arrive(request)
         self._wait(request)
 
     def remove(self, request: Request) -> None:
@@ -135,6 +140,26 @@ class Scheduler:
 
     def _wait(self, request: Request) -> None:
         bisect.insort_right(self.waiting, request, key=self.policy.key)
+
+    def _arrive(self, request: Request) -> None:
+        """A dynamic policy hears of an arrival with the tenants that already have work."""
+        if self.dynamic:
+            self.policy.arrive(request, {r.params.tenant
+                                         for r in (*self.waiting, *self.running)})
+
+    def _order(self) -> None:
+        """Re-sort the queue where the policy's keys move while requests wait (stable: ties
+        keep their order)."""
+        if self.dynamic:
+            self.waiting.sort(key=self.policy.key)
+
+    def _ran(self, req: Request, n: int, decode: bool, scheduled: set[str],
+             out: SchedulerOutput) -> None:
+        """``req`` runs ``n`` tokens this tick: in the output, and charged to its tenant."""
+        (out.decodes if decode else out.prefills).append(ScheduledSeq(req, n))
+        scheduled.add(req.request_id)
+        if self.dynamic:
+            self.policy.charge(req, 0 if decode else n, n if decode else 0)
 
     def has_work(self) -> bool:
         """Anything a tick could schedule (BACKPRESSURED requests wait for their consumer)."""
@@ -147,6 +172,7 @@ class Scheduler:
         return req.num_tokens
 
     def _reserve_waiting(self) -> None:
+        self._order()
         for i, req in enumerate(self.waiting):
             if self.kv.has_reservation(req.request_id):
                 continue
@@ -182,7 +208,7 @@ class Scheduler:
         if cached is None:
             return False
         req.num_computed_tokens = cached
-        if req.state == S.QUEUED:
+        if req.state in (S.QUEUED, S.DEGRADED):
             req.num_cached_tokens = cached
         return True
 
@@ -232,18 +258,17 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_batched_tokens
         scheduled: set[str] = set()
+        self._order()
         self._make_room_for_head(out)
         split = self.config.budget_split
         if split == "decode_first":
             budget = self._decodes(budget, scheduled, out)
-            budget = self._prefills(budget, scheduled, out)
-            budget, blocked = self._join(budget, scheduled, out)
+            budget, blocked = self._prefill_phase(budget, scheduled, out)
         else:
             decoding = sum(r.state == S.DECODING for r in self.running)
             reserve = 0 if split == "prefill_first" else min(
                 self.config.decode_reserve_tokens, decoding, budget)
-            budget = self._prefills(budget - reserve, scheduled, out)
-            budget, blocked = self._join(budget, scheduled, out)
+            budget, blocked = self._prefill_phase(budget - reserve, scheduled, out)
             budget = self._decodes(budget + reserve, scheduled, out)
         if self.waiting and self.config.step_detail:
             self._note_waits(blocked or ("budget" if budget <= 0 else "seqs"), out)
@@ -272,54 +297,96 @@ class Scheduler:
         for req in list(self.running):
             if req.state == S.DECODING and budget > 0 and req in self.running:
                 if self._allocate(req, 1, scheduled, out):
-                    out.decodes.append(ScheduledSeq(req, 1))
-                    scheduled.add(req.request_id)
+                    self._ran(req, 1, True, scheduled, out)
                     budget -= 1
         return budget
 
-    def _prefills(self, budget: int, scheduled: set[str], out: SchedulerOutput) -> int:
-        for req in list(self.running):  # BACKPRESSURED requests hold their KV, get no tokens
-            if req.state in (S.RUNNABLE, S.PREFILLING, S.RESUMED) and budget > 0 \
-                    and req in self.running and req.request_id not in scheduled:
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
-                if self._allocate(req, n, scheduled, out):
-                    out.prefills.append(ScheduledSeq(req, n))
-                    scheduled.add(req.request_id)
-                    budget -= n
+    def _prefill_phase(self, budget: int, scheduled: set[str], out: SchedulerOutput
+                       ) -> tuple[int, str]:
+        """The running prefills' chunks, then waiting requests join in the policy's order.
+        Under a dynamic policy (fair) the two are merged in the policy's order instead: a
+        tenant below its share joins ahead of the chunks of a long prompt of a tenant above
+        it (and at an equal share a waiting request joins before a running prompt's next
+        chunk), so the prefill budget is shared fairly too. Returns the budget left and why the
+        head of the queue stays (``kv``, or "" when it was the budget or the seats)."""
+        if not self.dynamic:
+            for req in list(self.running):
+                if budget <= 0:
+                    break
+                budget = self._prefill(req, budget, scheduled, out)
+            return self._join(budget, scheduled, out)
+        self._reserve_waiting()
+        pending = [r for r in self.running if self._prefilling(r, scheduled)]
+        blocked = None
+        while budget > 0:
+            pending = [r for r in pending if self._prefilling(r, scheduled)]
+            nxt = min(pending, key=self.policy.key, default=None)
+            if self.waiting and blocked is None and (  # at an equal share, a new one first
+                    nxt is None or self.policy.served(self.waiting[0]) <= self.policy.served(nxt)):
+                budget, blocked = self._join_head(budget, scheduled, out)
+            elif nxt is not None:
+                budget = self._prefill(nxt, budget, scheduled, out)
+                pending.remove(nxt)
+            else:
+                break
+        return budget, "kv" if blocked == "kv" else ""
+
+    def _prefilling(self, req: Request, scheduled: set[str]) -> bool:
+        """A running request with prompt (or recomputed) tokens to go, not scheduled yet
+        (BACKPRESSURED requests hold their KV and get no tokens)."""
+        return req.state in (S.RUNNABLE, S.PREFILLING, S.RESUMED) and req in self.running \
+            and req.request_id not in scheduled
+
+    def _prefill(self, req: Request, budget: int, scheduled: set[str],
+                 out: SchedulerOutput) -> int:
+        """A running request's next prefill chunk, if it is one that has any."""
+        if self._prefilling(req, scheduled):
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self._allocate(req, n, scheduled, out):
+                self._ran(req, n, False, scheduled, out)
+                budget -= n
         return budget
 
     def _join(self, budget: int, scheduled: set[str], out: SchedulerOutput
-               ) -> tuple[int, str]:
+              ) -> tuple[int, str]:
         """Waiting requests join in the policy's order; returns the budget left and why the
         head of the queue stays (``kv``, or "" when it was the budget or the seats)."""
         self._reserve_waiting()
-        blocked = ""
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            if not self.kv.has_reservation(req.request_id):
-                blocked = "kv"
-                break  # FCFS: the head waits for capacity, nobody overtakes it
-            if req.state == S.SWAPPED:  # copied back in: runs from the next tick on
-                self.waiting.pop(0)
-                self.running.append(req)
-                req.transition(S.RESUMED, "swapped in")
-                if self.config.step_detail:
-                    self._note(req, "step", "copied back in; runs from the next tick")
-                if req.output_token_ids:  # else it was mid-prefill: RESUMED -> PREFILLING
-                    req.transition(S.DECODING)
-                continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._allocate(req, n, scheduled, out):
-                blocked = "kv"
-                break
+        while self.waiting and budget > 0:
+            budget, blocked = self._join_head(budget, scheduled, out)
+            if blocked is not None:
+                return budget, "kv" if blocked == "kv" else ""
+        return budget, ""
+
+    def _join_head(self, budget: int, scheduled: set[str], out: SchedulerOutput
+                   ) -> tuple[int, str | None]:
+        """The head of the queue joins the running set if it can; returns the budget left
+        and None, or why it stays: ``seqs`` (no seat) or ``kv`` (FCFS: the head waits for
+        capacity, nobody overtakes it)."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return budget, "seqs"
+        req = self.waiting[0]
+        if not self.kv.has_reservation(req.request_id):
+            return budget, "kv"
+        if req.state == S.SWAPPED:  # copied back in: runs from the next tick on
             self.waiting.pop(0)
             self.running.append(req)
-            req.wait_cause = None
-            req.transition(S.RESUMED if req.state == S.PREEMPTED else S.RUNNABLE)
-            out.prefills.append(ScheduledSeq(req, n))
-            scheduled.add(req.request_id)
-            budget -= n
-        return budget, blocked
+            req.transition(S.RESUMED, "swapped in")
+            if self.config.step_detail:
+                self._note(req, "step", "copied back in; runs from the next tick")
+            if req.output_token_ids:  # else it was mid-prefill: RESUMED -> PREFILLING
+                req.transition(S.DECODING)
+            return budget, None
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        if not self._allocate(req, n, scheduled, out):
+            return budget, "kv"
+        self.waiting.pop(0)
+        self.running.append(req)
+        req.wait_cause = None
+        req.transition(S.RESUMED if req.state == S.PREEMPTED else S.RUNNABLE)
+        self._ran(req, n, False, scheduled, out)
+        self._order()  # its tenant was charged: its other requests may fall back
+        return budget - n, None
 
     # ---- why the waiting requests wait --------------------------------------------------
     def _note(self, req: Request, cause: str, detail: str = "",
@@ -331,18 +398,42 @@ class Scheduler:
     def _note_waits(self, head: str, out: SchedulerOutput) -> None:
         """A note for each waiting request whose binding constraint changed this tick: the
         head's (``head``) for everyone, except that behind a head waiting for KV the others
-        wait on the head (head of line). Details and holders are worked out once per tick,
-        only when some request needs them."""
+        wait on the head (head of line), and that under a dynamic policy (fair) a request
+        that a later arrival of another tenant overtook (it runs, or waits ahead of it) waits
+        for "other tenants' share". Details and holders are worked out once per tick, only
+        when some request needs them."""
         now = time.monotonic_ns()
         why: dict[str, tuple[str, tuple[str, ...]]] = {}
         first = self.waiting[0]
+        latest: dict[str, int] = {}  # tenant -> latest arrival running or ahead in the queue
+        if self.dynamic:
+            for r in self.running:
+                t = r.params.tenant
+                latest[t] = max(latest.get(t, r.arrival_ns), r.arrival_ns)
         for i, req in enumerate(self.waiting):
-            cause = head if i == 0 or head != "kv" else "hol"
+            tenant = req.params.tenant
+            if self.dynamic and any(a > req.arrival_ns for t, a in latest.items()
+                                    if t != tenant):
+                cause = "share"
+            else:
+                cause = head if i == 0 or head != "kv" else "hol"
+            if self.dynamic:
+                latest[tenant] = max(latest.get(tenant, req.arrival_ns), req.arrival_ns)
             if cause == req.wait_cause:
+                continue
+            if cause == "share":
+                self._note(req, cause, *self._overtaken_by(req, i), now=now)
                 continue
             if cause not in why:
                 why[cause] = self._why(cause, out, first)
             self._note(req, cause, *why[cause], now=now)
+
+    def _overtaken_by(self, req: Request, i: int) -> tuple[str, tuple[str, ...]]:
+        later = [r for r in (*self.running, *self.waiting[:i])
+                 if r.arrival_ns > req.arrival_ns and r.params.tenant != req.params.tenant]
+        tenants = sorted({r.params.tenant or "(none)" for r in later})
+        return (f"{len(later)} later requests of tenants {', '.join(tenants[:3])} run or wait "
+                "ahead of it by fair share", tuple(r.request_id for r in later[:3]))
 
     def _why(self, cause: str, out: SchedulerOutput, head: Request
              ) -> tuple[str, tuple[str, ...]]:

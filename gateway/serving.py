@@ -346,7 +346,8 @@ class Service:
                        logprobs: bool, top_logprobs: int, response_format,
                        prompt_logprobs: int | None = None,
                        grammar_param: str = "response_format", priority: int = 0,
-                       predicted_tokens: int | None = None) -> SamplingParams:
+                       predicted_tokens: int | None = None,
+                       tenant: Tenant | None = None) -> SamplingParams:
         limit = self.pool.max_model_len
         if max_tokens is None:
             max_tokens = max(1, min(DEFAULT_MAX_TOKENS, limit - prompt_len))
@@ -373,7 +374,8 @@ class Service:
                 stop_token_ids=tuple(req.stop_token_ids or ()), logprobs=logprobs,
                 top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
                 structured=StructuredOutput.from_response_format(response_format),
-                priority=priority, predicted_tokens=predicted_tokens)
+                priority=priority, predicted_tokens=predicted_tokens,
+                tenant=tenant.name if tenant else "", weight=tenant.weight if tenant else 1.0)
             params.check_vocab(vocab)
         except SamplingParamsError as exc:
             raise bad_request(str(exc), exc.param) from None
@@ -514,7 +516,7 @@ class Service:
                                      grammar_param=grammar_param,
                                      priority=self.priority(req, tenant),
                                      predicted_tokens=self.predicted_tokens(
-                                         tenant, trace.record.endpoint))
+                                         tenant, trace.record.endpoint), tenant=tenant)
         return await self.run(request, req, prompt, params, chat=True, tenant=tenant,
                               tools=spec if spec is not None and spec.mode != "none" else None)
 
@@ -543,7 +545,7 @@ class Service:
             req.logprobs or 0, req.response_format,
             prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None
             else req.prompt_logprobs, priority=self.priority(req, tenant),
-            predicted_tokens=self.predicted_tokens(tenant, trace.record.endpoint))
+            predicted_tokens=self.predicted_tokens(tenant, trace.record.endpoint), tenant=tenant)
         echo = None
         if req.echo:
             echo = req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(
@@ -760,12 +762,29 @@ class Service:
         r.temperature, r.top_p, r.top_k = params.temperature, params.top_p, params.top_k
         r.min_p, r.seed, r.max_tokens = params.min_p, params.seed, params.max_tokens
         r.priority = params.priority
+        if params.degraded:
+            r.lane, r.degraded = "degraded", params.degraded
+
+    def degrade(self, req: SamplingFields, params: SamplingParams, tenant: Tenant
+                ) -> tuple[SamplingFields, SamplingParams]:
+        """Degraded admission (``gateway.degrade``): under load, the reductions of a tenant
+        that allows them (the request's ``n`` and its parameters, as they will run)."""
+        rule = tenant.degrade
+        why = self.registry.load.pressure(self.pool.describe()) if rule is not None else ""
+        if not why:
+            return req, params
+        params, n, what = rule.apply(params, req.n,
+                                     self.config.engine.scheduling_policy == "priority", why)
+        if what and n != req.n:
+            req = req.model_copy(update={"n": n})
+        return req, params
 
     # ---- one request ---------------------------------------------------------------------------
     async def run(self, request: Request, req: SamplingFields, prompt: list[int],
                   params: SamplingParams, chat: bool, tenant: Tenant, echo: str | None = None,
                   scoring: bool = False, tools: ToolSpec | None = None) -> Response:
         trace: RequestTrace = request.state.trace
+        req, params = self.degrade(req, params, tenant)
         self._fill_static(trace, params)
         trace.record.prompt_tokens, trace.record.stream, trace.record.n = \
             len(prompt), req.stream, req.n

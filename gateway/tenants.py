@@ -17,6 +17,14 @@ Configured in a TOML file (``tailscope serve --config FILE`` or ``TAILSCOPE_CONF
                                     # same namespace (default: its own, never shared)
     priority = 0                    # its requests' default priority (lower first) under the
                                     # engine's priority scheduling policy
+    weight = 1.0                    # its share under the engine's fair scheduling policy
+                                    # (2.0: twice the tokens of a weight-1 tenant under load)
+    degrade = { max_tokens = 64, n = 1, priority = 2 }  # opt in: admitted DEGRADED under
+                                    # load instead of queued (gateway.degrade)
+
+    [degraded_admission]            # when the engines count as under load (gateway.degrade)
+    queue_depth = 16
+    kv_fraction = 0.9
 
 No tenants configured = open local mode (every request is tenant "local", no limits); the
 gateway logs a warning at start. Keys are never logged or stored; records carry a key id: an
@@ -37,6 +45,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gateway.degrade import DegradeRule, LoadThresholds
 from gateway.errors import APIError
 
 
@@ -84,6 +93,8 @@ class Tenant:
     ttl_days: int | None = None  # how long the store keeps its rows (default: the store's)
     cache_namespace: str | None = None  # shared prefix-cache namespace (opt-in)
     priority: int = 0  # default request priority under the priority scheduling policy
+    weight: float = 1.0  # its share under the fair scheduling policy
+    degrade: DegradeRule | None = None  # what it gives up under load (None: never degraded)
     active: int = 0
     request_bucket: TokenBucket | None = None
     token_bucket: TokenBucket | None = None
@@ -124,8 +135,9 @@ def key_id_secret(configured: str | None, path: str | Path = ".tailscope/key-id-
 
 class TenantRegistry:
     def __init__(self, tenants: list[Tenant], keys: dict[str, Tenant],
-                 secret: bytes = b"") -> None:
+                 secret: bytes = b"", load: LoadThresholds | None = None) -> None:
         self.tenants = tenants
+        self.load = load or LoadThresholds()  # degraded admission's thresholds
         self._keys = keys
         self._secret = secret
         self.open = not keys
@@ -136,6 +148,11 @@ class TenantRegistry:
         if not path:
             return cls([], {})
         data = tomllib.loads(Path(path).read_text())
+        unknown = set(data) - {"tenants", "degraded_admission"}
+        if unknown:
+            raise ValueError(f"{path}: unknown sections {sorted(unknown)}; the file takes "
+                             "[[tenants]] and [degraded_admission]")
+        load = LoadThresholds.parse(data.get("degraded_admission", {}), str(path))
         tenants, keys = [], {}
         for entry in data.get("tenants", []):
             entry = dict(entry)
@@ -144,7 +161,13 @@ class TenantRegistry:
             if unknown or "name" not in entry:
                 raise ValueError(f"{path}: tenant entry {entry.get('name')!r} has unknown or "
                                  f"missing fields: {sorted(unknown) or ['name']}")
+            if "degrade" in entry:
+                entry["degrade"] = DegradeRule.parse(entry["degrade"],
+                                                     f"{path}: tenant {entry['name']!r}")
             tenant = Tenant(**entry)
+            if not (isinstance(tenant.weight, (int, float)) and 0 < tenant.weight <= 1e6):
+                raise ValueError(f"{path}: tenant {tenant.name!r}: weight must be in (0, 1e6], "
+                                 f"not {tenant.weight!r}")
             if tenant.capture not in ("full", "counts"):
                 raise ValueError(f"{path}: tenant {tenant.name!r}: capture must be 'full' or "
                                  f"'counts', not {tenant.capture!r}")
@@ -153,7 +176,7 @@ class TenantRegistry:
                 if key in keys:
                     raise ValueError(f"{path}: an API key is listed for two tenants")
                 keys[key] = tenant
-        return cls(tenants, keys, key_id_secret(secret) if keys else b"")
+        return cls(tenants, keys, key_id_secret(secret) if keys else b"", load)
 
     def key_id(self, key: str) -> str:
         return hmac.new(self._secret, key.encode(), hashlib.sha256).hexdigest()[:16]

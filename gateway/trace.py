@@ -155,6 +155,8 @@ class TraceMiddleware:
                 routed = [(b"x-tailscope-replica", trace.record.replica.encode("latin-1",
                                                                               "replace"))
                           ] if trace is not None and trace.record.replica else []
+                if trace is not None and trace.record.degraded:  # degraded admission
+                    routed.append((b"x-tailscope-degraded", trace.record.degraded.encode()))
                 message = {**message, "headers": [*message.get("headers", []), *extra,
                                                   *routed]}
             elif message["type"] == "http.response.body" and not message.get("more_body"):

@@ -37,7 +37,7 @@ METRICS = ("ttft_ms", "tpot_ms", "e2e_ms", "itl_ms", "tail_ms", "ingress_ms", "t
            "route_ms", "engine_queue_ms", "prefill_ms", "decode_ms", "preempted_ms")
 DIMENSIONS = ("replica", "model", "model_revision", "engine_version", "config_id", "tenant",
               "final_state", "finish_reason", "endpoint", "prompt_bucket", "neighbour_tenant",
-              "priority")
+              "priority", "lane")
 # The stages that add up to each end-to-end metric, in path order (from the timing owner).
 # "streaming" is the rest: for e2e, the time between the engine's tokens and the client's
 # flushes (and the tail).
@@ -493,7 +493,8 @@ def why(source, trace_id: str, top: int = 5) -> tuple[pd.DataFrame, str]:
 _WAIT_PHRASES = {"step": ("for the step in progress", ""),
                  "budget": ("on the token budget", "used by"),
                  "kv": ("for KV blocks", "held by"), "seqs": ("at max_num_seqs", ""),
-                 "hol": ("behind the head of the queue", "")}
+                 "hol": ("behind the head of the queue", ""),
+                 "share": ("for other tenants' fair share", "behind")}
 
 
 def _waits_sentence(source, trace_id: str, r) -> str:

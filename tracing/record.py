@@ -106,6 +106,7 @@ class RequestRecord:
     wait_kv_ms: float = 0.0  # no free KV blocks
     wait_seqs_ms: float = 0.0  # max_num_seqs requests running
     wait_hol_ms: float = 0.0  # behind the head of the queue
+    wait_share_ms: float = 0.0  # held back for other tenants' fair share (fair policy)
     # who shared its steps: the tenant whose requests' prefill chunks brought the most prompt
     # tokens into the engine steps it ran in ("" when none did), and those tokens in all
     neighbour_tenant: str = ""
@@ -116,6 +117,11 @@ class RequestRecord:
     detail_kept: bool = True
     detail_reason: str = ""
     priority: int = 0  # its place under the priority scheduling policy (lower first)
+    # degraded admission (gateway.degrade): "degraded" when the gateway admitted it with
+    # reductions under load instead of queueing or refusing it, else "standard"; what changed
+    # ("max_tokens 512->64; n 4->1; priority 0->5"), "" when nothing did
+    lane: str = "standard"
+    degraded: str = ""
     # client-side timings
     ttft_ms: float | None = None
     tpot_ms: float | None = None

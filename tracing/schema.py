@@ -128,7 +128,7 @@ class BenchRunRow:
 _LOW_CARDINALITY = {"tenant", "api_key_id", "endpoint", "final_state", "finish_reason",
                     "timing_source", "error_type", "model", "model_revision", "engine_version",
                     "tokenizer_revision", "gateway_version", "config_id", "replica", "state",
-                    "suite", "mode", "bench_run", "neighbour_tenant", "detail_reason"}
+                    "suite", "mode", "bench_run", "neighbour_tenant", "detail_reason", "lane"}
 _TIME_COLUMNS = {"ts_us": "ts", "arrival_ts_us": "arrival_ts"}  # µs ints -> DateTime64(6)
 _SCALARS = {str: "String", int: "Int64", float: "Float64", bool: "Bool"}
 _ARRAYS = {"input_token_ids": "Array(UInt32)", "output_token_ids": "Array(UInt32)",
@@ -256,6 +256,12 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
         "`ttl_days` UInt16\n)\nENGINE = MergeTree\nPARTITION BY toDate(ts)\n"
         "ORDER BY (config_id, ts)\nTTL toDateTime(ts) + toIntervalDay(ttl_days)\n"
         f"SETTINGS non_replicated_deduplication_window = {DEDUP_WINDOW}"]),
+    (13, "fair share and degraded admission: requests.wait_share_ms, lane, degraded", [
+        f"ALTER TABLE {DATABASE}.requests ADD COLUMN IF NOT EXISTS wait_share_ms Float64 "
+        "AFTER wait_hol_ms",
+        f"ALTER TABLE {DATABASE}.requests ADD COLUMN IF NOT EXISTS lane LowCardinality(String) "
+        "DEFAULT 'standard' AFTER priority",
+        f"ALTER TABLE {DATABASE}.requests ADD COLUMN IF NOT EXISTS degraded String AFTER lane"]),
 ]
 
 __all__ = ["DATABASE", "TABLES", "MIGRATIONS", "ConfigRow", "EngineStepRow", "EventRow",

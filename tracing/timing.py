@@ -70,6 +70,7 @@ CAUSES: tuple[Stage, ...] = (
     Stage("wait_kv_ms", "no free KV blocks", "wait.kv", ("kv",)),
     Stage("wait_seqs_ms", "max_num_seqs reached", "wait.seqs", ("seqs",)),
     Stage("wait_hol_ms", "behind the head of the queue", "wait.hol", ("hol",)),
+    Stage("wait_share_ms", "other tenants' fair share", "wait.share", ("share",)),
 )
 _CAUSE = {c.opened_by[0]: c for c in CAUSES}
 WAITING = frozenset({"engine_queue_ms", "preempted_ms"})  # the columns causes split

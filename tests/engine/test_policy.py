@@ -24,10 +24,12 @@ def _setup(policy=None, **kw):
 
 
 def _add(sched: Scheduler, rid: str, arrival: int, prompt_len: int = 6,
-         priority: int = 0, max_tokens: int = 8, predicted: int | None = None) -> Request:
+         priority: int = 0, max_tokens: int = 8, predicted: int | None = None,
+         tenant: str = "", weight: float = 1.0) -> Request:
     req = Request(rid, list(range(3, 3 + prompt_len)),
                   SamplingParams(max_tokens=max_tokens, priority=priority,
-                                 predicted_tokens=predicted), arrival_ns=arrival)
+                                 predicted_tokens=predicted, tenant=tenant, weight=weight),
+                  arrival_ns=arrival)
     req.transition(S.QUEUED)
     sched.add(req)
     return req
@@ -214,7 +216,8 @@ def test_greedy_outputs_are_the_same_under_every_policy(tiny49k):
         for i, (rid, p) in enumerate(prompts.items()):
             engine.add_request(rid, p, SamplingParams(max_tokens=6, ignore_eos=True,
                                                       priority=(-i) % 3,
-                                                      predicted_tokens=1 + (-i) % 4))
+                                                      predicted_tokens=1 + (-i) % 4,
+                                                      tenant=f"t{i % 2}"))
         got: dict[str, list[int]] = {rid: [] for rid in prompts}
         while engine.has_unfinished():
             for o in engine.step():
@@ -243,3 +246,86 @@ def test_a_higher_priority_request_takes_kv_from_a_lower_one_to_be_admitted(poli
     else:
         assert not out.preempted and [s.request for s in out.decodes] == [low]
         assert sched.waiting == [urgent]
+
+
+@pytest.mark.parametrize("arrivals,admitted", [
+    # (request, arrival s, tenant, weight) -> the order they are admitted. Every request
+    # prefills 2 tokens (its tenant's counter + 2 / weight); the blocker (tenant a) ran first.
+    ([("a1", 0.1, "a", 1), ("a2", 0.2, "a", 1), ("a3", 0.3, "a", 1)],
+     ["a1", "a2", "a3"]),  # one tenant: arrival order
+    # b comes in at a's counter: a1 (earlier) first, then the tenants alternate
+    ([("a1", 0.1, "a", 1), ("a2", 0.2, "a", 1), ("a3", 0.25, "a", 1), ("b1", 0.3, "b", 1),
+      ("b2", 0.4, "b", 1)], ["a1", "b1", "a2", "b2", "a3"]),
+    # weight 2: b's tokens count half, so it gets two admissions to a's one
+    ([("a1", 0.1, "a", 1), ("a2", 0.2, "a", 1), ("a3", 0.25, "a", 1), ("b1", 0.3, "b", 2),
+      ("b2", 0.4, "b", 2), ("b3", 0.5, "b", 2), ("b4", 0.6, "b", 2)],
+     ["a1", "b1", "b2", "a2", "b3", "b4", "a3"]),
+])
+def test_fair_admits_the_tenant_with_the_least_service_first(arrivals, admitted):
+    sched, kv = _setup(scheduling_policy="fair", max_num_seqs=1, num_kv_blocks=64)
+    blocker = _add(sched, "blocker", 0, prompt_len=2, tenant="a")
+    _tick(sched, kv)
+    for rid, at, tenant, weight in arrivals:
+        _add(sched, rid, int(at * SECOND), prompt_len=2, tenant=tenant, weight=weight)
+    assert _admission_order(sched, kv, blocker) == admitted
+
+
+def test_fair_an_idle_tenant_banks_no_credit_and_a_flood_does_not_starve_the_others():
+    sched, kv = _setup(scheduling_policy="fair", max_num_seqs=1, num_kv_blocks=64)
+    policy = sched.policy
+    running = _add(sched, "b0", 0, prompt_len=2, tenant="b")
+    _tick(sched, kv)  # b got 2 tokens, then goes idle
+    # tenant a floods 20 requests (starting at b's counter, 2): a's counter climbs past b's
+    for i in range(20):
+        _add(sched, f"a{i}", SECOND + i, prompt_len=2, tenant="a")
+    order = []
+    for _ in range(10):
+        running = _next_admitted(sched, kv, running)
+        order.append(running.request_id)
+    assert order == [f"a{i}" for i in range(10)]
+    assert policy.counters["a"] == 22 and policy.counters["b"] == 2
+    # b comes back: it starts at a's counter (the lowest of the tenants with work), not at 2,
+    # so it gets its share from now on, not 9 admissions in a row
+    for i in range(3):
+        _add(sched, f"b{i + 1}", 2 * SECOND + i, prompt_len=2, tenant="b")
+    assert policy.counters["b"] == 22
+    order = []
+    for _ in range(6):
+        running = _next_admitted(sched, kv, running)
+        order.append(running.request_id)
+    assert order == ["a10", "b1", "a11", "b2", "a12", "b3"]
+
+
+def test_fair_notes_a_request_held_back_for_other_tenants_share():
+    sched, kv = _setup(scheduling_policy="fair", max_num_seqs=1, num_kv_blocks=64)
+    running = _add(sched, "a0", 0, prompt_len=2, tenant="a")
+    _tick(sched, kv)
+    late_a = _add(sched, "a1", 2, prompt_len=2, tenant="a")
+    _tick(sched, kv)  # a1 waits for the seat: max_num_seqs, as under any policy
+    assert late_a.wait_cause == "seqs"
+    b = _add(sched, "b1", 3, prompt_len=2, tenant="b")
+    for _ in range(2):
+        _tick(sched, kv)  # a0 prefilled 2 tokens and decoded: b has the lower counter
+    assert sched.waiting == [b, late_a]
+    assert late_a.wait_cause == "share" and b.wait_cause == "seqs"
+    note = late_a.waits[-1]
+    assert note.holders == ("b1",) and "tenants b" in note.detail
+    assert _next_admitted(sched, kv, running) is b
+
+
+@pytest.mark.parametrize("policy", ["fair", "fcfs"])
+def test_fair_shares_the_prefill_budget_with_a_long_running_prompt(policy):
+    # budget 8 tokens a tick; tenant a's 40-token prompt is being prefilled when b's 4-token
+    # one arrives: under fair b (the lower counter) gets its 4 tokens first and a the other
+    # 4; under fcfs a's chunk takes the whole budget until its prompt is done
+    sched, kv = _setup(scheduling_policy=policy, max_batched_tokens=8, num_kv_blocks=64)
+    a = _add(sched, "a", 0, prompt_len=40, tenant="a")
+    _tick(sched, kv)
+    b = _add(sched, "b", 1, prompt_len=4, tenant="b")
+    out, _ = _tick(sched, kv)
+    chunks = [(s.request.request_id, s.num_new_tokens) for s in out.prefills]
+    if policy == "fair":
+        assert chunks == [("b", 4), ("a", 4)] and b.state == S.DECODING
+    else:
+        assert chunks == [("a", 8)] and sched.waiting == [b]
+    assert a.num_computed_tokens == (12 if policy == "fair" else 16)

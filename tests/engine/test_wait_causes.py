@@ -99,3 +99,30 @@ def test_step_detail_off_records_neither_members_nor_wait_notes(tiny49k):
     assert all(s.members == () for s in engine.observer.steps)
     d = timing.durations(record_events(finished["short"]))  # all of it is unattributed "step"
     assert d["wait_step_ms"] == pytest.approx(d["engine_queue_ms"] + d["preempted_ms"])
+
+
+def test_under_fair_share_a_request_overtaken_by_another_tenant_waits_on_its_share(tiny49k):
+    engine = Engine(tiny49k, EngineConfig(num_kv_blocks=64, block_size=4, max_batched_tokens=12,
+                                        max_num_seqs=2, prefix_caching=False,
+                                        scheduling_policy="fair"))
+    tenants = {f"a{i}": "a" for i in range(5)} | {"b0": "b", "b1": "b"}
+    for i, (rid, tenant) in enumerate(tenants.items()):  # a's five first, then b's two
+        engine.add_request(rid, [(7 * i + k) % 1000 + 5 for k in range(10)],
+                           SamplingParams(max_tokens=6, ignore_eos=True, tenant=tenant))
+    order = []
+    while engine.has_unfinished():
+        engine.step()
+        order += [r.request_id for r in engine.scheduler.running if r.request_id not in order]
+    finished = dict(engine.observer.finished)
+    assert order.index("b0") < order.index("a1")  # b went ahead of a's earlier arrivals
+    shared = set()
+    for rid, stats in finished.items():
+        d = timing.durations(record_events(stats))
+        waited = d["engine_queue_ms"] + d["preempted_ms"]
+        assert sum(d[c] for c in CAUSE_COLUMNS) == pytest.approx(waited, abs=1e-6), rid
+        for e in stats.events:
+            if e.state == "WAIT" and e.detail.startswith("share"):
+                shared.add(rid)
+                assert e.holders and all(tenants[h] != tenants[rid] for h in e.holders), e
+                assert d["wait_share_ms"] > 0
+    assert shared and all(tenants[r] == "a" for r in shared)

@@ -104,3 +104,44 @@ def test_config_errors_are_clear(tmp_path):
                    'keys = ["k"]\n')
     with pytest.raises(ValueError, match="two tenants"):
         TenantRegistry.from_file(dup)
+
+
+@pytest.mark.parametrize("body,error", [
+    ('[limits]\nx = 1\n', r"unknown sections \['limits'\]"),
+    ('[degraded_admission]\nqueue_len = 4\n', r"unknown fields \['queue_len'\]"),
+    ('[degraded_admission]\nkv_fraction = 1.5\n', "kv_fraction must be in"),
+    ('[[tenants]]\nname = "x"\nkeys = ["k"]\ndegrade = { max_tokens = 0 }\n',
+     "degrade.max_tokens must be an integer >= 1"),
+    ('[[tenants]]\nname = "x"\nkeys = ["k"]\ndegrade = { tokens = 5 }\n',
+     r"unknown fields \['tokens'\]"),
+    ('[[tenants]]\nname = "x"\nkeys = ["k"]\nweight = 0\n', "weight must be in"),
+])
+def test_fair_share_and_degraded_admission_config_errors_name_the_field(tmp_path, body, error):
+    f = tmp_path / "t.toml"
+    f.write_text(body)
+    with pytest.raises(ValueError, match=error):
+        TenantRegistry.from_file(f)
+
+
+def test_a_degrade_rule_caps_what_it_names_and_says_what_changed():
+    from engine.sampling_params import SamplingParams
+    from gateway.degrade import DegradeRule, LoadThresholds
+
+    rule = DegradeRule(max_tokens=64, n=1, priority=2)
+    params, n, what = rule.apply(SamplingParams(max_tokens=512, priority=1), 4, lanes=True,
+                                 why="9 requests waiting, queue_depth 8")
+    assert (params.max_tokens, n, params.priority) == (64, 1, 3)
+    assert what == params.degraded == ("max_tokens 512->64; n 4->1; priority 1->3 "
+                                       "(9 requests waiting, queue_depth 8)")
+    # no lanes (not the priority policy), and a request that already asks for less: unchanged
+    same, n, what = rule.apply(SamplingParams(max_tokens=32), 1, lanes=False)
+    assert (same, n, what) == (SamplingParams(max_tokens=32), 1, "")
+    load = LoadThresholds(queue_depth=8, kv_fraction=0.9)
+    assert load.pressure({"r0": {"waiting": 5, "kv_blocks_used": 80, "kv_blocks_total": 100},
+                          "r1": {"waiting": 2, "kv_blocks_used": 80,
+                                 "kv_blocks_total": 100}}) == ""
+    assert load.pressure({"r0": {"waiting": 8}}) == "8 requests waiting, queue_depth 8"
+    assert "180 of 200 KV blocks" in load.pressure({
+        "r0": {"kv_blocks_used": 90, "kv_blocks_total": 100},
+        "r1": {"kv_blocks_used": 90, "kv_blocks_total": 100}})
+    assert LoadThresholds().pressure({"r0": {"waiting": 10**6}}) == ""

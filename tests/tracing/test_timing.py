@@ -38,7 +38,8 @@ def test_a_preempted_request_splits_into_stages_that_add_up():
                                "preempted_ms": 15, "backpressured_ms": 4,
                                # no wait notes: all of its waiting is for the step in progress
                                "wait_step_ms": 8 + 15, "wait_budget_ms": 0, "wait_kv_ms": 0,
-                               "wait_seqs_ms": 0, "wait_hol_ms": 0})
+                               "wait_seqs_ms": 0, "wait_hol_ms": 0,
+                               "wait_share_ms": 0})
     streaming = 1  # FINISHED -> END
     assert sum(d[c] for c in timing.E2E_STAGES) + streaming == pytest.approx(71)
     w = timing.windows(PREEMPTED)
