@@ -9,9 +9,11 @@ the queue waits for capacity and nobody overtakes it.
 A policy whose keys change while requests wait (``dynamic = True``: ``fair``) is also told
 when a request arrives (``arrive``, with the tenants that already have work) and what every
 scheduled request ran (``charge``, prefill and decode tokens), and says how much service a
-request's tenant has had (``served``: the order of prefill work); the scheduler re-sorts its queue
-before it reads it and after each admission, and notes a waiting request that a later arrival
-of another tenant overtook as waiting for "other tenants' share" (``share``).
+request's tenant has had (``served``: the order of prefill work); the scheduler re-sorts its
+queue before it reads it and after each admission, when the policy's ``version`` moved, and
+notes the first waiting request of a tenant that a later arrival of another tenant overtook as
+waiting for "other tenants' share" (``share``). A policy with ``preempts_to_admit`` names the
+running requests the head of the queue may preempt for a seat or KV (``yielding``).
 
 Policies (``EngineConfig.scheduling_policy``): ``fcfs``, ``priority``, ``sjf`` and ``fair``.
 """
@@ -56,8 +58,8 @@ class Priority:
     requests therefore delays a lower one by at most (its priority - theirs) x ``aging_s``:
     nothing starves, and the key never changes while a request waits (the queue stays sorted).
     The running request that yields KV is the one with the largest key (lowest priority, then
-    latest), and a request at the head of the queue that cannot get KV takes it from running
-    requests behind it in this order (``preempts_to_admit``)."""
+    latest), and a request at the head of the queue that has no seat or cannot get KV takes
+    them from running requests behind it in this order (``preempts_to_admit``)."""
 
     name = "priority"
     preempts_to_admit = True
@@ -70,6 +72,11 @@ class Priority:
 
     def victim(self, candidates: Sequence[Request]) -> Request:
         return max(candidates, key=self.key)
+
+    def yielding(self, head: Request, running: Sequence[Request]) -> list[Request]:
+        """The running requests the head of the queue may preempt: those behind it."""
+        key = self.key(head)
+        return [r for r in running if self.key(r) > key]
 
 
 class ShortestJobFirst:
@@ -101,18 +108,31 @@ class FairShare:
     about as much on a CPU at small batch), divided by the tenant's ``weight`` (its share;
     ``SamplingParams.weight``, from the tenants file). The waiting queue is ordered by counter,
     then arrival: the tenant that got least goes next, and a tenant's own requests stay in
-    arrival order. A tenant that had nothing waiting or running comes back at the lowest
-    counter of those that do (at the highest of all when nobody does), so an idle tenant cannot
-    bank credit and then flood. The running request that yields KV belongs to the tenant with
+    arrival order. A tenant that had nothing waiting or running comes back one token below the
+    lowest counter of those that do (so its request goes next, ahead of the earlier arrivals
+    of a tenant at that counter; at the highest of all counters when nobody has work), so an
+    idle tenant cannot bank credit and then flood, and a light tenant's occasional request is
+    not queued behind a flood. The running request that yields KV belongs to the tenant with
     the highest counter (then the latest arrival). Nothing starves: a waiting tenant's counter
-    stands still while every served tenant's grows."""
+    stands still while every served tenant's grows.
+
+    Seats are shared the same way: each tenant's share of ``max_num_seqs`` is in proportion to
+    its weight among the tenants running and the head's. A request at the head of the queue
+    whose tenant holds fewer seats than its share, and that has no seat or cannot get KV,
+    preempts running requests of tenants holding more than theirs (``preempts_to_admit``; the
+    victim is the latest arrival of the tenant with the highest counter among them). A tenant
+    at or above its share never preempts, so two tenants cannot take seats back and forth;
+    with the prefix cache a preempted request's re-prefill is mostly cache hits."""
 
     name = "fair"
     dynamic = True
+    preempts_to_admit = True
 
-    def __init__(self, decode_cost: float = 2.0) -> None:
+    def __init__(self, decode_cost: float = 2.0, seats: int = 64) -> None:
         self.decode_cost = decode_cost
+        self.seats = seats  # max_num_seqs
         self.counters: dict[str, float] = {}
+        self.version = 0  # bumped whenever a counter moves (the queue's order may change)
 
     def served(self, req: Request) -> float:
         return self.counters.get(req.params.tenant, 0.0)
@@ -123,19 +143,40 @@ class FairShare:
     def victim(self, candidates: Sequence[Request]) -> Request:
         return max(candidates, key=self.key)
 
+    def yielding(self, head: Request, running: Sequence[Request]) -> list[Request]:
+        """Running requests of tenants above their share of the seats, if the head's tenant
+        is below its own."""
+        held: dict[str, int] = {}
+        weight: dict[str, float] = {head.params.tenant: head.params.weight}
+        for r in running:
+            held[r.params.tenant] = held.get(r.params.tenant, 0) + 1
+            weight[r.params.tenant] = r.params.weight
+        total = sum(weight.values())
+
+        def share(t: str) -> float:
+            return self.seats * weight[t] / total
+
+        if held.get(head.params.tenant, 0) + 1 > share(head.params.tenant):
+            return []
+        return [r for r in running if held[r.params.tenant] > share(r.params.tenant)]
+
     def arrive(self, req: Request, active: set[str]) -> None:
         tenant = req.params.tenant
         if tenant in active:
             return
-        floor = min((self.counters.get(t, 0.0) for t in active), default=None)
-        if floor is None:
+        if active:
+            floor = min(self.counters.get(t, 0.0) for t in active) - 1.0
+        else:
             floor = max(self.counters.values(), default=0.0)
-        self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
+        if floor > self.counters.get(tenant, 0.0):
+            self.counters[tenant] = floor
+            self.version += 1
 
     def charge(self, req: Request, prefill: int, decode: int) -> None:
         tenant = req.params.tenant
         self.counters[tenant] = self.counters.get(tenant, 0.0) + \
             (prefill + self.decode_cost * decode) / req.params.weight
+        self.version += 1
 
 
 POLICIES: dict[str, type] = {"fcfs": Fcfs, "priority": Priority, "sjf": ShortestJobFirst,
@@ -143,13 +184,13 @@ POLICIES: dict[str, type] = {"fcfs": Fcfs, "priority": Priority, "sjf": Shortest
 
 
 def make_policy(name: str, aging_s: float = 1.0, token_s: float = 0.01,
-                decode_cost: float = 2.0) -> SchedulingPolicy:
+                decode_cost: float = 2.0, seats: int = 64) -> SchedulingPolicy:
     if name == "priority":
         return Priority(aging_s)
     if name == "sjf":
         return ShortestJobFirst(token_s)
     if name == "fair":
-        return FairShare(decode_cost)
+        return FairShare(decode_cost, seats)
     try:
         return POLICIES[name]()
     except KeyError:

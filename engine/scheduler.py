@@ -104,8 +104,10 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.policy = policy or make_policy(config.scheduling_policy, config.priority_aging_s,
-                                            config.sjf_token_s, config.fair_decode_cost)
+                                            config.sjf_token_s, config.fair_decode_cost,
+                                            config.max_num_seqs)
         self.dynamic = getattr(self.policy, "dynamic", False)  # keys change while waiting
+        self._sorted = -1  # the policy version the queue was last sorted at
         self.waiting: list[Request] = []  # in policy.key order
         self.running: list[Request] = []
         self.watermark = max(1, kv.pool.num_blocks // 100)
@@ -148,10 +150,11 @@ class Scheduler:
                                          for r in (*self.waiting, *self.running)})
 
     def _order(self) -> None:
-        """Re-sort the queue where the policy's keys move while requests wait (stable: ties
-        keep their order)."""
-        if self.dynamic:
+        """Re-sort the queue where the policy's keys move while requests wait, if they moved
+        since the last sort (``policy.version``; stable: ties keep their order)."""
+        if self.dynamic and self._sorted != self.policy.version:
             self.waiting.sort(key=self.policy.key)
+            self._sorted = self.policy.version
 
     def _ran(self, req: Request, n: int, decode: bool, scheduled: set[str],
              out: SchedulerOutput) -> None:
@@ -275,20 +278,20 @@ class Scheduler:
         return out
 
     def _make_room_for_head(self, out: SchedulerOutput) -> None:
-        """Under a policy that says so (``preempts_to_admit``: priority), the head of the queue
-        that cannot get KV takes it from running requests behind it in the policy's order,
+        """Under a policy that says so (``preempts_to_admit``: priority, fair), the head of
+        the queue that has no seat (``max_num_seqs`` running) or cannot get KV takes them from
+        running requests the policy lets it preempt (``yielding``: behind it in its order),
         the policy's victim first, before anything is scheduled this tick (they wait again at
         their place: behind it)."""
         if not getattr(self.policy, "preempts_to_admit", False) or not self.waiting \
                 or self.config.preemption == "off":
             return
         head = self.waiting[0]
-        if self.kv.has_reservation(head.request_id) or head.state == S.SWAPPED \
-                or head.branch_parent is not None:
+        if head.state == S.SWAPPED or head.branch_parent is not None:
             return
-        key = self.policy.key(head)
-        while not self._admit(head):
-            behind = [r for r in self.running if self.policy.key(r) > key]
+        while len(self.running) >= self.config.max_num_seqs or not (
+                self.kv.has_reservation(head.request_id) or self._admit(head)):
+            behind = self.policy.yielding(head, self.running)
             if not behind:
                 return
             out.preempted.append(self._preempt(self.policy.victim(behind)))
@@ -398,10 +401,13 @@ class Scheduler:
     def _note_waits(self, head: str, out: SchedulerOutput) -> None:
         """A note for each waiting request whose binding constraint changed this tick: the
         head's (``head``) for everyone, except that behind a head waiting for KV the others
-        wait on the head (head of line), and that under a dynamic policy (fair) a request
-        that a later arrival of another tenant overtook (it runs, or waits ahead of it) waits
-        for "other tenants' share". Details and holders are worked out once per tick, only
-        when some request needs them."""
+        wait on the head (head of line), and that under a dynamic policy (fair) the first
+        waiting request of a tenant that a later arrival of another tenant overtook (it runs,
+        or waits ahead of it) waits for "other tenants' share"; the rest of that tenant's
+        queue waits behind its own first request, on the head's cause. (Noting every one of a
+        flooding tenant's queued requests each time a light tenant's request passed them would
+        flip hundreds of notes per tick for no more insight.) Details and holders are worked
+        out once per tick, only when some request needs them."""
         now = time.monotonic_ns()
         why: dict[str, tuple[str, tuple[str, ...]]] = {}
         first = self.waiting[0]
@@ -410,15 +416,17 @@ class Scheduler:
             for r in self.running:
                 t = r.params.tenant
                 latest[t] = max(latest.get(t, r.arrival_ns), r.arrival_ns)
+        firsts: set[str] = set()  # tenants whose first waiting request was seen
         for i, req in enumerate(self.waiting):
             tenant = req.params.tenant
-            if self.dynamic and any(a > req.arrival_ns for t, a in latest.items()
-                                    if t != tenant):
+            if self.dynamic and tenant not in firsts and any(
+                    a > req.arrival_ns for t, a in latest.items() if t != tenant):
                 cause = "share"
             else:
                 cause = head if i == 0 or head != "kv" else "hol"
             if self.dynamic:
                 latest[tenant] = max(latest.get(tenant, req.arrival_ns), req.arrival_ns)
+                firsts.add(tenant)
             if cause == req.wait_cause:
                 continue
             if cause == "share":

@@ -253,13 +253,13 @@ def test_a_higher_priority_request_takes_kv_from_a_lower_one_to_be_admitted(poli
     # prefills 2 tokens (its tenant's counter + 2 / weight); the blocker (tenant a) ran first.
     ([("a1", 0.1, "a", 1), ("a2", 0.2, "a", 1), ("a3", 0.3, "a", 1)],
      ["a1", "a2", "a3"]),  # one tenant: arrival order
-    # b comes in at a's counter: a1 (earlier) first, then the tenants alternate
+    # b comes in one token below a's counter: b1 goes next, then the tenants alternate
     ([("a1", 0.1, "a", 1), ("a2", 0.2, "a", 1), ("a3", 0.25, "a", 1), ("b1", 0.3, "b", 1),
-      ("b2", 0.4, "b", 1)], ["a1", "b1", "a2", "b2", "a3"]),
+      ("b2", 0.4, "b", 1)], ["b1", "a1", "b2", "a2", "a3"]),
     # weight 2: b's tokens count half, so it gets two admissions to a's one
     ([("a1", 0.1, "a", 1), ("a2", 0.2, "a", 1), ("a3", 0.25, "a", 1), ("b1", 0.3, "b", 2),
       ("b2", 0.4, "b", 2), ("b3", 0.5, "b", 2), ("b4", 0.6, "b", 2)],
-     ["a1", "b1", "b2", "a2", "b3", "b4", "a3"]),
+     ["b1", "a1", "b2", "b3", "a2", "b4", "a3"]),
 ])
 def test_fair_admits_the_tenant_with_the_least_service_first(arrivals, admitted):
     sched, kv = _setup(scheduling_policy="fair", max_num_seqs=1, num_kv_blocks=64)
@@ -275,7 +275,7 @@ def test_fair_an_idle_tenant_banks_no_credit_and_a_flood_does_not_starve_the_oth
     policy = sched.policy
     running = _add(sched, "b0", 0, prompt_len=2, tenant="b")
     _tick(sched, kv)  # b got 2 tokens, then goes idle
-    # tenant a floods 20 requests (starting at b's counter, 2): a's counter climbs past b's
+    # tenant a floods 20 requests (coming in at b's counter - 1): its counter climbs past b's
     for i in range(20):
         _add(sched, f"a{i}", SECOND + i, prompt_len=2, tenant="a")
     order = []
@@ -283,17 +283,17 @@ def test_fair_an_idle_tenant_banks_no_credit_and_a_flood_does_not_starve_the_oth
         running = _next_admitted(sched, kv, running)
         order.append(running.request_id)
     assert order == [f"a{i}" for i in range(10)]
-    assert policy.counters["a"] == 22 and policy.counters["b"] == 2
-    # b comes back: it starts at a's counter (the lowest of the tenants with work), not at 2,
-    # so it gets its share from now on, not 9 admissions in a row
+    assert policy.counters["a"] == 21 and policy.counters["b"] == 2
+    # b comes back: it starts one token below a's counter (the lowest of the tenants with
+    # work), not at 2, so it goes next and gets its share from now on, not 10 in a row
     for i in range(3):
         _add(sched, f"b{i + 1}", 2 * SECOND + i, prompt_len=2, tenant="b")
-    assert policy.counters["b"] == 22
+    assert policy.counters["b"] == 20
     order = []
     for _ in range(6):
         running = _next_admitted(sched, kv, running)
         order.append(running.request_id)
-    assert order == ["a10", "b1", "a11", "b2", "a12", "b3"]
+    assert order == ["b1", "a10", "b2", "a11", "b3", "a12"]
 
 
 def test_fair_notes_a_request_held_back_for_other_tenants_share():
@@ -329,3 +329,38 @@ def test_fair_shares_the_prefill_budget_with_a_long_running_prompt(policy):
     else:
         assert chunks == [("a", 8)] and sched.waiting == [b]
     assert a.num_computed_tokens == (12 if policy == "fair" else 16)
+
+
+@pytest.mark.parametrize("policy,takes_the_seat", [("fair", True), ("priority", True),
+                                                   ("fcfs", False)])
+def test_a_request_the_policy_puts_first_takes_a_seat_from_one_behind_it(policy,
+                                                                         takes_the_seat):
+    # two seats, both held by tenant a's long generations (priority 5); b's request
+    # (priority 0) arrives: under fair (b is below its share of the seats, 1 of 2; a above)
+    # and priority it preempts the later of them; under fcfs it waits for a seat
+    sched, kv = _setup(scheduling_policy=policy, max_num_seqs=2, num_kv_blocks=64)
+    first, later = (_add(sched, f"long{i}", i, prompt_len=6, max_tokens=100, tenant="a",
+                         priority=5) for i in range(2))
+    for _ in range(3):
+        _tick(sched, kv)
+    b = _add(sched, "b", SECOND, prompt_len=2, tenant="b")
+    out, _ = _tick(sched, kv)
+    if takes_the_seat:
+        assert [p.request for p in out.preempted] == [later] and later.state == S.PREEMPTED
+        assert b in [s.request for s in out.prefills] and sched.waiting == [later]
+        assert sched.running == [first, b]
+    else:
+        assert not out.preempted and sched.waiting == [b]
+
+
+def test_fair_a_tenant_at_its_share_of_the_seats_does_not_take_one():
+    sched, kv = _setup(scheduling_policy="fair", max_num_seqs=2, num_kv_blocks=64)
+    a = _add(sched, "a", 0, prompt_len=6, max_tokens=100, tenant="a")
+    b = _add(sched, "b", 1, prompt_len=2, max_tokens=100, tenant="b")
+    for _ in range(3):
+        _tick(sched, kv)  # one seat each: b's counter stays below a's (shorter prompt)
+    assert sched.policy.counters["b"] < sched.policy.counters["a"]
+    b2 = _add(sched, "b2", 2, prompt_len=2, tenant="b")
+    out, _ = _tick(sched, kv)
+    assert sched.waiting[0] is b2  # b2 is first in line, but b already holds its share
+    assert not out.preempted and sched.running == [a, b]

@@ -1,0 +1,249 @@
+"""Scheduling policies side by side on a two-tenant workload, over HTTP through the gateway.
+
+Tenant ``heavy`` floods long prompts (open loop, at a rate the engine cannot keep up with for
+the length of the run); tenant ``light`` sends short requests at a steady rate. Each policy
+runs in a gateway of its own (same model, engine settings and seeded workload), all started
+first: ``light`` alone, then both together, each phase in rounds where the policies take turns
+(so the machine's drift hits them alike). Printed per policy and tenant: TTFT and E2E p50/p99
+(client side, from each request's scheduled send time), output tokens/s, and goodput
+(requests/s within the SLO); then the target: ``fair`` cuts the light tenant's p99 TTFT by at
+least 3x against ``fcfs`` with total throughput within 10%. The gateway's own TTFT (its
+records: arrival to the first flush) is printed beside the client's: on a 2-core machine the
+load generator shares the CPU with the gateway and the replica, and its own delays show in
+the client's tail; the engine's part of the TTFT (queue + prefill, from the records) is
+what the policy decides, and the summary line gives its ratio too.
+
+Under ``priority`` the light tenant has priority 0 and the heavy one 1 (its tenants-file
+default); under ``sjf`` the gateway learns each tenant's output lengths as it goes; under
+``fair`` both have weight 1.
+
+    python bench/policies.py [--model tiny|bundled] [--policies fcfs,priority,sjf,fair]
+                             [--duration 4] [--rounds 2] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.loadgen import Item, Sample, Target, percentile, run_open_loop  # noqa: E402
+
+KEYS = {"heavy": "sk-heavy", "light": "sk-light"}
+TENANTS = """
+[[tenants]]
+name = "heavy"
+keys = ["sk-heavy"]
+priority = 1
+
+[[tenants]]
+name = "light"
+keys = ["sk-light"]
+priority = 0
+"""
+
+
+@dataclass
+class Workload:
+    heavy_rate: float = 40.0  # requests/s
+    heavy_prompt: int = 900  # tokens
+    heavy_tokens: int = 8
+    light_rate: float = 10.0
+    light_prompt: int = 24
+    light_tokens: int = 8
+    duration_s: float = 4.0  # of each phase, in each round
+    seed: int = 0
+    ttft_slo_ms: float = 500.0
+    tpot_slo_ms: float = 100.0
+
+    def _stream(self, tenant: str, rate: float, prompt: int, tokens: int, rng: random.Random
+                ) -> list[tuple[float, Item]]:
+        out, t = [], rng.expovariate(rate)
+        while t < self.duration_s:
+            out.append((t, Item([rng.randrange(100, 40000) for _ in range(prompt)], tokens,
+                                api_key=KEYS[tenant])))
+            t += rng.expovariate(rate)
+        return out
+
+    def phases(self) -> dict[str, list[tuple[float, Item]]]:
+        """The schedule of each phase: ``alone`` (light only) and ``mixed`` (both)."""
+        rng = random.Random(self.seed)
+        light = self._stream("light", self.light_rate, self.light_prompt, self.light_tokens,
+                             rng)
+        heavy = self._stream("heavy", self.heavy_rate, self.heavy_prompt, self.heavy_tokens,
+                             rng)
+        return {"alone": light, "mixed": sorted(light + heavy, key=lambda x: x[0])}
+
+
+def tenant_of(item: Item) -> str:
+    return next(t for t, k in KEYS.items() if k == item.api_key)
+
+
+def stats(samples: list[Sample], duration_s: float, w: Workload) -> dict:
+    ok = [s for s in samples if s.ok]
+    ttft = [s.ttft_ms for s in ok if s.ttft_ms is not None]
+    e2e = [s.e2e_ms for s in ok if s.e2e_ms is not None]
+    good = [s for s in ok if s.ttft_ms is not None and s.ttft_ms <= w.ttft_slo_ms
+            and (s.tpot_ms is None or s.tpot_ms <= w.tpot_slo_ms)]
+    return {"requests": len(samples), "ok": len(ok),
+            "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
+            "e2e_p50": percentile(e2e, 50), "e2e_p99": percentile(e2e, 99),
+            "tok_s": sum(s.output_tokens for s in ok) / duration_s,
+            "goodput": len(good) / duration_s}
+
+
+def run_phase(url: str, schedule: list[tuple[float, Item]], model: str
+              ) -> tuple[dict[str, list[Sample]], float, str]:
+    """One phase's schedule against a gateway: the samples per tenant, the phase's duration
+    and its ``run_id`` (the records' ``bench_run``)."""
+    offsets, items = [t for t, _ in schedule], [i for _, i in schedule]
+    target = Target(url, model=model)
+    samples, duration = asyncio.run(run_open_loop(target, items, offsets))
+    by: dict[str, list[Sample]] = {}
+    for sample, item in zip(samples, items, strict=True):
+        by.setdefault(tenant_of(item), []).append(sample)
+    return by, duration, target.run_id
+
+
+def engine_ttft(records: Path, runs: set[str]) -> dict[str, tuple[list[float], list[float]]]:
+    """Per tenant, over the bench runs ``runs``: the TTFT the gateway recorded (arrival to the
+    first flush) and the engine's part of it (queue time and prefill: what the scheduling
+    policy decides)."""
+    out: dict[str, tuple[list[float], list[float]]] = {}
+    for line in records.read_text().splitlines():
+        r = json.loads(line)
+        if r.get("ttft_ms") is not None and r["bench_run"] in runs:
+            gw, eng = out.setdefault(r["tenant"], ([], []))
+            gw.append(r["ttft_ms"])
+            eng.append(r["engine_queue_ms"] + r["prefill_ms"])
+    return out
+
+
+def serve_args(model: str, tenants_file: Path) -> list[str]:
+    from engine import default_model_path
+
+    args = ["--config", str(tenants_file), "--max-inflight", "100000"]  # queue, never shed
+    if model == "tiny":
+        args += ["--model", "tiny:49152", "--tokenizer", str(default_model_path())]
+    return args
+
+
+def engine_env(policy: str) -> dict[str, str]:
+    return {"TAILSCOPE_SCHEDULING_POLICY": policy, "TAILSCOPE_MAX_NUM_SEQS": "8",
+            "TAILSCOPE_MAX_BATCHED_TOKENS": "64", "TAILSCOPE_KV_CACHE_MB": "128",
+            "TAILSCOPE_STORE_DSN": "none", "TAILSCOPE_QUEUE_TIMEOUT_S": "0",
+            "TAILSCOPE_THREADS": "1"}  # a core for the gateway and the load generator
+
+
+def run_policies(policies: list[str], w: Workload, model: str = "tiny", rounds: int = 2
+                 ) -> dict[str, dict]:
+    """Every policy in a gateway of its own, all started first; then each phase in
+    ``rounds`` rounds, the policies taking turns (in a rotating order) so that the machine's
+    drift hits them alike. {policy: {"alone": {"light": stats}, "mixed": {tenant: stats}}},
+    the stats over all rounds, with the gateway's and the engine's TTFT from the records."""
+    from contextlib import ExitStack
+
+    from tracing.client import GatewayProcess
+
+    served = "SmolLM2-135M-Instruct"
+    with tempfile.TemporaryDirectory() as d, ExitStack() as stack:
+        gws, records = {}, {}
+        for policy in policies:
+            home = Path(d) / policy
+            home.mkdir()
+            (home / "tenants.toml").write_text(TENANTS)
+            records[policy] = home / "records.jsonl"
+            gws[policy] = stack.enter_context(GatewayProcess(
+                [*serve_args(model, home / "tenants.toml"), "--records-jsonl",
+                 str(records[policy])], env=engine_env(policy), quiet=True, cwd=home))
+            warm = Workload(duration_s=1.0, light_rate=4, heavy_rate=1).phases()["mixed"]
+            run_phase(gws[policy].url, warm, served)
+        got: dict = {p: {} for p in policies}  # policy -> phase -> (samples, duration, runs)
+        for phase in ("alone", "mixed"):
+            for r in range(rounds):
+                schedule = Workload(**{**asdict(w), "seed": w.seed + r}).phases()[phase]
+                for policy in policies[r % len(policies):] + policies[:r % len(policies)]:
+                    by, duration, run = run_phase(gws[policy].url, schedule, served)
+                    acc = got[policy].setdefault(phase, ({}, [0.0], set()))
+                    for t, xs in by.items():
+                        acc[0].setdefault(t, []).extend(xs)
+                    acc[1][0] += duration
+                    acc[2].add(run)
+        stack.close()  # the gateways stop: every record is written
+        out: dict[str, dict] = {}
+        for policy in policies:
+            out[policy] = {}
+            for phase, (by, (duration,), runs) in got[policy].items():
+                ttft = engine_ttft(records[policy], runs)
+                out[policy][phase] = {}
+                for t, xs in by.items():
+                    s = stats(xs, duration, w)
+                    gw, eng = ttft.get(t, ([], []))
+                    s.update(gw_ttft_p50=percentile(gw, 50), gw_ttft_p99=percentile(gw, 99),
+                             engine_ttft_p50=percentile(eng, 50),
+                             engine_ttft_p90=percentile(eng, 90),
+                             engine_ttft_p99=percentile(eng, 99))
+                    out[policy][phase][t] = s
+        return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=["tiny", "bundled"], default="tiny")
+    ap.add_argument("--policies", default="fcfs,priority,sjf,fair")
+    ap.add_argument("--duration", type=float, default=4.0,
+                    help="seconds of each phase in each round")
+    ap.add_argument("--rounds", type=int, default=2, help="turns each policy takes per phase")
+    ap.add_argument("--heavy-rate", type=float, default=Workload.heavy_rate)
+    ap.add_argument("--light-rate", type=float, default=Workload.light_rate)
+    ap.add_argument("--quick", action="store_true", help="2 s phases")
+    ap.add_argument("--json", help="also write the figures here")
+    args = ap.parse_args()
+    w = Workload(duration_s=2.0 if args.quick else args.duration, heavy_rate=args.heavy_rate,
+                 light_rate=args.light_rate)
+    print(f"workload: {asdict(w)}; model {args.model}", flush=True)
+    results = run_policies(args.policies.split(","), w, args.model, args.rounds)
+    for policy, r in results.items():
+        alone = r["alone"]["light"]
+        print(f"\n{policy}: light alone: TTFT p50 {alone['ttft_p50']:.0f} ms, "
+              f"p99 {alone['ttft_p99']:.0f} ms (gateway: {alone['gw_ttft_p50']:.0f} / "
+              f"{alone['gw_ttft_p99']:.0f} ms)", flush=True)
+        print(f"  {'tenant':<8}{'ok/sent':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'gw p50':>8}"
+              f"{'gw p99':>8}{'E2E p50':>9}{'E2E p99':>9}{'tok/s':>8}{'goodput':>9}")
+        for t in ("heavy", "light"):
+            s = r["mixed"][t]
+            print(f"  {t:<8}{s['ok']:>4}/{s['requests']:<4}{s['ttft_p50']:>10.0f}"
+                  f"{s['ttft_p99']:>10.0f}{s['gw_ttft_p50']:>8.0f}{s['gw_ttft_p99']:>8.0f}"
+                  f"{s['e2e_p50']:>9.0f}{s['e2e_p99']:>9.0f}{s['tok_s']:>8.1f}"
+                  f"{s['goodput']:>9.2f}")
+    if "fair" in results and "fcfs" in results:
+        f, c = results["fair"]["mixed"], results["fcfs"]["mixed"]
+        cut = c["light"]["ttft_p99"] / max(f["light"]["ttft_p99"], 1e-9)
+        tput = (f["heavy"]["tok_s"] + f["light"]["tok_s"]) / \
+            max(c["heavy"]["tok_s"] + c["light"]["tok_s"], 1e-9)
+        alone = results["fair"]["alone"]["light"]
+        print(f"\nfair vs fcfs: light p99 TTFT cut {cut:.1f}x (target >= 3x: "
+              f"{'met' if cut >= 3 else 'NOT met'}); total throughput {tput:.2f}x (target "
+              f"within 10%: {'met' if abs(1 - tput) <= 0.10 else 'NOT met'}); light p99 TTFT "
+              f"under fair / alone {f['light']['ttft_p99'] / max(alone['ttft_p99'], 1e-9):.2f}x "
+              f"(gateway: {f['light']['gw_ttft_p99'] / max(alone['gw_ttft_p99'], 1e-9):.2f}x, "
+              f"engine queue + prefill: {f['light']['engine_ttft_p99']:.1f} / "
+              f"{alone['engine_ttft_p99']:.1f} ms = "
+              f"{f['light']['engine_ttft_p99'] / max(alone['engine_ttft_p99'], 1e-9):.2f}x, "
+              f"p90 {f['light']['engine_ttft_p90']:.1f} / {alone['engine_ttft_p90']:.1f} ms);"
+              f" heavy throughput fair / fcfs "
+              f"{f['heavy']['tok_s'] / max(c['heavy']['tok_s'], 1e-9):.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
