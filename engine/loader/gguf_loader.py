@@ -1,4 +1,6 @@
-"""Load a Llama-family GGUF checkpoint (metadata + dequantized tensors) via the ``gguf`` package."""
+"""Load a Llama-family GGUF checkpoint (metadata + dequantized tensors): the header through
+``engine.loader.gguf_read`` (a single pass; ``gguf.GGUFReader`` takes seconds on a 49k-token
+vocabulary), dequantization through the ``gguf`` package."""
 
 from __future__ import annotations
 
@@ -10,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from engine.config import ModelConfig
 from engine.loader.errors import UnsupportedModelError
+from engine.loader.gguf_read import GGUFFile
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 SUPPORTED_TYPES = frozenset({
@@ -28,13 +30,13 @@ _LAYER_TENSORS = {
 }
 
 
-def open_gguf(path: Path) -> GGUFReader:
-    """Not cached on purpose: the parsed metadata (one numpy object per vocab string) costs
-    ~170 MB, which a replica should not keep after its weights are built."""
-    return GGUFReader(path)
+def open_gguf(path: Path) -> GGUFFile:
+    """Not cached on purpose: a replica should not keep the vocabulary's strings after its
+    weights are built."""
+    return GGUFFile(path)
 
 
-def field_value(reader: GGUFReader, key: str, default=None):
+def field_value(reader: GGUFFile, key: str, default=None):
     f = reader.fields.get(key)
     if f is None:
         return default
@@ -56,7 +58,7 @@ def file_revision(path: Path) -> str:
     return h.hexdigest()[:12]
 
 
-def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
+def read_config(reader: GGUFFile, path: Path) -> ModelConfig:
     arch = field_value(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(

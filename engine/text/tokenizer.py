@@ -55,9 +55,9 @@ class TextTokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> TextTokenizer:
-        from gguf import GGUFReader  # metadata only (no torch: runs in the gateway)
+        from engine.loader.gguf_read import GGUFFile  # metadata only (no torch: the gateway)
 
-        reader = GGUFReader(Path(path).resolve())
+        reader = GGUFFile(Path(path).resolve())
 
         def get(key: str, default: Any = None) -> Any:
             f = reader.fields.get(key)

@@ -177,3 +177,59 @@ def test_hf_tokenizer_json_matches_gguf_tokenizer(tmp_path, bundled_path, bundle
     assert hf.eos_token_id == bundled_tokenizer.eos_token_id == 2
     msgs = [{"role": "user", "content": "Hi"}]
     assert hf.apply_chat_template(msgs) == bundled_tokenizer.apply_chat_template(msgs)
+
+
+def _fields_and_tensors(reader) -> tuple[dict, list]:
+    fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    tensors = [(t.name, int(t.tensor_type), tuple(int(x) for x in t.shape), t.data.dtype,
+                t.data.shape, t.data.tobytes()) for t in reader.tensors]
+    return fields, tensors
+
+
+def test_the_header_reader_gives_what_gguf_reader_gives(tmp_path, bundled_path):
+    """engine.loader.gguf_read (one pass over the header) against gguf.GGUFReader, on the
+    bundled model (Q4_1 and F32 tensors, 49k vocabulary strings) and on a file with every
+    value type, arrays of them, a custom alignment and plain and quantized tensors."""
+    from gguf import GGUFReader
+
+    from engine.loader.gguf_read import GGUFFile, GGUFFormatError
+
+    assert _fields_and_tensors(GGUFFile(bundled_path)) == \
+        _fields_and_tensors(GGUFReader(bundled_path))
+    path = tmp_path / "all.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_custom_alignment(64)
+    w.add_uint8("t.u8", 200)
+    w.add_int8("t.i8", -5)
+    w.add_uint16("t.u16", 60000)
+    w.add_int16("t.i16", -30000)
+    w.add_uint32("t.u32", 4_000_000_000)
+    w.add_int32("t.i32", -2_000_000_000)
+    w.add_float32("t.f32", 0.25)
+    w.add_uint64("t.u64", 2**63 + 5)
+    w.add_int64("t.i64", -(2**62))
+    w.add_float64("t.f64", 1e-300)
+    w.add_bool("t.bool", True)
+    w.add_string("t.str", "héllo")
+    w.add_array("t.ints", [1, -2, 3])
+    w.add_array("t.floats", [0.5, 1.5])
+    w.add_array("t.strs", ["a", "", "ü"])
+    w.add_array("t.bools", [True, False])
+    rng = np.random.default_rng(0)
+    w.add_tensor("plain", rng.standard_normal((3, 5)).astype(np.float32))
+    w.add_tensor("half", rng.standard_normal((2, 4)).astype(np.float16))
+    q = gguf.quants.quantize(rng.standard_normal((4, 64)).astype(np.float32), Q.Q8_0)
+    w.add_tensor("q8", q, raw_shape=q.shape, raw_dtype=Q.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    fast, ref = _fields_and_tensors(GGUFFile(path)), _fields_and_tensors(GGUFReader(path))
+    assert fast == ref and fast[0]["t.strs"] == ["a", "", "ü"] and len(fast[1]) == 3
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGML" + bytes(20))
+    with pytest.raises(GGUFFormatError, match="bad magic"):
+        GGUFFile(bad)
+    bad.write_bytes(path.read_bytes()[:200])
+    with pytest.raises(GGUFFormatError, match="past the end"):
+        GGUFFile(bad)
