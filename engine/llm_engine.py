@@ -50,9 +50,10 @@ class RequestOutput:
 class Engine:
     def __init__(self, model: LlamaModel, config: EngineConfig | None = None,
                  observer: OutputObserver | None = None,
-                 grammar: GrammarCompiler | None = None) -> None:
+                 grammar: GrammarCompiler | None = None, runner=None) -> None:
         """``grammar`` compiles ``response_format`` constraints; without it such requests
-        are rejected."""
+        are rejected. ``runner`` replaces the model runner (``engine.whatif.CostRunner``: the
+        same engine on a virtual clock, no weights)."""
         self.grammar = grammar
         self.config = config or EngineConfig(dtype=_dtype_name(model),
                                              batch_invariant=model.batch_invariant)
@@ -70,7 +71,7 @@ class Engine:
         self.kv = KVCacheManager(num_blocks, self.config.block_size,
                                  prefix_caching=self.config.prefix_caching,
                                  salt=f"{mc.name}|{mc.revision}|{self.config.dtype}")
-        self.runner = ModelRunner(model, num_blocks, self.config.block_size)
+        self.runner = runner or ModelRunner(model, num_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.config, self.kv)
         self.preemptions = 0  # total, by any mode (the scheduler's decisions)
         self.swaps = 0

@@ -295,6 +295,167 @@ def cmd_why(args: argparse.Namespace) -> int:
     return 0
 
 
+def _window(spec: str | None) -> tuple[int, int]:
+    """``FROM..TO`` (ISO 8601 times, UTC unless they say otherwise, or unix seconds) as µs;
+    none: the last hour."""
+    import datetime as dt
+
+    def at(x: str) -> int:
+        x = x.strip()
+        try:
+            return int(float(x) * 1e6)
+        except ValueError:
+            t = dt.datetime.fromisoformat(x)
+            return int((t if t.tzinfo else t.replace(tzinfo=dt.UTC)).timestamp() * 1e6)
+
+    if not spec:
+        now = int(time.time() * 1e6)
+        return now - 3_600_000_000, now
+    start, sep, end = spec.partition("..")
+    if not sep:
+        raise ValueError(f"--window {spec!r}: expected FROM..TO")
+    a, b = at(start), at(end)
+    if b <= a:
+        raise ValueError(f"--window {spec!r}: TO must be after FROM")
+    return a, b
+
+
+def _whatif_config(base: EngineConfig, args: argparse.Namespace) -> EngineConfig:
+    """The candidate: ``--engine-config FILE``'s engine settings over ``base``, then each
+    ``--set NAME=VALUE``, then ``--policy``."""
+    from tailscope import engine_config as ECF
+    from tailscope.settings import parse_env
+
+    merged = base.as_dict()
+    if args.engine_config:
+        merged.update(ECF.load(args.engine_config).engine)
+    types = EngineConfig.setting_types()
+    for item in args.set or []:
+        name, sep, raw = item.partition("=")
+        if not sep or name not in types:
+            raise ValueError(f"--set {item!r}: expected NAME=VALUE with an engine setting "
+                             f"name ({', '.join(types)})")
+        kind, optional, _ = types[name]
+        merged[name] = parse_env(name, raw, kind, optional)
+    if args.policy:
+        merged["scheduling_policy"] = args.policy
+    return EngineConfig(**merged)
+
+
+def cmd_whatif(args: argparse.Namespace) -> int:
+    """Recorded traffic of one replica through the engine's own scheduler on a virtual clock
+    (engine.whatif), under its recorded config and a candidate, side by side."""
+    from engine.loader.tiny import TINY_CONFIG
+    from engine.whatif import Arrival, StepCost, percentiles, simulate
+    from tracing import queries as Q
+
+    s = Settings.from_env()
+    try:
+        start, end = _window(args.window)
+        if not args.rate_scale > 0:
+            raise ValueError("--rate-scale must be > 0")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    kind, target = _store_target(args, s)
+    source = Q.GatewaySource(target, s.admin_key or None) if kind == "gateway" else target
+    window = {"start": start, "end": end}
+    replica = args.replica
+    if replica is None:
+        busiest = Q.frame(source, Q.WHATIF_BUSIEST, window)
+        if busiest.empty:
+            print("error: no requests with a replica in the window", file=sys.stderr)
+            return 1
+        replica = str(busiest.iloc[0]["replica"])
+    reqs = Q.frame(source, Q.WHATIF_REQUESTS, {**window, "r": replica})
+    steps = Q.frame(source, Q.WHATIF_STEPS, {**window, "r": replica})
+    if reqs.empty or steps.empty:
+        print(f"error: replica {replica!r} has no requests or no engine steps in the window",
+              file=sys.stderr)
+        return 1
+    try:
+        cost = StepCost.fit(steps.to_dict("records"))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    config_id = str(reqs["config_id"].mode().iloc[0])
+    _, rows = source.select(Q.CONFIG_OF, {"c": config_id})
+    recorded_engine = json.loads(rows[0][1]).get("engine", {}) if rows else {}
+    blocks = int(steps["kv_blocks_total"].max())
+    base = EngineConfig(**{**recorded_engine, "num_kv_blocks": blocks})
+    try:
+        candidate = replace(_whatif_config(base, args), num_kv_blocks=blocks)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    arrivals, stand_ins = [], 0
+    for r in reqs.itertuples(index=False):
+        ids = [int(x) for x in (r.input_token_ids if r.input_token_ids is not None else [])]
+        if not ids:  # counts-only capture: distinct stand-in ids (no prefix-cache hits)
+            stand_ins += 1
+            ids = [1000 + (hash((r.trace_id, k)) % 40000) for k in range(int(r.prompt_tokens))]
+        n = max(1, int(r.n))
+        for c in range(n):
+            arrivals.append(Arrival(f"{r.trace_id}-{c}", (int(r.arrival_us) - start) / 1e3 /
+                                    args.rate_scale, ids, max(1, int(r.generated_tokens) // n),
+                                    tenant=str(r.tenant), priority=int(r.priority),
+                                    cache_salt=f"tenant:{r.tenant}"))
+    # stands in for the model (the KV pool is pinned to the recorded size): any token id and
+    # length the replica took passes
+    model = replace(TINY_CONFIG, vocab_size=2**31 - 1, max_position_embeddings=1 << 24,
+                    name="whatif")
+    runs = {}
+    for name, cfg in (("recorded config", base), ("candidate", candidate)):
+        sims, _ = simulate(arrivals, cfg, cost, model)
+        runs[name] = sims
+    engine_ttft = reqs["engine_queue_ms"] + reqs["prefill_ms"]
+    engine_e2e = engine_ttft + reqs["decode_ms"] + reqs["preempted_ms"]
+    table = {
+        "TTFT (engine)": [percentiles(engine_ttft.tolist())] +
+        [percentiles([x.ttft_ms for x in v]) for v in runs.values()],
+        "TPOT": [percentiles(reqs["tpot_ms"].tolist())] +
+        [percentiles([x.tpot_ms for x in v]) for v in runs.values()],
+        "E2E (engine)": [percentiles(engine_e2e.tolist())] +
+        [percentiles([x.e2e_ms for x in v]) for v in runs.values()],
+        "queue": [percentiles(reqs["engine_queue_ms"].tolist())] +
+        [percentiles([x.queue_ms for x in v]) for v in runs.values()],
+    }
+    changed = {k: v for k, v in candidate.as_dict().items() if base.as_dict()[k] != v}
+    out = {"replica": replica, "window_us": [start, end], "requests": len(reqs),
+           "arrivals": len(arrivals), "rate_scale": args.rate_scale, "config_id": config_id,
+           "recorded_config_known": bool(rows), "stand_in_prompts": stand_ins,
+           "step_cost": cost.as_dict(), "steps": len(steps), "candidate_changes": changed,
+           "table": {m: dict(zip(("recorded", "predicted_recorded_config",
+                                  "predicted_candidate"), v, strict=True))
+                     for m, v in table.items()}}
+    if args.json:
+        print(json.dumps(out, indent=2, default=float))
+        return 0
+    e = cost.error
+    print(f"replica {replica}: {len(reqs)} requests ({len(arrivals)} sequences), {len(steps)} "
+          f"steps; config {config_id}" + ("" if rows else " (not in the configs table: "
+                                            "engine defaults)"))
+    print("step cost (ms) = " + " + ".join(f"{c:.4g}*{f}" for c, f in
+                                          zip(cost.coef, cost.as_dict()["features"],
+                                              strict=True))
+          + f"; held-out error median {e.median_rel:.1%}, p95 {e.p95_rel:.1%} "
+          f"({e.n_test} steps)")
+    if stand_ins:
+        print(f"note: {stand_ins} requests kept counts, not token ids: stand-in prompts, no "
+              "prefix-cache hits for them")
+    print(f"candidate: {changed or 'the recorded config'}"
+          + (f"; arrivals x{args.rate_scale:g} as fast" if args.rate_scale != 1 else ""))
+    print(f"{'ms':<16}{'recorded':>26}{'predicted (recorded cfg)':>28}"
+          f"{'predicted (candidate)':>28}")
+    for metric, cols in table.items():
+        print(f"{metric:<16}" + "".join(
+            f"{'/'.join(f'{c[q]:.0f}' for q in ('p50', 'p90', 'p99')):>{w}}"
+            for c, w in zip(cols, (26, 28, 28), strict=True)))
+    print("(each cell p50/p90/p99; 'engine' times run from the replica's admission to its "
+          "first / last token)")
+    return 0
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     """Run a recorded request again and report whether it came out the same (tracing.replay).
 
@@ -578,6 +739,22 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--url", help="a gateway to go through (default: the running one, if any)")
     w.add_argument("--dsn", help="store DSN (default TAILSCOPE_STORE_DSN)")
     w.set_defaults(func=cmd_why)
+    wi = sub.add_parser("whatif", help="recorded traffic of a replica through the engine's "
+                        "own scheduler on a virtual clock: the recorded config and a candidate")
+    wi.add_argument("--window", metavar="FROM..TO", help="ISO 8601 times (UTC) or unix "
+                    "seconds (default: the last hour)")
+    wi.add_argument("--replica", help="whose traffic (default: the busiest in the window)")
+    wi.add_argument("--engine-config", metavar="FILE", help="the candidate's engine settings")
+    wi.add_argument("--set", action="append", metavar="NAME=VALUE",
+                    help="a candidate engine setting (repeatable), e.g. max_num_seqs=32")
+    wi.add_argument("--policy", help="the candidate's scheduling_policy")
+    wi.add_argument("--rate-scale", type=float, default=1.0,
+                    help="arrivals this many times as fast")
+    wi.add_argument("--url", help="a gateway to read through (default: the running one, if any)")
+    wi.add_argument("--dsn", help="store DSN (default TAILSCOPE_STORE_DSN)")
+    wi.add_argument("--json", action="store_true", help="the figures as JSON")
+    wi.set_defaults(func=cmd_whatif)
+
     rp = sub.add_parser("replay", help="run a recorded request again (same tokens, sampling "
                                        "and config) and report whether it came out the same")
     rp.add_argument("trace_id")

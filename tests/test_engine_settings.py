@@ -19,7 +19,8 @@ SAMPLE = {"dtype": "bfloat16", "kv_cache_mb": 64, "num_kv_blocks": 40, "block_si
           "max_num_seqs": 3, "max_batched_tokens": 128, "max_model_len": 512,
           "prefix_caching": False, "preemption": "swap", "step_detail": False,
           "scheduling_policy": "priority", "priority_aging_s": 2.5, "batch_invariant": True,
-          "sjf_token_s": 0.05, "budget_split": "prefill_first", "decode_reserve_tokens": 8}
+          "sjf_token_s": 0.05, "budget_split": "prefill_first", "decode_reserve_tokens": 8,
+          "fair_decode_cost": 1.5}
 # settings with one valid value so far (no other value to send through every surface)
 SINGLE_CHOICE: dict[str, tuple] = {}
 

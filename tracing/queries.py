@@ -422,6 +422,21 @@ WHY_STEPS = ("SELECT step, toUnixTimestamp64Micro(ts) AS ts_us, duration_ms, num
              "prefill_tokens, member_traces, member_prefill FROM tailscope.engine_steps "
              "WHERE replica = {r:String} AND ts >= fromUnixTimestamp64Micro({a:Int64}, 'UTC') "
              "AND ts <= fromUnixTimestamp64Micro({b:Int64}, 'UTC') ORDER BY ts, step")
+# what-if (engine.whatif via `tailscope whatif`): one replica's requests and steps in a window
+WHATIF_REQUESTS = (
+    "SELECT trace_id, toUnixTimestamp64Micro(arrival_ts) AS arrival_us, input_token_ids, "
+    "prompt_tokens, generated_tokens, n, tenant, priority, config_id, final_state, ttft_ms, "
+    "e2e_ms, tpot_ms, engine_queue_ms, prefill_ms, decode_ms, preempted_ms FROM "
+    "tailscope.requests WHERE replica = {r:String} AND " + _WINDOW + " AND generated_tokens > 0 "
+    "ORDER BY arrival_ts")
+WHATIF_STEPS = (
+    "SELECT toUnixTimestamp64Micro(ts) AS ts_us, duration_ms, prefill_tokens, decode_tokens, "
+    "num_seqs, kv_blocks_used, kv_blocks_total FROM tailscope.engine_steps WHERE "
+    "replica = {r:String} AND "
+    "ts >= fromUnixTimestamp64Micro({start:Int64}, 'UTC') AND "
+    "ts < fromUnixTimestamp64Micro({end:Int64}, 'UTC') ORDER BY ts, step")
+WHATIF_BUSIEST = ("SELECT replica, count() AS c FROM tailscope.requests WHERE " + _WINDOW +
+                  " AND replica != '' GROUP BY replica ORDER BY c DESC LIMIT 1")
 TENANTS_OF = ("SELECT trace_id, any(tenant) AS tenant FROM tailscope.requests WHERE "
               "trace_id IN {ids:Array(String)} GROUP BY trace_id")
 _WHY_COLUMNS = ["token", "gap_ms", "step_ms", "idle_ms", "steps", "max_batch",

@@ -1,0 +1,210 @@
+"""What-if: recorded arrivals through the engine's own scheduler and KV code on a virtual clock,
+each step costed by a model fitted from recorded step timings, no model weights loaded.
+
+``simulate`` builds a real ``Engine`` (scheduler, KV manager, prefix cache, preemption, the
+scheduling policy, every admission rule) around a ``CostRunner`` in place of the model runner:
+a step "runs" in the time ``StepCost`` predicts for its prefill tokens, decode tokens, batch
+size and KV in use, and every request whose prompt is computed samples a placeholder token
+until it has its recorded number of output tokens (``ignore_eos``). So a candidate config
+(another token budget, more sequences per step, another policy) schedules the same arrivals
+exactly as a replica running that config would, given those step costs: the only model is the
+cost of a step. (Simulators such as Vidur re-implement a scheduler; this one cannot drift from
+the engine's, because it is the engine's.)
+
+``StepCost.fit`` is ordinary least squares of a step's duration on [1, prefill tokens, decode
+tokens, sequences, KV blocks in use] (numpy's ``lstsq``), with its error reported on held-out
+steps (every fifth): the median and p95 of |predicted - measured| / measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.config import EngineConfig, ModelConfig
+from engine.kv_manager import KVCacheManager
+from engine.sampling_params import SamplingParams
+from engine.scheduler import SchedulerOutput
+
+FEATURES = ("intercept", "prefill_tokens", "decode_tokens", "num_seqs", "kv_blocks_used")
+PLACEHOLDER_TOKEN = 100  # what a simulated request "samples": only its count matters
+
+
+@dataclass(frozen=True)
+class FitError:
+    median_rel: float  # of |predicted - measured| / measured, on held-out steps
+    p95_rel: float
+    n_train: int
+    n_test: int
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """A step's duration in ms as a linear function of its ``FEATURES``."""
+
+    coef: tuple[float, ...]  # one per FEATURES entry
+    error: FitError | None = None
+
+    def predict(self, prefill: int, decode: int, seqs: int, kv_blocks: int) -> float:
+        x = (1.0, prefill, decode, seqs, kv_blocks)
+        return max(0.0, sum(c * v for c, v in zip(self.coef, x, strict=True)))
+
+    @classmethod
+    def fit(cls, steps: Sequence[dict], holdout_every: int = 5) -> StepCost:
+        """From recorded steps (``engine_steps`` rows: duration_ms, prefill_tokens,
+        decode_tokens, num_seqs, kv_blocks_used); refuses fewer than 10."""
+        if len(steps) < 10:
+            raise ValueError(f"{len(steps)} steps are too few to fit a step-cost model "
+                             "(need at least 10; widen the window)")
+        x = np.array([[1.0, s["prefill_tokens"], s["decode_tokens"], s["num_seqs"],
+                       s["kv_blocks_used"]] for s in steps], dtype=np.float64)
+        y = np.array([s["duration_ms"] for s in steps], dtype=np.float64)
+        test = np.arange(len(steps)) % holdout_every == holdout_every - 1
+        coef = np.linalg.lstsq(x[~test], y[~test], rcond=None)[0]
+        pred = np.maximum(x[test] @ coef, 0.0)
+        rel = np.abs(pred - y[test]) / np.maximum(y[test], 1e-9)
+        error = FitError(float(np.median(rel)), float(np.percentile(rel, 95)),
+                         int((~test).sum()), int(test.sum()))
+        return cls(tuple(float(c) for c in coef), error)
+
+    def as_dict(self) -> dict:
+        return {"features": list(FEATURES), "coef": list(self.coef),
+                "error": None if self.error is None else dataclasses.asdict(self.error)}
+
+
+@dataclass(frozen=True)
+class Arrival:
+    request_id: str
+    at_ms: float  # since the start of the window
+    prompt_token_ids: list[int]  # recorded ids (prefix-cache hits as recorded), or stand-ins
+    output_tokens: int  # how many it generated
+    tenant: str = ""
+    priority: int = 0
+    cache_salt: str = ""
+
+
+@dataclass
+class SimRequest:
+    request_id: str
+    arrival_ms: float
+    first_scheduled_ms: float | None = None
+    first_token_ms: float | None = None
+    token_ms: list[float] = field(default_factory=list)
+    end_ms: float | None = None
+    state: str = ""
+
+    @property
+    def ttft_ms(self) -> float | None:
+        return None if self.first_token_ms is None else self.first_token_ms - self.arrival_ms
+
+    @property
+    def queue_ms(self) -> float | None:
+        return None if self.first_scheduled_ms is None else \
+            self.first_scheduled_ms - self.arrival_ms
+
+    @property
+    def e2e_ms(self) -> float | None:
+        return None if self.end_ms is None else self.end_ms - self.arrival_ms
+
+    @property
+    def tpot_ms(self) -> float | None:
+        t = self.token_ms
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
+
+
+class _SimModel:
+    """What ``Engine`` reads of a model: its config (KV sizing, the prefix cache's salt)."""
+
+    batch_invariant = False
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = config
+
+
+class _NoSampler:
+    def release(self, request_id: str) -> None:
+        pass
+
+
+class CostRunner:
+    """The model runner's interface without a model: a step takes ``cost``'s time on the
+    virtual clock (``now_ms``), and every request whose prompt is computed samples a
+    placeholder token."""
+
+    def __init__(self, cost: StepCost, sims: dict[str, SimRequest]) -> None:
+        self.cost = cost
+        self.sims = sims
+        self.now_ms = 0.0
+        self.sampler = _NoSampler()
+        self.steps: list[list[tuple[str, int]]] = []  # each step's (request, tokens)
+
+    def execute(self, sched: SchedulerOutput, kv: KVCacheManager):
+        from engine.model_runner import RunnerResult
+
+        kv.ops_done(kv.take_ops())  # swap copies: instantaneous here
+        start = self.now_ms
+        usage = kv.usage()
+        ms = self.cost.predict(sched.num_prefill_tokens, len(sched.decodes), len(sched.all),
+                               usage.blocks_used)
+        self.now_ms += ms
+        self.steps.append([(s.request.request_id, s.num_new_tokens) for s in sched.all])
+        sampled = []
+        for s in sched.all:
+            req = s.request
+            sim = self.sims[req.request_id]
+            if sim.first_scheduled_ms is None:
+                sim.first_scheduled_ms = start
+            if req.num_computed_tokens + s.num_new_tokens == req.num_tokens:
+                sampled.append((req, PLACEHOLDER_TOKEN, None))
+                if sim.first_token_ms is None:
+                    sim.first_token_ms = self.now_ms
+                sim.token_ms.append(self.now_ms)
+        return RunnerResult(sampled, 0.0, ms, 0.0)
+
+
+def simulate(arrivals: Sequence[Arrival], config: EngineConfig, cost: StepCost,
+             model_config: ModelConfig) -> tuple[list[SimRequest], CostRunner]:
+    """Run ``arrivals`` (in ``at_ms`` order) through an engine of ``config`` on the virtual
+    clock: each arrives before the first step that starts at or after its time. Returns one
+    ``SimRequest`` per arrival and the runner (its ``steps``: what each step ran)."""
+    from engine.llm_engine import Engine
+
+    sims = {a.request_id: SimRequest(a.request_id, a.at_ms) for a in arrivals}
+    runner = CostRunner(cost, sims)
+    engine = Engine(_SimModel(model_config), config, runner=runner)
+    pending = sorted(arrivals, key=lambda a: a.at_ms)
+    i = stalled = 0
+    while i < len(pending) or engine.has_unfinished():
+        if not engine.has_unfinished() and runner.now_ms < pending[i].at_ms:
+            runner.now_ms = pending[i].at_ms  # idle until the next arrival
+        while i < len(pending) and pending[i].at_ms <= runner.now_ms:
+            a = pending[i]
+            engine.add_request(a.request_id, a.prompt_token_ids, SamplingParams(
+                max_tokens=max(1, a.output_tokens), ignore_eos=True, tenant=a.tenant,
+                priority=a.priority), cache_salt=a.cache_salt)
+            i += 1
+        before = runner.now_ms
+        for out in engine.step():
+            if out.finished:
+                sims[out.request_id].end_ms = runner.now_ms
+                sims[out.request_id].state = out.state.name
+        stalled = stalled + 1 if runner.now_ms == before else 0
+        if stalled > 3 and i >= len(pending):  # nothing can run and nothing will arrive
+            break
+    for req_id, sim in sims.items():
+        if sim.end_ms is None:
+            req = engine.recent.get(req_id)
+            sim.state = req.state.name if req is not None and req.state else "UNKNOWN"
+            sim.end_ms = runner.now_ms if req is not None and req.is_finished else None
+    return [sims[a.request_id] for a in arrivals], runner
+
+
+def percentiles(values: Sequence[float | None], qs=(50, 90, 99)) -> dict[str, float]:
+    xs = sorted(v for v in values if v is not None)
+    if not xs:
+        return {f"p{q}": math.nan for q in qs}
+    return {f"p{q}": xs[max(0, math.ceil(q / 100 * len(xs)) - 1)] for q in qs}

@@ -1,0 +1,102 @@
+"""What-if on a virtual clock: the step-cost fit, and the simulation being the engine's own
+scheduling (the same steps as a real engine given the same arrivals and step costs)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import Engine, EngineConfig, SamplingParams
+from engine.whatif import Arrival, StepCost, percentiles, simulate
+
+TRUE = (2.0, 0.05, 0.4, 0.3, 0.01)  # ms: intercept, per prefill token, decode, seq, KV block
+
+
+def _steps(n: int, noise: float, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        p, d = rng.choice([0, 16, 64, 256, 512]), rng.randrange(0, 32)
+        s, kv = d + (p > 0) * rng.randrange(1, 4), rng.randrange(10, 400)
+        ms = sum(c * x for c, x in zip(TRUE, (1, p, d, s, kv), strict=True))
+        out.append({"duration_ms": ms * (1 + rng.gauss(0, noise)), "prefill_tokens": p,
+                    "decode_tokens": d, "num_seqs": s, "kv_blocks_used": kv})
+    return out
+
+
+def test_the_step_cost_fit_recovers_the_costs_and_reports_its_held_out_error():
+    exact = StepCost.fit(_steps(200, 0.0))
+    assert exact.coef == pytest.approx(TRUE, abs=1e-6)
+    assert exact.error.median_rel < 1e-9 and exact.error.n_test == 40
+    noisy = StepCost.fit(_steps(400, 0.05))
+    assert noisy.coef[1] == pytest.approx(TRUE[1], rel=0.1)  # the prefill token cost
+    assert 0.01 < noisy.error.median_rel < 0.06 and noisy.error.p95_rel < 0.15
+    with pytest.raises(ValueError, match="too few"):
+        StepCost.fit(_steps(5, 0.0))
+
+
+def _arrivals(seed: int = 1) -> list[tuple[int, str, list[int], int]]:
+    rng = random.Random(seed)
+    out = []
+    for i, step in enumerate([0, 0, 1, 3, 3, 4, 6, 8, 9, 11]):
+        n = rng.randrange(5, 30)
+        out.append((step, f"r{i}", [rng.randrange(5, 500) for _ in range(n)],
+                    rng.randrange(3, 14)))
+    return out
+
+
+@pytest.mark.parametrize("policy,preemption", [("fcfs", "recompute"), ("fcfs", "swap"),
+                                               ("fair", "recompute")])
+def test_the_what_if_engine_schedules_the_arrivals_as_the_real_engine_does(
+        tiny49k, policy, preemption):
+    """The real engine (the tiny model) and the what-if engine (no model, each step 1 ms on
+    the virtual clock) get the same arrivals at the same steps: every step runs the same
+    requests with the same token counts, preemptions included."""
+    cfg = EngineConfig(num_kv_blocks=24, block_size=4, max_batched_tokens=16, max_num_seqs=4,
+                       preemption=preemption, scheduling_policy=policy)
+    arrivals = _arrivals()
+    real = Engine(tiny49k, cfg)
+    steps: list[list[tuple[str, int]]] = []
+    execute = real.runner.execute
+
+    def recording(sched, kv):  # a test shim: notes what each real step ran
+        steps.append([(s.request.request_id, s.num_new_tokens) for s in sched.all])
+        return execute(sched, kv)
+
+    real.runner.execute = recording
+    pending = list(arrivals)
+    while pending or real.has_unfinished():
+        while pending and pending[0][0] <= len(steps):
+            _, rid, prompt, out = pending.pop(0)
+            real.add_request(rid, prompt, SamplingParams(max_tokens=out, ignore_eos=True,
+                                                         tenant=rid[-1:]))
+        assert real.has_unfinished(), "the test's arrivals must keep the engine busy"
+        real.step()
+    assert real.preemptions > 0  # the pool is small enough to preempt
+    sims, runner = simulate(
+        [Arrival(rid, float(step), prompt, out, tenant=rid[-1:])
+         for step, rid, prompt, out in arrivals], cfg, StepCost((1.0, 0, 0, 0, 0)),
+        tiny49k.config)
+    assert runner.steps == steps
+    assert all(s.state == "FINISHED" and len(s.token_ms) == out
+               for s, (_, _, _, out) in zip(sims, arrivals, strict=True))
+
+
+def test_a_candidate_config_changes_the_prediction_the_way_it_should(tiny49k):
+    """A burst of 12 requests: with one sequence per step they queue behind each other."""
+    rng = random.Random(3)
+    burst = [Arrival(f"q{i}", 0.0, [rng.randrange(5, 500) for _ in range(40)], 20)
+             for i in range(12)]
+    cost = StepCost(TRUE)
+    wide, _ = simulate(burst, EngineConfig(num_kv_blocks=256, block_size=16), cost,
+                       tiny49k.config)
+    narrow, _ = simulate(burst, EngineConfig(num_kv_blocks=256, block_size=16,
+                                             max_num_seqs=1), cost, tiny49k.config)
+    p_wide = percentiles([s.ttft_ms for s in wide])
+    p_narrow = percentiles([s.ttft_ms for s in narrow])
+    assert p_narrow["p99"] > 5 * p_wide["p99"]
+    assert max(s.queue_ms for s in narrow) > 10 * max(s.queue_ms for s in wide)
+    # one at a time: each request's decode steps cost one sequence's, the TPOT is lower
+    assert percentiles([s.tpot_ms for s in narrow])["p50"] < \
+        percentiles([s.tpot_ms for s in wide])["p50"]
