@@ -103,18 +103,18 @@ class ShortestJobFirst:
 class FairShare:
     """Per-tenant fair share of the engine's tokens: the Virtual Token Counter of Sheng et al.,
     "Fairness in Serving Large Language Models" (OSDI 2024). Each tenant has a counter of the
-    service it got: every prefill token scheduled for it adds 1, every decode token
-    ``decode_cost`` (the paper's w_q/w_p; decode tokens cost more per token on a GPU, and
-    about as much on a CPU at small batch), divided by the tenant's ``weight`` (its share;
-    ``SamplingParams.weight``, from the tenants file). The waiting queue is ordered by counter,
-    then arrival: the tenant that got least goes next, and a tenant's own requests stay in
+    service it got: every prefill token scheduled for it adds 1, every decode token ``decode_cost``
+    (the paper's w_q/w_p, 2 by default: a decode token holds a sequence in the batch for a whole
+    step, more than a token of a batched prefill costs), divided by the tenant's ``weight`` (its
+    share; ``SamplingParams.weight``, from the tenants file). The waiting queue is ordered by
+    counter, then arrival: the tenant that got least goes next, and a tenant's own requests stay in
     arrival order. A tenant that had nothing waiting or running comes back one token below the
-    lowest counter of those that do (so its request goes next, ahead of the earlier arrivals
-    of a tenant at that counter; at the highest of all counters when nobody has work), so an
-    idle tenant cannot bank credit and then flood, and a light tenant's occasional request is
-    not queued behind a flood. The running request that yields KV belongs to the tenant with
-    the highest counter (then the latest arrival). Nothing starves: a waiting tenant's counter
-    stands still while every served tenant's grows.
+    lowest counter of those that do (so its request goes next, ahead of the earlier arrivals of a
+    tenant at that counter; at the highest of all counters when nobody has work), so an idle tenant
+    cannot bank credit and then flood, and a light tenant's occasional request is not queued behind
+    a flood. The running request that yields KV belongs to the tenant with the highest counter (then
+    the latest arrival). Nothing starves: a waiting tenant's counter stands still while every served
+    tenant's grows.
 
     Seats are shared the same way: each tenant's share of ``max_num_seqs`` is in proportion to
     its weight among the tenants running and the head's. A request at the head of the queue
