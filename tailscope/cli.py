@@ -346,7 +346,7 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     """Recorded traffic of one replica through the engine's own scheduler on a virtual clock
     (engine.whatif), under its recorded config and a candidate, side by side."""
     from engine.loader.tiny import TINY_CONFIG
-    from engine.whatif import Arrival, StepCost, percentiles, simulate
+    from engine.whatif import Arrival, StepCost, loop_times, percentiles, simulate
     from tracing import queries as Q
 
     s = Settings.from_env()
@@ -374,7 +374,7 @@ def cmd_whatif(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     try:
-        cost = StepCost.fit(steps.to_dict("records"))
+        cost = StepCost.fit(loop_times(steps.to_dict("records")))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -100,3 +100,11 @@ def test_a_candidate_config_changes_the_prediction_the_way_it_should(tiny49k):
     # one at a time: each request's decode steps cost one sequence's, the TPOT is lower
     assert percentiles([s.tpot_ms for s in narrow])["p50"] < \
         percentiles([s.tpot_ms for s in wide])["p50"]
+
+
+def test_loop_times_count_the_gap_to_a_step_that_followed_at_once():
+    steps = [{"ts_us": 0, "duration_ms": 4.0}, {"ts_us": 4_500, "duration_ms": 3.0},
+             {"ts_us": 100_000, "duration_ms": 2.0}]
+    from engine.whatif import loop_times
+
+    assert [s["duration_ms"] for s in loop_times(steps)] == [4.5, 3.0, 2.0]  # idle after #2

@@ -24,7 +24,7 @@ def test_whatif_replays_the_recorded_window_and_a_candidate_config(bundled_path)
         start = time.time() - 1
         items = workload(60, Dist("uniform", 60, 300), Dist("uniform", 8, 24), seed=4)
         samples, _ = asyncio.run(run_open_loop(Target(server.url), items,
-                                               arrival_times(60, 40.0, seed=4)))
+                                               arrival_times(60, 60.0, seed=4)))
         assert all(s.ok for s in samples)
         time.sleep(1.5)  # the store's flush
         window = f"{start}..{time.time() + 1}"
@@ -45,8 +45,9 @@ def test_whatif_replays_the_recorded_window_and_a_candidate_config(bundled_path)
         t = same["table"]
         recorded, predicted = t["TTFT (engine)"]["recorded"], \
             t["TTFT (engine)"]["predicted_recorded_config"]
-        assert recorded["p50"] > 20 and predicted["p50"] > 0  # it queued
-        # (fidelity: not yet within the bounds; the README gives the figures)
+        assert recorded["p90"] > 20  # it queued
+        # fidelity on its own config, loosely (measured 0.86-1.0x at p50; README)
+        assert 0.5 < predicted["p50"] / recorded["p50"] < 2.0, t
         assert t["TTFT (engine)"]["predicted_candidate"] == predicted  # same config, same run
         narrow = whatif("--set", "max_num_seqs=1")
         assert narrow["candidate_changes"] == {"max_num_seqs": 1}
