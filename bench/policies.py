@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.loadgen import Item, Sample, Target, percentile, run_open_loop  # noqa: E402
+from bench.loadgen import Item, Sample, Target, percentile, run_open_loop, slo_stats  # noqa: E402
 
 KEYS = {"heavy": "sk-heavy", "light": "sk-light"}
 TENANTS = """
@@ -90,13 +90,12 @@ def stats(samples: list[Sample], duration_s: float, w: Workload) -> dict:
     ok = [s for s in samples if s.ok]
     ttft = [s.ttft_ms for s in ok if s.ttft_ms is not None]
     e2e = [s.e2e_ms for s in ok if s.e2e_ms is not None]
-    good = [s for s in ok if s.ttft_ms is not None and s.ttft_ms <= w.ttft_slo_ms
-            and (s.tpot_ms is None or s.tpot_ms <= w.tpot_slo_ms)]
     return {"requests": len(samples), "ok": len(ok),
             "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
             "e2e_p50": percentile(e2e, 50), "e2e_p99": percentile(e2e, 99),
             "tok_s": sum(s.output_tokens for s in ok) / duration_s,
-            "goodput": len(good) / duration_s}
+            "goodput": slo_stats(samples, duration_s, w.ttft_slo_ms,
+                                 w.tpot_slo_ms)["goodput_rps"]}
 
 
 def run_phase(url: str, schedule: list[tuple[float, Item]], model: str

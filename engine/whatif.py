@@ -24,7 +24,6 @@ recorded engine TTFT p50, fitting loop times 0.8x).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -221,10 +220,3 @@ def simulate(arrivals: Sequence[Arrival], config: EngineConfig, cost: StepCost,
             sim.state = req.state.name if req is not None and req.state else "UNKNOWN"
             sim.end_ms = runner.now_ms if req is not None and req.is_finished else None
     return [sims[a.request_id] for a in arrivals], runner
-
-
-def percentiles(values: Sequence[float | None], qs=(50, 90, 99)) -> dict[str, float]:
-    xs = sorted(v for v in values if v is not None)
-    if not xs:
-        return {f"p{q}": math.nan for q in qs}
-    return {f"p{q}": xs[max(0, math.ceil(q / 100 * len(xs)) - 1)] for q in qs}

@@ -45,6 +45,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.sampling_params import SamplingParams, SamplingParamsError
 from gateway.degrade import DegradeRule, LoadThresholds
 from gateway.errors import APIError
 
@@ -165,9 +166,10 @@ class TenantRegistry:
                 entry["degrade"] = DegradeRule.parse(entry["degrade"],
                                                      f"{path}: tenant {entry['name']!r}")
             tenant = Tenant(**entry)
-            if not (isinstance(tenant.weight, (int, float)) and 0 < tenant.weight <= 1e6):
-                raise ValueError(f"{path}: tenant {tenant.name!r}: weight must be in (0, 1e6], "
-                                 f"not {tenant.weight!r}")
+            try:  # the weight's bounds are the engine's (SamplingParams.weight)
+                SamplingParams(weight=tenant.weight)
+            except SamplingParamsError as exc:
+                raise ValueError(f"{path}: tenant {tenant.name!r}: {exc}") from None
             if tenant.capture not in ("full", "counts"):
                 raise ValueError(f"{path}: tenant {tenant.name!r}: capture must be 'full' or "
                                  f"'counts', not {tenant.capture!r}")

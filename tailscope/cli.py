@@ -342,11 +342,19 @@ def _whatif_config(base: EngineConfig, args: argparse.Namespace) -> EngineConfig
     return EngineConfig(**merged)
 
 
+def _p50_90_99(values: list) -> dict[str, float]:
+    """Nearest-rank p50/p90/p99 (``bench.loadgen.percentile``) of the values that exist."""
+    from bench.loadgen import percentile
+
+    xs = [float(v) for v in values if v is not None and v == v]  # not None, not NaN
+    return {f"p{q}": percentile(xs, q) for q in (50, 90, 99)}
+
+
 def cmd_whatif(args: argparse.Namespace) -> int:
     """Recorded traffic of one replica through the engine's own scheduler on a virtual clock
     (engine.whatif), under its recorded config and a candidate, side by side."""
     from engine.loader.tiny import TINY_CONFIG
-    from engine.whatif import Arrival, StepCost, loop_times, percentiles, simulate
+    from engine.whatif import Arrival, StepCost, loop_times, simulate
     from tracing import queries as Q
 
     s = Settings.from_env()
@@ -409,17 +417,13 @@ def cmd_whatif(args: argparse.Namespace) -> int:
         sims, _ = simulate(arrivals, cfg, cost, model)
         runs[name] = sims
     engine_ttft = reqs["engine_queue_ms"] + reqs["prefill_ms"]
-    engine_e2e = engine_ttft + reqs["decode_ms"] + reqs["preempted_ms"]
-    table = {
-        "TTFT (engine)": [percentiles(engine_ttft.tolist())] +
-        [percentiles([x.ttft_ms for x in v]) for v in runs.values()],
-        "TPOT": [percentiles(reqs["tpot_ms"].tolist())] +
-        [percentiles([x.tpot_ms for x in v]) for v in runs.values()],
-        "E2E (engine)": [percentiles(engine_e2e.tolist())] +
-        [percentiles([x.e2e_ms for x in v]) for v in runs.values()],
-        "queue": [percentiles(reqs["engine_queue_ms"].tolist())] +
-        [percentiles([x.queue_ms for x in v]) for v in runs.values()],
-    }
+    recorded = {"TTFT (engine)": ("ttft_ms", engine_ttft), "TPOT": ("tpot_ms", reqs["tpot_ms"]),
+                "E2E (engine)": ("e2e_ms", engine_ttft + reqs["decode_ms"] +
+                                 reqs["preempted_ms"]),
+                "queue": ("queue_ms", reqs["engine_queue_ms"])}
+    table = {metric: [_p50_90_99(series.tolist())] +
+             [_p50_90_99([getattr(x, attr) for x in sims]) for sims in runs.values()]
+             for metric, (attr, series) in recorded.items()}
     changed = {k: v for k, v in candidate.as_dict().items() if base.as_dict()[k] != v}
     out = {"replica": replica, "window_us": [start, end], "requests": len(reqs),
            "arrivals": len(arrivals), "rate_scale": args.rate_scale, "config_id": config_id,

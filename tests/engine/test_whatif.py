@@ -7,8 +7,9 @@ import random
 
 import pytest
 
+from bench.loadgen import percentile
 from engine import Engine, EngineConfig, SamplingParams
-from engine.whatif import Arrival, StepCost, percentiles, simulate
+from engine.whatif import Arrival, StepCost, simulate
 
 TRUE = (2.0, 0.05, 0.4, 0.3, 0.01)  # ms: intercept, per prefill token, decode, seq, KV block
 
@@ -93,13 +94,13 @@ def test_a_candidate_config_changes_the_prediction_the_way_it_should(tiny49k):
                        tiny49k.config)
     narrow, _ = simulate(burst, EngineConfig(num_kv_blocks=256, block_size=16,
                                              max_num_seqs=1), cost, tiny49k.config)
-    p_wide = percentiles([s.ttft_ms for s in wide])
-    p_narrow = percentiles([s.ttft_ms for s in narrow])
-    assert p_narrow["p99"] > 5 * p_wide["p99"]
+    p_wide = percentile([s.ttft_ms for s in wide], 99)
+    p_narrow = percentile([s.ttft_ms for s in narrow], 99)
+    assert p_narrow > 5 * p_wide
     assert max(s.queue_ms for s in narrow) > 10 * max(s.queue_ms for s in wide)
     # one at a time: each request's decode steps cost one sequence's, the TPOT is lower
-    assert percentiles([s.tpot_ms for s in narrow])["p50"] < \
-        percentiles([s.tpot_ms for s in wide])["p50"]
+    assert percentile([s.tpot_ms for s in narrow], 50) < \
+        percentile([s.tpot_ms for s in wide], 50)
 
 
 def test_loop_times_count_the_gap_to_a_step_that_followed_at_once():

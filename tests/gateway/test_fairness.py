@@ -10,6 +10,7 @@ import time
 import httpx
 
 from tests.gateway.conftest import start_server, stop_server
+from tests.gateway.test_records import record
 
 ADMIN = "admin-secret"
 TENANTS = """
@@ -32,14 +33,7 @@ keys = ["k-flood"]
 
 
 def _record(url: str, trace_id: str) -> dict:
-    deadline = time.monotonic() + 10
-    while True:
-        r = httpx.get(f"{url}/debug/requests/{trace_id}",
-                      headers={"Authorization": f"Bearer {ADMIN}"})
-        if r.status_code == 200 or time.monotonic() > deadline:
-            assert r.status_code == 200, r.text
-            return {**r.json()["record"], "events": r.json()["events"]}
-        time.sleep(0.1)
+    return record(url, trace_id, timeout_s=10, admin_key=ADMIN)
 
 
 def _waiting(url: str) -> int:

@@ -18,12 +18,15 @@ def traceparent() -> tuple[str, str, str]:
     return trace_id, span, f"00-{trace_id}-{span}-01"
 
 
-def record(url: str, trace_id: str, timeout_s: float = 5.0) -> dict:
-    """The record appears when the exchange is over (just after the last byte)."""
+def record(url: str, trace_id: str, timeout_s: float = 5.0, admin_key: str | None = None
+           ) -> dict:
+    """The record appears when the exchange is over (just after the last byte); ``admin_key``
+    for a gateway with tenants."""
     found: list[dict] = []
+    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
 
     def get() -> bool:
-        r = httpx.get(f"{url}/debug/requests/{trace_id}")
+        r = httpx.get(f"{url}/debug/requests/{trace_id}", headers=headers)
         if r.status_code == 200:
             body = r.json()
             found.append({**body["record"], "events": body["events"]})
