@@ -96,8 +96,10 @@ def step_report(replica_id: str, engine: Engine, outputs: list[RequestOutput],
 
 
 class Replica:
-    def __init__(self, replica_id: str, engine: Engine, inbox: str, outbox: str) -> None:
+    def __init__(self, replica_id: str, engine: Engine, inbox: str, outbox: str,
+                 parent_pid: int | None = None) -> None:
         self.id = replica_id
+        self.parent_pid = parent_pid
         self.engine = engine
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
@@ -139,12 +141,12 @@ class Replica:
 
     def serve(self) -> None:
         self.send(self.health())
-        parent = os.getppid()
         while self.running:
             if time.monotonic() - self.last_sent >= HEARTBEAT_S:
                 self.send(Heartbeat(self.id, self.engine.step_count))
-            if os.getppid() != parent:  # the gateway died without telling us: do not linger
-                log.error("replica %s: parent process is gone; exiting", self.id)
+            if orphaned(self.parent_pid):  # the gateway died without telling us: do not linger
+                log.error("replica %s: parent process %s is gone; exiting", self.id,
+                          self.parent_pid)
                 break
             timeout = 0 if self.engine.has_unfinished() else IDLE_POLL_MS
             if self.inbox.poll(timeout):
@@ -164,6 +166,14 @@ class Replica:
         self.ctx.term()
 
 
+def orphaned(parent_pid: int | None) -> bool:
+    """Whether the process that started this replica is gone. Its pid is compared with our
+    parent's *now*: a reparented process (to init or a subreaper) has another parent pid. The pid
+    must be the one the spawner passed (``--parent-pid``), not ``getppid()`` read after the slow
+    start (imports, model load, warm-up): a parent that died during the start would be missed."""
+    return parent_pid is not None and os.getppid() != parent_pid
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Tailscope engine replica process")
     p.add_argument("--id", required=True)
@@ -173,7 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", help="tokenizer (GGUF/HF dir) enabling response_format")
     p.add_argument("--inbox", required=True)
     p.add_argument("--outbox", required=True)
+    p.add_argument("--parent-pid", type=int,
+                   help="exit when this process is no longer our parent (the gateway passes its "
+                        "own pid); default: the parent at start. 0 turns the check off")
     args = p.parse_args(argv)
+    parent_pid = None if args.parent_pid == 0 else (args.parent_pid or os.getppid())
+    if orphaned(parent_pid):
+        return 1
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s replica {args.id} %(message)s")
     if os.environ.get("TAILSCOPE_THREADS", "0") not in ("", "0"):
         import torch
@@ -194,7 +210,11 @@ def main(argv: list[str] | None = None) -> int:
 
         grammar = GrammarCompiler.from_tokenizer(load_tokenizer(args.tokenizer),
                                                  model.config.vocab_size)
-    replica = Replica(args.id, Engine(model, config, grammar=grammar), args.inbox, args.outbox)
+    if orphaned(parent_pid):  # died while we loaded: do not bind, warm up or serve
+        log.error("replica %s: parent process %s is gone; exiting", args.id, parent_pid)
+        return 1
+    replica = Replica(args.id, Engine(model, config, grammar=grammar), args.inbox, args.outbox,
+                      parent_pid)
     replica.warm_up()
     replica.serve()
     return 0

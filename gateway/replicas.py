@@ -120,7 +120,7 @@ class ReplicaPool:
         cmd = [sys.executable, "-m", "engine.replica", "--id", r.id, "--model", self.model,
                "--engine-config", json.dumps(self.config.as_dict()),
                "--inbox", self.transport.inbox_addr(r.id),
-               "--outbox", self.transport.outbox_addr]
+               "--outbox", self.transport.outbox_addr, "--parent-pid", str(os.getpid())]
         if self.tokenizer:
             cmd += ["--tokenizer", self.tokenizer]
         proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})

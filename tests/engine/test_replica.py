@@ -102,19 +102,27 @@ def test_replica_abort_rejection_and_shutdown(replica):
     assert proc.wait(timeout=30) == 0
 
 
-def test_replica_exits_when_its_parent_dies(tmp_path):
-    """A gateway killed with SIGKILL must not leave replica processes behind."""
+@pytest.mark.parametrize("when", ["serving", "loading"])
+def test_replica_exits_when_its_parent_dies(tmp_path, when):
+    """A gateway killed with SIGKILL must not leave replica processes behind, whether it dies
+    while the replica serves or while it is still starting (imports, model load, warm-up: the
+    start takes seconds, longer on a loaded machine; the CI run that caught this killed the
+    parent before the replica had read its parent pid)."""
     script = (
-        "import subprocess, sys\n"
+        "import os, subprocess, sys\n"
         "p = subprocess.Popen([sys.executable, '-m', 'engine.replica', '--id', 'r9', '--model',"
         " 'tiny', '--engine-config', '{\"num_kv_blocks\": 8}',"
         f" '--inbox', 'ipc://{tmp_path}/i', '--outbox',"
-        f" 'ipc://{tmp_path}/o'])\n"
+        f" 'ipc://{tmp_path}/o', '--parent-pid', str(os.getpid())])\n"
         "print(p.pid, flush=True)\n"
         "import time; time.sleep(60)\n")
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     child = int(parent.stdout.readline())
-    time.sleep(3)  # let the replica load and enter its loop
+    if when == "serving":  # the replica is serving once it has bound its inbox
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "i").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
     parent.kill()
     parent.wait()
     deadline = time.monotonic() + 30
