@@ -7,7 +7,9 @@ Trace view: stage timeline, inter-token gaps against the replica's batch size an
 token ids with their text (decoded with the record's own tokenizer, matched by revision, or
 shown as ids only), versions and sampling parameters), Evals (stored eval runs, a
 comparison of two with the verdict ``tailscope eval compare`` gives, and failing cases linked to
-their Trace view; ``?page=Evals&a=RUN&b=RUN`` opens a comparison).
+their Trace view; ``?page=Evals&a=RUN&b=RUN`` opens a comparison), What-if (stored
+``tailscope whatif`` and ``tailscope size`` runs: the step-cost model and its error, predicted
+against recorded percentiles, the TTFT frontier over rate scales, the replica counts checked).
 
 The data source comes from ``TAILSCOPE_DRILL_SOURCE`` and is shown on every page:
 ``gateway:http://host:8000`` reads through a gateway's ``/debug/query`` (the embedded store
@@ -26,7 +28,7 @@ import streamlit as st
 
 from tracing import queries as Q
 
-PAGES = ("Overview", "Regression", "Requests", "Evals")
+PAGES = ("Overview", "Regression", "Requests", "Evals", "What-if")
 # dimensions the Regression page does not offer to explain a shift by (the model is one per
 # window; a request's end state is an outcome, not a cause)
 _NOT_A_CAUSE = ("model", "final_state", "finish_reason")
@@ -281,6 +283,46 @@ def evals_page(src, now: dt.datetime) -> None:
             hide_index=True, column_config={"trace": link})
 
 
+def whatif_page(src, now: dt.datetime) -> None:
+    runs = Q.whatif_runs(src, 200)
+    if runs.empty:
+        st.info("no what-if runs stored yet: `tailscope whatif --window FROM..TO --set "
+                "max_num_seqs=32` or `tailscope size --slo ttft_ms=500 --peak-rate 10`")
+        return
+    st.subheader("Runs")
+    st.dataframe(runs[["run_id", "ts", "kind", "window_start", "window_end", "replicas",
+                       "config_id"]], hide_index=True)
+    ids = list(runs["run_id"])
+    if st.session_state.get("wi_run") not in (None, *ids):
+        del st.session_state["wi_run"]
+    run = runs.iloc[ids.index(st.selectbox("Run", ids, key="wi_run"))]
+    params, cost, results = run["params"], run["step_cost"], run["results"]
+    err = cost.get("error") or {}
+    st.caption(f"window {run['window_start']} .. {run['window_end']} · replica(s) "
+               f"{run['replicas']} · recorded config {run['config_id']} · step cost (ms) = "
+               + " + ".join(f"{c:.4g}×{f}" for c, f in zip(cost.get("coef", []),
+                                                          cost.get("features", []),
+                                                          strict=False))
+               + (f" · held-out error median {err['median_rel']:.1%}, p95 "
+                  f"{err['p95_rel']:.1%}" if err else ""))
+    st.json(params, expanded=False)
+    if run["kind"] == "size":
+        m1, m2, m3 = st.columns(3)
+        m1.metric("Replicas", results["replicas"])
+        m2.metric("Per-replica goodput c", f"{results['per_replica_goodput_rps']:.2f} req/s")
+        m3.metric("Peak rate", f"{results['peak_rate_rps']:g} req/s")
+        st.dataframe(pd.DataFrame(results["checks"]).drop(columns=["ttft_ms"]),
+                     hide_index=True)
+        return
+    table = Q.whatif_table(results)
+    st.subheader("Predicted and recorded (ms)")
+    st.dataframe(table, hide_index=True)
+    if table["rate_scale"].nunique() > 1:
+        st.subheader("TTFT p99 over the offered rate")
+        ttft = table[(table["metric"] == "ttft_ms") & (table["column"] != "recorded")]
+        st.line_chart(ttft.pivot_table(index="offered_rps", columns="column", values="p99"))
+
+
 def tokenizer_text(ids: list[int], revision: str, paths: list[str]) -> str | None:
     """The ids' text from the first tokenizer at ``paths`` whose revision is the record's;
     None when none is (another model's ids must never be shown as bundled-tokenizer text)."""
@@ -333,7 +375,7 @@ def main() -> None:
     now = dt.datetime.now(dt.UTC).replace(microsecond=0)
     try:
         {"Overview": overview, "Regression": regression, "Requests": requests_page,
-         "Evals": evals_page}[page](src, now)
+         "Evals": evals_page, "What-if": whatif_page}[page](src, now)
     except Q.QueryError as exc:
         st.error(str(exc))
 

@@ -24,7 +24,8 @@ recorded engine TTFT p50, fitting loop times 0.8x).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -185,38 +186,95 @@ class CostRunner:
         return RunnerResult(sampled, 0.0, ms, 0.0)
 
 
-def simulate(arrivals: Sequence[Arrival], config: EngineConfig, cost: StepCost,
-             model_config: ModelConfig) -> tuple[list[SimRequest], CostRunner]:
-    """Run ``arrivals`` (in ``at_ms`` order) through an engine of ``config`` on the virtual
-    clock: each arrives before the first step that starts at or after its time. Returns one
-    ``SimRequest`` per arrival and the runner (its ``steps``: what each step ran)."""
-    from engine.llm_engine import Engine
+class SimReplica:
+    """One simulated replica: a real ``Engine`` around a ``CostRunner`` with its own virtual
+    clock. It has what a router sees of a replica (``gateway.router.ReplicaView``: ``id``,
+    ``ready``, ``inflight``, ``pending_tokens``, ``prefixes``), so the gateway's own routing
+    rule can choose among simulated replicas as it does among real ones."""
 
+    ready = True
+
+    def __init__(self, replica_id: str, config: EngineConfig, cost: StepCost,
+                 model_config: ModelConfig, sims: dict[str, SimRequest]) -> None:
+        from engine.llm_engine import Engine
+
+        self.id = replica_id
+        self.runner = CostRunner(cost, sims)
+        self.engine = Engine(_SimModel(model_config), config, runner=self.runner)
+        self.inflight: set[str] = set()
+        self.prefixes: OrderedDict[int, None] = OrderedDict()
+
+    @property
+    def pending_tokens(self) -> int:
+        """The gateway's estimate of work sent and not done: unprefilled prompt tokens plus
+        output tokens still allowed, over the requests in flight."""
+        total = 0
+        for rid in self.inflight:
+            req = self.engine.requests.get(rid)
+            if req is not None:
+                total += max(0, len(req.prompt_token_ids) - req.num_computed_tokens) + \
+                    max(0, req.params.max_tokens - len(req.output_token_ids))
+        return total
+
+
+Route = Callable[[Sequence[SimReplica], "Arrival"], "SimReplica | None"]
+
+
+def simulate(arrivals: Sequence[Arrival], config: EngineConfig, cost: StepCost,
+             model_config: ModelConfig, replicas: int = 1, route: Route | None = None
+             ) -> tuple[list[SimRequest], list[SimReplica]]:
+    """Run ``arrivals`` through ``replicas`` engines of ``config`` on a virtual clock: each
+    replica's clock advances by the cost of each of its steps, and an arrival joins its
+    replica before the first step that starts at or after its time. ``route`` picks the
+    replica of each arrival (``tailscope.whatif`` passes the gateway's router; ``None`` from it
+    means shed, as the gateway sheds with 429); with one replica it may be omitted. Returns one
+    ``SimRequest`` per arrival and the replicas (each ``runner.steps``: what each step ran)."""
+    if replicas < 1:
+        raise ValueError("replicas must be at least 1")
+    if replicas > 1 and route is None:
+        raise ValueError("more than one replica needs a route")
     sims = {a.request_id: SimRequest(a.request_id, a.at_ms) for a in arrivals}
-    runner = CostRunner(cost, sims)
-    engine = Engine(_SimModel(model_config), config, runner=runner)
+    reps = [SimReplica(f"r{k}", config, cost, model_config, sims) for k in range(replicas)]
     pending = sorted(arrivals, key=lambda a: a.at_ms)
-    i = stalled = 0
-    while i < len(pending) or engine.has_unfinished():
-        if not engine.has_unfinished() and runner.now_ms < pending[i].at_ms:
-            runner.now_ms = pending[i].at_ms  # idle until the next arrival
-        while i < len(pending) and pending[i].at_ms <= runner.now_ms:
+    i = 0
+    stuck: set[str] = set()  # could not run anything and nothing more will arrive
+    while True:
+        busy = [r for r in reps if r.engine.has_unfinished() and r.id not in stuck]
+        t_step = min((r.runner.now_ms for r in busy), default=float("inf"))
+        if i < len(pending) and pending[i].at_ms <= t_step:
             a = pending[i]
-            engine.add_request(a.request_id, a.prompt_token_ids, SamplingParams(
+            i += 1
+            rep = reps[0] if route is None else route(reps, a)
+            if rep is None:
+                sims[a.request_id].state = "SHED"
+                continue
+            if not rep.engine.has_unfinished() and rep.runner.now_ms < a.at_ms:
+                rep.runner.now_ms = a.at_ms  # it was idle until this arrival
+            rep.engine.add_request(a.request_id, a.prompt_token_ids, SamplingParams(
                 max_tokens=max(1, a.output_tokens), ignore_eos=True, tenant=a.tenant,
                 priority=a.priority), cache_salt=a.cache_salt)
-            i += 1
-        before = runner.now_ms
-        for out in engine.step():
-            if out.finished:
-                sims[out.request_id].end_ms = runner.now_ms
-                sims[out.request_id].state = out.state.name
-        stalled = stalled + 1 if runner.now_ms == before else 0
-        if stalled > 3 and i >= len(pending):  # nothing can run and nothing will arrive
+            rep.inflight.add(a.request_id)
+            stuck.discard(rep.id)
+            continue
+        if not busy:
             break
-    for req_id, sim in sims.items():
-        if sim.end_ms is None:
-            req = engine.recent.get(req_id)
+        rep = min(busy, key=lambda r: (r.runner.now_ms, r.id))
+        ran = len(rep.runner.steps)
+        for out in rep.engine.step():
+            if out.finished:
+                sims[out.request_id].end_ms = rep.runner.now_ms
+                sims[out.request_id].state = out.state.name
+                rep.inflight.discard(out.request_id)
+        if len(rep.runner.steps) == ran and rep.engine.has_unfinished():
+            # nothing could run (e.g. waiting on KV no running request will free): it waits
+            # for the next arrival; with none left, its run is over
+            if i < len(pending):
+                rep.runner.now_ms = max(rep.runner.now_ms, pending[i].at_ms)
+            else:
+                stuck.add(rep.id)
+    for rep in reps:
+        for req_id in rep.inflight:
+            sim = sims[req_id]
+            req = rep.engine.requests.get(req_id) or rep.engine.recent.get(req_id)
             sim.state = req.state.name if req is not None and req.state else "UNKNOWN"
-            sim.end_ms = runner.now_ms if req is not None and req.is_finished else None
-    return [sims[a.request_id] for a in arrivals], runner
+    return [sims[a.request_id] for a in arrivals], reps

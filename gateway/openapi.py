@@ -60,7 +60,7 @@ _MANUAL = [
 ]
 # debug endpoints whose handlers validate a raw body with these models
 _BODIES = {"/debug/query": S.DebugQuery, "/debug/bench-runs": S.BenchRunBody,
-           "/debug/eval-runs": S.EvalRunBody}
+           "/debug/eval-runs": S.EvalRunBody, "/debug/whatif-runs": S.WhatIfRunBody}
 
 
 def build(app: FastAPI, models: list[str], bundled: str) -> dict:

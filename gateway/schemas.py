@@ -244,6 +244,20 @@ class BenchRunBody(BaseModel):
     results: dict[str, Any] = Field(default_factory=dict)
 
 
+class WhatIfRunBody(BaseModel):
+    """``POST /debug/whatif-runs`` (``tailscope whatif`` and ``tailscope size`` post it)."""
+
+    run_id: str
+    kind: Literal["whatif", "size"]
+    window_start_us: int
+    window_end_us: int
+    replicas: str = ""
+    config_id: str = ""
+    params: dict[str, Any] = Field(default_factory=dict)
+    step_cost: dict[str, Any] = Field(default_factory=dict)
+    results: dict[str, Any] = Field(default_factory=dict)
+
+
 class EvalRunBody(BaseModel):
     """``POST /debug/eval-runs`` (``tailscope eval run`` posts it)."""
 

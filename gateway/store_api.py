@@ -26,9 +26,16 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.observer import StepStats
 from gateway.errors import APIError, bad_request
-from gateway.schemas import DebugQuery
+from gateway.schemas import DebugQuery, WhatIfRunBody
 from tracing import queries as Q
-from tracing.schema import BenchRunRow, ConfigRow, EngineStepRow, EvalResultRow, EvalRunRow
+from tracing.schema import (
+    BenchRunRow,
+    ConfigRow,
+    EngineStepRow,
+    EvalResultRow,
+    EvalRunRow,
+    WhatIfRunRow,
+)
 from tracing.store import (
     QueryLimits,
     QueryRefused,
@@ -329,6 +336,18 @@ def register(app: FastAPI, handle: StoreHandle | None, memory, require_admin,
         except (ValueError, KeyError, TypeError) as exc:
             raise bad_request(f"bench run: {exc}") from None
         await in_thread(lambda: handle.get().insert_rows("bench_runs", [row]))
+        return {"run_id": row.run_id, "stored": True}
+
+    @app.post("/debug/whatif-runs")
+    async def record_whatif_run(request: Request) -> dict:
+        """Store a what-if or sizing run (``tailscope whatif`` / ``size`` post it here)."""
+        require_admin(request)
+        try:
+            body = WhatIfRunBody.model_validate(await json_body(request))
+        except pydantic.ValidationError as exc:
+            raise bad_request(f"what-if run: {exc}") from None
+        row = WhatIfRunRow.from_body(body.model_dump(), int(time.time() * 1e6))
+        await in_thread(lambda: handle.get().insert_rows("whatif_runs", [row]))
         return {"run_id": row.run_id, "stored": True}
 
     @app.post("/debug/eval-runs")

@@ -320,143 +320,189 @@ def _window(spec: str | None) -> tuple[int, int]:
     return a, b
 
 
-def _whatif_config(base: EngineConfig, args: argparse.Namespace) -> EngineConfig:
-    """The candidate: ``--engine-config FILE``'s engine settings over ``base``, then each
-    ``--set NAME=VALUE``, then ``--policy``."""
-    from tailscope import engine_config as ECF
-    from tailscope.settings import parse_env
-
-    merged = base.as_dict()
-    if args.engine_config:
-        merged.update(ECF.load(args.engine_config).engine)
-    types = EngineConfig.setting_types()
-    for item in args.set or []:
-        name, sep, raw = item.partition("=")
-        if not sep or name not in types:
-            raise ValueError(f"--set {item!r}: expected NAME=VALUE with an engine setting "
-                             f"name ({', '.join(types)})")
-        kind, optional, _ = types[name]
-        merged[name] = parse_env(name, raw, kind, optional)
-    if args.policy:
-        merged["scheduling_policy"] = args.policy
-    return EngineConfig(**merged)
+def _parse_slo(text: str | None) -> dict[str, float]:
+    """``ttft_ms=N,tpot_ms=N`` (either may be left out)."""
+    slo = {}
+    for part in (text or "").split(","):
+        if part.strip():
+            key, _, value = part.partition("=")
+            if key.strip() not in ("ttft_ms", "tpot_ms") or not value:
+                raise ValueError(f"--slo {text!r}: use ttft_ms=N,tpot_ms=N")
+            slo[key.strip()] = float(value)
+    return slo
 
 
-def _p50_90_99(values: list) -> dict[str, float]:
-    """Nearest-rank p50/p90/p99 (``bench.loadgen.percentile``) of the values that exist."""
-    from bench.loadgen import percentile
-
-    xs = [float(v) for v in values if v is not None and v == v]  # not None, not NaN
-    return {f"p{q}": percentile(xs, q) for q in (50, 90, 99)}
-
-
-def cmd_whatif(args: argparse.Namespace) -> int:
-    """Recorded traffic of one replica through the engine's own scheduler on a virtual clock
-    (engine.whatif), under its recorded config and a candidate, side by side."""
-    from engine.loader.tiny import TINY_CONFIG
-    from engine.whatif import Arrival, StepCost, loop_times, simulate
+def _whatif_window(args: argparse.Namespace, s: Settings):
+    """(store target, the ``tailscope.whatif.Window``) of ``--window`` / ``--bench-run``."""
+    from tailscope import whatif as W
     from tracing import queries as Q
 
-    s = Settings.from_env()
-    try:
-        start, end = _window(args.window)
-        if not args.rate_scale > 0:
-            raise ValueError("--rate-scale must be > 0")
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     kind, target = _store_target(args, s)
     source = Q.GatewaySource(target, s.admin_key or None) if kind == "gateway" else target
-    window = {"start": start, "end": end}
-    replica = args.replica
-    if replica is None:
-        busiest = Q.frame(source, Q.WHATIF_BUSIEST, window)
-        if busiest.empty:
-            print("error: no requests with a replica in the window", file=sys.stderr)
-            return 1
-        replica = str(busiest.iloc[0]["replica"])
-    reqs = Q.frame(source, Q.WHATIF_REQUESTS, {**window, "r": replica})
-    steps = Q.frame(source, Q.WHATIF_STEPS, {**window, "r": replica})
-    if reqs.empty or steps.empty:
-        print(f"error: replica {replica!r} has no requests or no engine steps in the window",
-              file=sys.stderr)
-        return 1
-    try:
-        cost = StepCost.fit(loop_times(steps.to_dict("records")))
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    config_id = str(reqs["config_id"].mode().iloc[0])
-    _, rows = source.select(Q.CONFIG_OF, {"c": config_id})
-    recorded_engine = json.loads(rows[0][1]).get("engine", {}) if rows else {}
-    blocks = int(steps["kv_blocks_total"].max())
-    base = EngineConfig(**{**recorded_engine, "num_kv_blocks": blocks})
-    try:
-        candidate = replace(_whatif_config(base, args), num_kv_blocks=blocks)
-    except (ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    arrivals, stand_ins = [], 0
-    for r in reqs.itertuples(index=False):
-        ids = [int(x) for x in (r.input_token_ids if r.input_token_ids is not None else [])]
-        if not ids:  # counts-only capture: distinct stand-in ids (no prefix-cache hits)
-            stand_ins += 1
-            ids = [1000 + (hash((r.trace_id, k)) % 40000) for k in range(int(r.prompt_tokens))]
-        n = max(1, int(r.n))
-        for c in range(n):
-            arrivals.append(Arrival(f"{r.trace_id}-{c}", (int(r.arrival_us) - start) / 1e3 /
-                                    args.rate_scale, ids, max(1, int(r.generated_tokens) // n),
-                                    tenant=str(r.tenant), priority=int(r.priority),
-                                    cache_salt=f"tenant:{r.tenant}"))
-    # stands in for the model (the KV pool is pinned to the recorded size): any token id and
-    # length the replica took passes
-    model = replace(TINY_CONFIG, vocab_size=2**31 - 1, max_position_embeddings=1 << 24,
-                    name="whatif")
-    runs = {}
-    for name, cfg in (("recorded config", base), ("candidate", candidate)):
-        sims, _ = simulate(arrivals, cfg, cost, model)
-        runs[name] = sims
-    engine_ttft = reqs["engine_queue_ms"] + reqs["prefill_ms"]
-    recorded = {"TTFT (engine)": ("ttft_ms", engine_ttft), "TPOT": ("tpot_ms", reqs["tpot_ms"]),
-                "E2E (engine)": ("e2e_ms", engine_ttft + reqs["decode_ms"] +
-                                 reqs["preempted_ms"]),
-                "queue": ("queue_ms", reqs["engine_queue_ms"])}
-    table = {metric: [_p50_90_99(series.tolist())] +
-             [_p50_90_99([getattr(x, attr) for x in sims]) for sims in runs.values()]
-             for metric, (attr, series) in recorded.items()}
-    changed = {k: v for k, v in candidate.as_dict().items() if base.as_dict()[k] != v}
-    out = {"replica": replica, "window_us": [start, end], "requests": len(reqs),
-           "arrivals": len(arrivals), "rate_scale": args.rate_scale, "config_id": config_id,
-           "recorded_config_known": bool(rows), "stand_in_prompts": stand_ins,
-           "step_cost": cost.as_dict(), "steps": len(steps), "candidate_changes": changed,
-           "table": {m: dict(zip(("recorded", "predicted_recorded_config",
-                                  "predicted_candidate"), v, strict=True))
-                     for m, v in table.items()}}
-    if args.json:
-        print(json.dumps(out, indent=2, default=float))
-        return 0
-    e = cost.error
-    print(f"replica {replica}: {len(reqs)} requests ({len(arrivals)} sequences), {len(steps)} "
-          f"steps; config {config_id}" + ("" if rows else " (not in the configs table: "
-                                            "engine defaults)"))
+    if args.bench_run:
+        if args.window:
+            raise ValueError("give --window or --bench-run, not both")
+        start, end = W.window_of_bench_run(source, args.bench_run)
+    else:
+        start, end = _window(args.window)
+    return target, W.load(source, start, end, args.replica)
+
+
+def _print_window(w) -> None:
+    e = w.cost.error
+    print(f"window {_iso(w.start_us)}..{_iso(w.end_us)}: replica(s) {', '.join(w.replicas)}, "
+          f"{len(w.requests)} requests ({len(w.arrivals)} sequences) at {w.rate_rps:.2f} req/s, "
+          f"{w.steps} steps; config {w.config_id}"
+          + ("" if w.config_known else " (not in the configs table: engine defaults)"))
     print("step cost (ms) = " + " + ".join(f"{c:.4g}*{f}" for c, f in
-                                          zip(cost.coef, cost.as_dict()["features"],
+                                          zip(w.cost.coef, w.cost.as_dict()["features"],
                                               strict=True))
           + f"; held-out error median {e.median_rel:.1%}, p95 {e.p95_rel:.1%} "
           f"({e.n_test} steps)")
-    if stand_ins:
-        print(f"note: {stand_ins} requests kept counts, not token ids: stand-in prompts, no "
+    print(f"gateway share of TTFT (recorded median): {w.overhead_ms:.1f} ms, added to the "
+          "predicted TTFT and E2E")
+    if w.stand_ins:
+        print(f"note: {w.stand_ins} requests kept counts, not token ids: stand-in prompts, no "
               "prefix-cache hits for them")
+
+
+def _iso(us: int) -> str:
+    import datetime as dt
+
+    return dt.datetime.fromtimestamp(us / 1e6, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S")
+
+
+def _print_columns(title: str, cols: dict[str, dict | None]) -> None:
+    """One row per metric (each cell p50/p90/p99 ms), then preemptions, shed and the SLO."""
+    from tailscope.whatif import LABELS, METRICS
+
+    names = list(cols)
+    print(f"{title:<14}" + "".join(f"{n:>28}" for n in names))
+    for m in METRICS:
+        cells = ("/".join(f"{c['table'][m][q]:.0f}" for q in ("p50", "p90", "p99"))
+                 if c else "" for c in cols.values())
+        print(f"{LABELS[m]:<14}" + "".join(f"{x:>28}" for x in cells))
+    for key in ("preemptions", "shed"):
+        print(f"{key:<14}" + "".join(f"{c[key] if c else '':>28}" for c in cols.values()))
+    if any(c and "slo" in c for c in cols.values()):
+        print(f"{'SLO met':<14}" + "".join(
+            f"{c['slo']['attainment']:.1%} ({c['slo']['goodput_rps']:.2f}/s)".rjust(28)
+            if c else f"{'':>28}" for c in cols.values()))
+
+
+def cmd_whatif(args: argparse.Namespace) -> int:
+    """Recorded traffic through the engine's own scheduler on a virtual clock
+    (tailscope.whatif), under its recorded config and a candidate, side by side."""
+    from tailscope import engine_config as ECF
+    from tailscope import whatif as W
+    from tracing.timing import Slo
+
+    s = Settings.from_env()
+    try:
+        scales = [float(x) for x in args.rate_scale.split(",") if x.strip()]
+        if not scales or not all(x > 0 for x in scales):
+            raise ValueError("--rate-scale: positive numbers, comma-separated")
+        slo = Slo(**_parse_slo(args.slo)) if args.slo else None
+        if args.replicas is not None and args.replicas < 1:
+            raise ValueError("--replicas must be at least 1")
+        target, w = _whatif_window(args, s)
+        cand = W.candidate(w.base, ECF.load(args.engine_config).engine
+                           if args.engine_config else None, args.set, args.policy)
+    except W.WhatIfError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    params, results = W.compare(w, cand, args.replicas, scales, slo, args.max_inflight)
+    changed, points = params["candidate_changes"], results["points"]
+    n_rec, n_cand = params["replicas_recorded"], params["replicas_candidate"]
+    stored = None
+    if not args.no_store:
+        try:
+            stored = W.store_run(target, "whatif", w, params, results, s.admin_key or None)
+        except (W.WhatIfError, OSError) as exc:
+            print(f"warning: {exc}", file=sys.stderr)
+    if args.plot:
+        W.plot_frontier(points, args.plot, f"what-if: {changed or 'recorded config'}, "
+                        f"{n_cand} replica(s)")
+    if args.json:
+        print(json.dumps({"run_id": stored, "replicas": w.replicas, "window_us":
+                          [w.start_us, w.end_us], "config_id": w.config_id,
+                          "step_cost": w.cost.as_dict(), **params, **results},
+                         indent=2, default=float))
+        return 0
+    _print_window(w)
     print(f"candidate: {changed or 'the recorded config'}"
-          + (f"; arrivals x{args.rate_scale:g} as fast" if args.rate_scale != 1 else ""))
-    print(f"{'ms':<16}{'recorded':>26}{'predicted (recorded cfg)':>28}"
-          f"{'predicted (candidate)':>28}")
-    for metric, cols in table.items():
-        print(f"{metric:<16}" + "".join(
-            f"{'/'.join(f'{c[q]:.0f}' for q in ('p50', 'p90', 'p99')):>{w}}"
-            for c, w in zip(cols, (26, 28, 28), strict=True)))
-    print("(each cell p50/p90/p99; 'engine' times run from the replica's admission to its "
-          "first / last token)")
+          + (f"; replicas {n_rec} -> {n_cand}" if n_cand != n_rec else ""))
+    for p in points:
+        title = "ms" if p["rate_scale"] == 1.0 else \
+            f"x{p['rate_scale']:g} ({p['offered_rps']:.2f}/s)"
+        print()
+        _print_columns(title, {"recorded": p.get("recorded"),
+                               "predicted (recorded cfg)": p["recorded_config"],
+                               "predicted (candidate)": p["candidate"]})
+    print("\n(each cell p50/p90/p99 ms; TTFT and E2E as the client sees them, the rest the "
+          "engine's; 'queue' runs from arrival to the first step that ran the request)")
+    if args.plot:
+        print(f"frontier plot: {args.plot}")
+    if stored:
+        print(f"stored in whatif_runs as {stored}")
+    return 0
+
+
+def cmd_size(args: argparse.Namespace) -> int:
+    """Replicas for a peak rate: N = ceil(peak / (c * rho)) from one replica's predicted goodput
+    c on the window's traffic, confirmed by what-if runs at N - 1, N and N + 1."""
+    from tailscope import engine_config as ECF
+    from tailscope import whatif as W
+    from tracing.timing import Slo
+
+    s = Settings.from_env()
+    try:
+        slo = _parse_slo(args.slo)
+        if not slo:
+            raise ValueError("--slo is required: ttft_ms=N,tpot_ms=N")
+        target, w = _whatif_window(args, s)
+        cand = W.candidate(w.base, ECF.load(args.engine_config).engine
+                           if args.engine_config else None, args.set, args.policy)
+        out = W.size(w, cand, Slo(**slo), args.peak_rate, args.utilisation, args.attainment,
+                     args.max_inflight)
+    except W.WhatIfError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    changed = {k: v for k, v in cand.as_dict().items() if w.base.as_dict()[k] != v}
+    params = {"slo": slo, "peak_rate_rps": args.peak_rate, "utilisation": args.utilisation,
+              "target_attainment": args.attainment, "candidate_changes": changed,
+              "max_inflight": args.max_inflight}
+    stored = None
+    if not args.no_store:
+        try:
+            stored = W.store_run(target, "size", w, params, out, s.admin_key or None)
+        except (W.WhatIfError, OSError) as exc:
+            print(f"warning: {exc}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"run_id": stored, **out}, indent=2, default=float))
+        return 0
+    _print_window(w)
+    c = out["per_replica_goodput_rps"]
+    print(f"per-replica goodput c = {c:.2f} req/s (the highest rate of this traffic at which "
+          f"one replica{' of the candidate' if changed else ''} meets the SLO for "
+          f"{args.attainment:.0%} of requests, by what-if)")
+    print(f"N = ceil({args.peak_rate:g} / ({c:.2f} x {args.utilisation:g})) = "
+          f"{out['replicas']} replicas")
+    print(f"confirmed with the window scaled to {args.peak_rate:g} req/s "
+          f"(x{out['rate_scale']:.2f}):")
+    for chk in out["checks"]:
+        mark = "  <- N" if chk["replicas"] == out["replicas"] else ""
+        print(f"  {chk['replicas']} replica(s): SLO met {chk['attainment']:.1%}, goodput "
+              f"{chk['goodput_rps']:.2f}/s, TTFT p99 {chk['ttft_ms']['p99']:.0f} ms, "
+              f"shed {chk['shed']}{mark}")
+    if stored:
+        print(f"stored in whatif_runs as {stored}")
     return 0
 
 
@@ -560,13 +606,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from bench import loadgen as L
 
-    slo = {}
-    for part in (args.slo or "").split(","):
-        if part.strip():
-            key, _, value = part.partition("=")
-            if key.strip() not in ("ttft_ms", "tpot_ms") or not value:
-                raise ValueError(f"--slo {args.slo!r}: use ttft_ms=N,tpot_ms=N")
-            slo[key.strip()] = float(value)
+    slo = _parse_slo(args.slo)
     target = L.Target(args.url, model=args.model, api_key=args.api_key)
     keys = [k for k in (args.tenant_keys or "").split(",") if k]
 
@@ -743,21 +783,47 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--url", help="a gateway to go through (default: the running one, if any)")
     w.add_argument("--dsn", help="store DSN (default TAILSCOPE_STORE_DSN)")
     w.set_defaults(func=cmd_why)
-    wi = sub.add_parser("whatif", help="recorded traffic of a replica through the engine's "
-                        "own scheduler on a virtual clock: the recorded config and a candidate")
-    wi.add_argument("--window", metavar="FROM..TO", help="ISO 8601 times (UTC) or unix "
-                    "seconds (default: the last hour)")
-    wi.add_argument("--replica", help="whose traffic (default: the busiest in the window)")
-    wi.add_argument("--engine-config", metavar="FILE", help="the candidate's engine settings")
-    wi.add_argument("--set", action="append", metavar="NAME=VALUE",
-                    help="a candidate engine setting (repeatable), e.g. max_num_seqs=32")
-    wi.add_argument("--policy", help="the candidate's scheduling_policy")
-    wi.add_argument("--rate-scale", type=float, default=1.0,
-                    help="arrivals this many times as fast")
-    wi.add_argument("--url", help="a gateway to read through (default: the running one, if any)")
-    wi.add_argument("--dsn", help="store DSN (default TAILSCOPE_STORE_DSN)")
-    wi.add_argument("--json", action="store_true", help="the figures as JSON")
+    def window_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--window", metavar="FROM..TO", help="ISO 8601 times (UTC) or unix "
+                       "seconds (default: the last hour)")
+        p.add_argument("--bench-run", metavar="ID", help="the window of a 'tailscope bench' run")
+        p.add_argument("--replica", help="only this replica's traffic (default: every "
+                       "replica's in the window)")
+        p.add_argument("--engine-config", metavar="FILE", help="the candidate's engine settings")
+        p.add_argument("--set", action="append", metavar="NAME=VALUE",
+                       help="a candidate engine setting (repeatable), e.g. max_num_seqs=32")
+        p.add_argument("--policy", help="the candidate's scheduling_policy")
+        p.add_argument("--max-inflight", type=int, help="the gateway's per-replica load "
+                       "shedding limit (default 4 x max_num_seqs, the gateway's)")
+        p.add_argument("--url", help="a gateway to read through (default: the running one, if "
+                       "any)")
+        p.add_argument("--dsn", help="store DSN (default TAILSCOPE_STORE_DSN)")
+        p.add_argument("--no-store", action="store_true", help="do not keep the run in "
+                       "whatif_runs")
+        p.add_argument("--json", action="store_true", help="the figures as JSON")
+
+    wi = sub.add_parser("whatif", help="recorded traffic through the engine's own scheduler and "
+                        "the gateway's router on a virtual clock: the recorded config and a "
+                        "candidate")
+    window_args(wi)
+    wi.add_argument("--replicas", type=int, help="the candidate's replica count (default: as "
+                    "recorded)")
+    wi.add_argument("--rate-scale", default="1", metavar="X[,X...]",
+                    help="arrivals this many times as fast; several: a sweep (see --plot)")
+    wi.add_argument("--slo", metavar="ttft_ms=N,tpot_ms=N", help="also report SLO attainment "
+                    "and goodput")
+    wi.add_argument("--plot", metavar="PNG", help="write the TTFT frontier over the rate scales")
     wi.set_defaults(func=cmd_whatif)
+    sz = sub.add_parser("size", help="replicas for a peak rate under an SLO, from one replica's "
+                        "goodput on recorded traffic, confirmed by what-if runs")
+    window_args(sz)
+    sz.add_argument("--slo", required=True, metavar="ttft_ms=N,tpot_ms=N")
+    sz.add_argument("--peak-rate", type=float, required=True, metavar="REQ/S")
+    sz.add_argument("--utilisation", type=float, default=0.8, metavar="RHO",
+                    help="the share of a replica's goodput to plan for (default 0.8)")
+    sz.add_argument("--attainment", type=float, default=0.99,
+                    help="the share of requests that must meet the SLO (default 0.99)")
+    sz.set_defaults(func=cmd_size)
 
     rp = sub.add_parser("replay", help="run a recorded request again (same tokens, sampling "
                                        "and config) and report whether it came out the same")

@@ -422,21 +422,25 @@ WHY_STEPS = ("SELECT step, toUnixTimestamp64Micro(ts) AS ts_us, duration_ms, num
              "prefill_tokens, member_traces, member_prefill FROM tailscope.engine_steps "
              "WHERE replica = {r:String} AND ts >= fromUnixTimestamp64Micro({a:Int64}, 'UTC') "
              "AND ts <= fromUnixTimestamp64Micro({b:Int64}, 'UTC') ORDER BY ts, step")
-# what-if (engine.whatif via `tailscope whatif`): one replica's requests and steps in a window
+# what-if (tailscope.whatif): the requests and engine steps of some replicas in a window
 WHATIF_REQUESTS = (
-    "SELECT trace_id, toUnixTimestamp64Micro(arrival_ts) AS arrival_us, input_token_ids, "
-    "prompt_tokens, generated_tokens, n, tenant, priority, config_id, final_state, ttft_ms, "
-    "e2e_ms, tpot_ms, engine_queue_ms, prefill_ms, decode_ms, preempted_ms FROM "
-    "tailscope.requests WHERE replica = {r:String} AND " + _WINDOW + " AND generated_tokens > 0 "
-    "ORDER BY arrival_ts")
+    "SELECT trace_id, replica, toUnixTimestamp64Micro(arrival_ts) AS arrival_us, "
+    "input_token_ids, prompt_tokens, generated_tokens, n, tenant, priority, config_id, "
+    "final_state, ttft_ms, e2e_ms, tpot_ms, itl_ms, engine_queue_ms, prefill_ms, decode_ms, "
+    "preempted_ms, preemptions FROM tailscope.requests WHERE replica IN {rs:Array(String)} AND "
+    + _WINDOW + " AND generated_tokens > 0 ORDER BY arrival_ts")
 WHATIF_STEPS = (
-    "SELECT toUnixTimestamp64Micro(ts) AS ts_us, duration_ms, prefill_tokens, decode_tokens, "
-    "num_seqs, kv_blocks_used, kv_blocks_total FROM tailscope.engine_steps WHERE "
-    "replica = {r:String} AND "
+    "SELECT replica, toUnixTimestamp64Micro(ts) AS ts_us, duration_ms, prefill_tokens, "
+    "decode_tokens, num_seqs, kv_blocks_used, kv_blocks_total FROM tailscope.engine_steps WHERE "
+    "replica IN {rs:Array(String)} AND "
     "ts >= fromUnixTimestamp64Micro({start:Int64}, 'UTC') AND "
-    "ts < fromUnixTimestamp64Micro({end:Int64}, 'UTC') ORDER BY ts, step")
-WHATIF_BUSIEST = ("SELECT replica, count() AS c FROM tailscope.requests WHERE " + _WINDOW +
-                  " AND replica != '' GROUP BY replica ORDER BY c DESC LIMIT 1")
+    "ts < fromUnixTimestamp64Micro({end:Int64}, 'UTC') ORDER BY replica, ts, step")
+WHATIF_REPLICAS = ("SELECT replica, count() AS c FROM tailscope.requests WHERE " + _WINDOW +
+                   " AND replica != '' GROUP BY replica ORDER BY replica")
+WHATIF_BENCH_RUN = (
+    "SELECT min(toUnixTimestamp64Micro(arrival_ts)), "
+    "max(toUnixTimestamp64Micro(arrival_ts) + toInt64(e2e_ms * 1000)), count() "
+    "FROM tailscope.requests WHERE bench_run = {b:String}")
 TENANTS_OF = ("SELECT trace_id, any(tenant) AS tenant FROM tailscope.requests WHERE "
               "trace_id IN {ids:Array(String)} GROUP BY trace_id")
 _WHY_COLUMNS = ["token", "gap_ms", "step_ms", "idle_ms", "steps", "max_batch",
@@ -623,3 +627,40 @@ def eval_run(source, run_id: str) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFr
                     "FROM tailscope.eval_results WHERE run_id = {r:String}) LIMIT 1 BY trace_id",
                     p)
     return run, results, records
+
+
+# ---- what-if runs (tailscope whatif / size) ----------------------------------------------------
+def whatif_runs(source, limit: int = 100) -> pd.DataFrame:
+    """Stored what-if and sizing runs, newest first (JSON columns parsed)."""
+    import json
+
+    runs = frame(source, "SELECT run_id, ts, kind, fromUnixTimestamp64Micro(window_start_us, "
+                 "'UTC') AS window_start, fromUnixTimestamp64Micro(window_end_us, 'UTC') AS "
+                 "window_end, replicas, config_id, params, step_cost, results FROM "
+                 "tailscope.whatif_runs ORDER BY ts DESC LIMIT 1 BY run_id LIMIT {n:UInt32}",
+                 {"n": limit})
+    for col in ("params", "step_cost", "results"):
+        runs[col] = runs[col].map(json.loads)
+    return runs
+
+
+def whatif_table(results: dict) -> pd.DataFrame:
+    """A what-if run's predictions, one row per (rate scale, column, metric): p50/p90/p99 in
+    ms; the columns are what was recorded (at the window's own rate), the recorded config
+    predicted, and the candidate predicted."""
+    rows = []
+    for p in results.get("points", []):
+        for col in ("recorded", "recorded_config", "candidate"):
+            summary = p.get(col)
+            if not summary:
+                continue
+            slo = summary.get("slo") or {}
+            for metric, q in summary["table"].items():
+                rows.append({"rate_scale": p["rate_scale"], "offered_rps": p["offered_rps"],
+                             "column": col.replace("_", " "), "metric": metric,
+                             "p50": q["p50"], "p90": q["p90"], "p99": q["p99"],
+                             "slo_attainment": slo.get("attainment"),
+                             "preemptions": summary.get("preemptions"),
+                             "shed": summary.get("shed")})
+    return pd.DataFrame(rows, columns=["rate_scale", "offered_rps", "column", "metric", "p50",
+                                       "p90", "p99", "slo_attainment", "preemptions", "shed"])

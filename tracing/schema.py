@@ -18,6 +18,7 @@ batches without ever duplicating a row.
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 from dataclasses import dataclass
@@ -124,11 +125,41 @@ class BenchRunRow:
     ttl_days: int = 365
 
 
+@dataclass(slots=True)
+class WhatIfRunRow:
+    """One ``tailscope whatif`` / ``tailscope size`` run: the window it replayed, the step-cost
+    model it fitted (so the run can be redone), its parameters and its predictions."""
+
+    run_id: str
+    ts_us: int
+    kind: str  # whatif | size
+    window_start_us: int
+    window_end_us: int
+    replicas: str = ""  # the recorded replicas whose traffic it replayed, comma-separated
+    config_id: str = ""  # the recorded config
+    params: str = ""  # JSON: candidate settings, replicas, rate scales, SLO
+    step_cost: str = ""  # JSON: engine.whatif.StepCost.as_dict()
+    results: str = ""  # JSON
+    ttl_days: int = 365
+
+    @classmethod
+    def from_body(cls, body: dict, ts_us: int) -> WhatIfRunRow:
+        """From what ``tailscope.whatif.store_run`` sends (JSON values as objects)."""
+        def js(key: str) -> str:
+            return json.dumps(body.get(key, {}), default=float)
+
+        return cls(str(body["run_id"])[:64], ts_us, str(body["kind"]),
+                   int(body["window_start_us"]), int(body["window_end_us"]),
+                   str(body.get("replicas", "")), str(body.get("config_id", "")),
+                   js("params"), js("step_cost"), js("results"))
+
+
 # Strings with few distinct values: stored as LowCardinality(String).
 _LOW_CARDINALITY = {"tenant", "api_key_id", "endpoint", "final_state", "finish_reason",
                     "timing_source", "error_type", "model", "model_revision", "engine_version",
                     "tokenizer_revision", "gateway_version", "config_id", "replica", "state",
-                    "suite", "mode", "bench_run", "neighbour_tenant", "detail_reason", "lane"}
+                    "suite", "mode", "kind", "bench_run", "neighbour_tenant", "detail_reason",
+                    "lane"}
 _TIME_COLUMNS = {"ts_us": "ts", "arrival_ts_us": "arrival_ts"}  # µs ints -> DateTime64(6)
 _SCALARS = {str: "String", int: "Int64", float: "Float64", bool: "Bool"}
 _ARRAYS = {"input_token_ids": "Array(UInt32)", "output_token_ids": "Array(UInt32)",
@@ -198,6 +229,7 @@ TABLES: dict[str, Table] = {t.name: t for t in [
     Table("eval_results", EvalResultRow, _columns(EvalResultRow), "ts", "run_id, case_id"),
     Table("bench_runs", BenchRunRow, _columns(BenchRunRow), "ts", "ts, run_id"),
     Table("configs", ConfigRow, _columns(ConfigRow), "ts", "config_id, ts"),
+    Table("whatif_runs", WhatIfRunRow, _columns(WhatIfRunRow), "ts", "ts, run_id"),
 ]}
 
 
@@ -262,7 +294,16 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
         f"ALTER TABLE {DATABASE}.requests ADD COLUMN IF NOT EXISTS lane LowCardinality(String) "
         "DEFAULT 'standard' AFTER priority",
         f"ALTER TABLE {DATABASE}.requests ADD COLUMN IF NOT EXISTS degraded String AFTER lane"]),
+    (14, "the whatif_runs table", [
+        f"CREATE TABLE IF NOT EXISTS {DATABASE}.whatif_runs (\n    `run_id` String,\n    "
+        "`ts` DateTime64(6, 'UTC'),\n    `kind` LowCardinality(String),\n    "
+        "`window_start_us` Int64,\n    `window_end_us` Int64,\n    `replicas` String,\n    "
+        "`config_id` LowCardinality(String),\n    `params` String,\n    `step_cost` String,\n"
+        "    `results` String,\n    `ttl_days` UInt16\n)\nENGINE = MergeTree\n"
+        "PARTITION BY toDate(ts)\nORDER BY (ts, run_id)\n"
+        "TTL toDateTime(ts) + toIntervalDay(ttl_days)\n"
+        f"SETTINGS non_replicated_deduplication_window = {DEDUP_WINDOW}"]),
 ]
 
 __all__ = ["DATABASE", "TABLES", "MIGRATIONS", "ConfigRow", "EngineStepRow", "EventRow",
-           "EvalRunRow", "EvalResultRow", "BenchRunRow", "RecordEvent"]
+           "EvalRunRow", "EvalResultRow", "BenchRunRow", "WhatIfRunRow", "RecordEvent"]

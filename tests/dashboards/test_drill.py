@@ -166,6 +166,50 @@ def test_evals_page_compares_two_runs_and_links_failures_to_traces(seeded, store
     assert differ["first divergence"].iloc[0].startswith("first diverges at character 0: 'Paris'")
 
 
+def test_whatif_page_shows_a_stored_run_and_its_frontier(seeded, store):
+    """A what-if run as ``tailscope whatif`` stores it (tailscope.whatif.compare on a
+    hand-built window) and a sizing run: the page shows the predicted percentiles, the
+    frontier over the two rate scales and the replica count."""
+    import random
+
+    from engine import EngineConfig
+    from engine.whatif import Arrival, StepCost
+    from tailscope import whatif as W
+    from tracing.schema import WhatIfRunRow
+    from tracing.timing import Slo
+
+    rng = random.Random(5)
+    arrivals = [Arrival(f"q{i}", i * 20.0, [rng.randrange(5, 9000) for _ in range(80)], 12)
+                for i in range(40)]
+    cfg = EngineConfig(num_kv_blocks=256, block_size=16, max_num_seqs=4)
+    w = W.Window.of_arrivals(arrivals, cfg, StepCost((2.0, 0.05, 0.4, 0.3, 0.01)))
+    cand = W.candidate(cfg, sets=["max_num_seqs=1"])
+    params, results = W.compare(w, cand, None, [1.0, 2.0], Slo(ttft_ms=100.0))
+    now = us(NOW)
+    body = {"run_id": "wi-1", "kind": "whatif", "window_start_us": now - 60_000_000,
+            "window_end_us": now, "replicas": "r0", "config_id": "cfg-w", "params": params,
+            "step_cost": w.cost.as_dict(), "results": results}
+    store.insert_rows("whatif_runs", [WhatIfRunRow.from_body(body, now)])
+    at = AppTest.from_file(APP, default_timeout=120)
+    at.query_params["page"] = "What-if"
+    run(at)
+    table = next(d.value for d in at.dataframe if "metric" in d.value.columns)
+    ttft = table[(table["metric"] == "ttft_ms") & (table["rate_scale"] == 1.0)]
+    by_col = dict(zip(ttft["column"], ttft["p99"], strict=True))
+    assert set(by_col) == {"recorded config", "candidate"}  # no records: nothing recorded
+    assert by_col["candidate"] > by_col["recorded config"]  # one sequence at a time queues
+    assert "TTFT p99 over the offered rate" in [h.value for h in at.subheader]
+    assert len(at.get("vega_lite_chart")) == 1  # the frontier over the two scales
+    assert any("step cost" in c.value for c in at.caption)
+    size = W.size(w, cfg, Slo(ttft_ms=100.0), 4 * w.rate_rps, 1.0, 0.95)
+    store.insert_rows("whatif_runs", [WhatIfRunRow.from_body(
+        {**body, "run_id": "sz-1", "kind": "size", "results": size}, now + 1)])
+    at = AppTest.from_file(APP, default_timeout=120)
+    at.query_params["page"] = "What-if"
+    run(at)
+    assert {m.label: m.value for m in at.metric}["Replicas"] == str(size["replicas"])
+
+
 def test_stopping_tailscope_drill_leaves_no_streamlit_behind():
     import signal
     import socket

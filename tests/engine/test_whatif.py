@@ -75,11 +75,11 @@ def test_the_what_if_engine_schedules_the_arrivals_as_the_real_engine_does(
         assert real.has_unfinished(), "the test's arrivals must keep the engine busy"
         real.step()
     assert real.preemptions > 0  # the pool is small enough to preempt
-    sims, runner = simulate(
+    sims, (replica,) = simulate(
         [Arrival(rid, float(step), prompt, out, tenant=rid[-1:])
          for step, rid, prompt, out in arrivals], cfg, StepCost((1.0, 0, 0, 0, 0)),
         tiny49k.config)
-    assert runner.steps == steps
+    assert replica.runner.steps == steps
     assert all(s.state == "FINISHED" and len(s.token_ms) == out
                for s, (_, _, _, out) in zip(sims, arrivals, strict=True))
 

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+import httpx
+
 from bench.loadgen import Dist, Target, arrival_times, run_open_loop, workload
 from tests.gateway.conftest import start_server, stop_server
 
@@ -38,23 +40,33 @@ def test_whatif_replays_the_recorded_window_and_a_candidate_config(bundled_path)
             return json.loads(proc.stdout)
 
         same = whatif()
-        assert same["requests"] == 60 and same["recorded_config_known"]
-        assert same["candidate_changes"] == {}
+        assert same["requests"] == 60 and same["config_known"] and same["replicas"] == ["r0"]
+        assert same["candidate_changes"] == {} and same["run_id"]
         err = same["step_cost"]["error"]
         assert err["n_test"] >= 10 and err["median_rel"] < 0.5
-        t = same["table"]
-        recorded, predicted = t["TTFT (engine)"]["recorded"], \
-            t["TTFT (engine)"]["predicted_recorded_config"]
-        assert recorded["p90"] > 20  # it queued
-        # fidelity on its own config, loosely (measured 0.86-1.0x at p50; README)
-        assert 0.5 < predicted["p50"] / recorded["p50"] < 2.0, t
-        assert t["TTFT (engine)"]["predicted_candidate"] == predicted  # same config, same run
-        narrow = whatif("--set", "max_num_seqs=1")
+        (point,) = same["points"]
+        recorded = point["recorded"]["table"]["ttft_ms"]
+        predicted = point["recorded_config"]["table"]["ttft_ms"]
+        assert point["recorded"]["table"]["queue_ms"]["p90"] > 20  # it queued
+        # fidelity on its own config, loosely (bench/whatif_validation.py holds the bounds)
+        assert 0.5 < predicted["p50"] / recorded["p50"] < 2.0, point
+        assert point["candidate"] == point["recorded_config"]  # same config, same run
+        narrow = whatif("--set", "max_num_seqs=1", "--rate-scale", "1,2",
+                        "--slo", "ttft_ms=500,tpot_ms=100")
         assert narrow["candidate_changes"] == {"max_num_seqs": 1}
-        q = narrow["table"]["queue"]
-        assert q["predicted_candidate"]["p50"] > 2 * q["predicted_recorded_config"]["p50"]
-        faster = whatif("--rate-scale", "2")
-        assert faster["table"]["queue"]["predicted_recorded_config"]["p90"] > \
-            q["predicted_recorded_config"]["p90"]
+        one, two = narrow["points"]
+        q = one["candidate"]["table"]["queue_ms"]
+        assert q["p50"] > 2 * one["recorded_config"]["table"]["queue_ms"]["p50"]
+        assert two["recorded_config"]["table"]["queue_ms"]["p90"] > \
+            one["recorded_config"]["table"]["queue_ms"]["p90"]  # twice as fast: more queueing
+        assert one["candidate"]["slo"]["attainment"] < one["recorded_config"]["slo"]["attainment"]
+        assert "recorded" not in two and 0 <= one["recorded"]["slo"]["attainment"] <= 1
+        # both runs are kept in whatif_runs, with their step-cost model
+        body = {"sql": "SELECT run_id, kind, step_cost, params FROM tailscope.whatif_runs "
+                       "ORDER BY ts", "params": {}}
+        rows = httpx.post(f"{server.url}/debug/query", json=body, timeout=30).json()["rows"]
+        assert [r[0] for r in rows] == [same["run_id"], narrow["run_id"]]
+        assert json.loads(rows[1][2])["coef"] == narrow["step_cost"]["coef"]
+        assert json.loads(rows[1][3])["rate_scales"] == [1.0, 2.0]
     finally:
         stop_server(server)

@@ -1,0 +1,205 @@
+"""What-if fidelity: predictions from one recorded run against real runs of the same schedule.
+
+1. **Its own config.** A gateway (bundled model unless ``--model tiny``, one engine thread per
+   replica, an embedded store) takes an open-loop schedule of mixed prompt and output lengths
+   at a rate that queues. ``tailscope.whatif`` fits the step cost on that window's engine steps
+   and replays its arrivals through the engine's scheduler under the recorded config:
+   predicted TTFT and E2E p50 / p99 against what the records say (client side: arrival at the
+   gateway to first token / last token).
+2. **A change of config.** From the same window, the candidate ``--candidate`` (default
+   ``evals/configs/bundled-small-chunks.yaml``'s engine settings: 4 sequences, 64 tokens per
+   step) is predicted; then a gateway running that config takes the same schedule for real.
+3. **A change of replica count.** The same, 1 -> 2 replicas (one thread each).
+4. **Sizing.** ``size`` for a peak rate of ``--size-factor`` x one replica's predicted goodput
+   (utilisation 1): it names N; the schedule scaled to that peak runs for real on N - 1 and N
+   replicas, and the measured SLO attainment says whether N was right.
+
+Target (issue 21): predicted p50 within 15% and p99 within 25% of measured, for TTFT and E2E.
+Printed: predicted / measured and the ratio for each, and whether each bound held.
+
+    python bench/whatif_validation.py [--model bundled|tiny] [--requests 80] [--rate R]
+        [--candidate FILE] [--dtype bfloat16] [--skip-size] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.loadgen import (  # noqa: E402
+    Dist,
+    Item,
+    Target,
+    arrival_times,
+    run_open_loop,
+    workload,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+BOUNDS = {"p50": 0.15, "p99": 0.25}
+
+
+def engine_file(base: Path, out: Path, dtype: str, model: str) -> Path:
+    """``base`` (an evals config) with ``dtype`` and, for ``tiny``, the tiny model."""
+    import yaml
+
+    doc = yaml.safe_load(base.read_text())
+    doc["engine"]["dtype"] = dtype
+    if model == "tiny":
+        doc["model"] = "tiny:49152"
+    doc["name"] = f"{doc.get('name', base.stem)}-{dtype}"
+    out.write_text(yaml.safe_dump(doc))
+    return out
+
+
+def record(config: Path, schedule: list[tuple[float, Item]], replicas: int, home: Path,
+           model: str):
+    """A gateway of ``config`` with ``replicas`` (one thread each) and a store of its own
+    takes ``schedule``; returns the recorded window (``tailscope.whatif.Window``) and the
+    client's samples."""
+    from engine import default_model_path
+    from tailscope import whatif as W
+    from tracing import queries as Q
+    from tracing.client import GatewayProcess
+
+    home.mkdir(parents=True)
+    args = ["--engine-config", str(config), "--replicas", str(replicas),
+            "--max-inflight", "100000", "--queue-timeout", "0"]
+    if model == "tiny":
+        args += ["--tokenizer", str(default_model_path())]
+    env = {"TAILSCOPE_STORE_DSN": f"chdb://{home}/store", "TAILSCOPE_THREADS": "1"}
+    with GatewayProcess(args, env=env, quiet=True, cwd=home) as gw:
+        warm = Target(gw.url)  # its own bench run: not in the window
+        asyncio.run(run_open_loop(warm, [Item([11, 12, 13], 4)] * 4, [0.0] * 4))
+        target = Target(gw.url)
+        samples, _ = asyncio.run(run_open_loop(target, [i for _, i in schedule],
+                                               [t for t, _ in schedule]))
+        time.sleep(2.5)  # the store's flush
+        src = Q.GatewaySource(gw.url)
+        start, end = W.window_of_bench_run(src, target.run_id)
+        window = W.load(src, start, end)
+    failed = [s for s in samples if not s.ok]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0].error}")
+    return window, samples
+
+
+def compare_row(name: str, predicted: dict, measured: dict) -> dict:
+    """Predicted against measured TTFT and E2E p50 / p99 (``Prediction.summary`` /
+    ``recorded`` tables)."""
+    row = {"run": name}
+    for metric in ("ttft_ms", "e2e_ms"):
+        for q, bound in BOUNDS.items():
+            p, m = predicted["table"][metric][q], measured["table"][metric][q]
+            row[f"{metric}_{q}"] = {"predicted": p, "measured": m, "ratio": p / m,
+                                    "within": abs(p / m - 1) <= bound}
+    return row
+
+
+def print_rows(rows: list[dict]) -> None:
+    cols = [f"{m}_{q}" for m in ("ttft_ms", "e2e_ms") for q in BOUNDS]
+    print(f"{'run':<34}" + "".join(f"{c.replace('_ms', ''):>24}" for c in cols))
+    for r in rows:
+        print(f"{r['run']:<34}" + "".join(
+            f"{r[c]['predicted']:.0f}/{r[c]['measured']:.0f} {r[c]['ratio']:.2f}x"
+            f"{'' if r[c]['within'] else ' !'}".rjust(24) for c in cols))
+    print("(each cell predicted/measured ms and the ratio; '!' outside the bound: p50 15%, "
+          "p99 25%)")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=["bundled", "tiny"], default="bundled")
+    ap.add_argument("--requests", type=int, default=80)
+    ap.add_argument("--rate", type=float, help="arrivals per second (default: bundled 3, "
+                    "tiny 25)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--candidate", type=Path,
+                    default=ROOT / "evals/configs/bundled-small-chunks.yaml")
+    ap.add_argument("--size-factor", type=float, default=1.5)
+    ap.add_argument("--slo", default=None, help="ttft_ms=N,tpot_ms=N for the sizing check "
+                    "(default: 3x the base run's TTFT p50, 2x its TPOT p50)")
+    ap.add_argument("--skip-size", action="store_true")
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+
+    from tailscope import whatif as W
+    from tracing.timing import Slo
+
+    rate = args.rate or (3.0 if args.model == "bundled" else 25.0)
+    items = workload(args.requests, Dist("uniform", 16, 600), Dist("uniform", 4, 96),
+                     seed=args.seed)
+    offsets = arrival_times(args.requests, rate, seed=args.seed)
+    schedule = list(zip(offsets, items, strict=True))
+    rows, out = [], {"rate": rate, "requests": args.requests, "model": args.model}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        base_cfg = engine_file(ROOT / "evals/configs/bundled.yaml", tmp / "base.yaml",
+                               args.dtype, args.model)
+        cand_cfg = engine_file(args.candidate, tmp / "candidate.yaml", args.dtype, args.model)
+        print(f"recording: {args.requests} requests at {rate:g}/s, {args.model} ({args.dtype}),"
+              " 1 replica of one thread ...", flush=True)
+        base, _ = record(base_cfg, schedule, 1, tmp / "base", args.model)
+        e = base.cost.error
+        print(f"step cost fit on {base.steps} steps: held-out error median {e.median_rel:.1%}, "
+              f"p95 {e.p95_rel:.1%}; gateway share of TTFT {base.overhead_ms:.1f} ms")
+        out["step_cost"] = base.cost.as_dict()
+        measured = W.recorded(base, None)
+        rows.append(compare_row("1. recorded config", W.predict(base, base.base).summary(None),
+                                measured))
+        from tailscope import engine_config as ECF
+
+        cand = W.candidate(base.base, ECF.load(str(cand_cfg)).engine)
+        changed = {k: v for k, v in cand.as_dict().items() if base.base.as_dict()[k] != v}
+        print(f"candidate: {changed}", flush=True)
+        predicted = W.predict(base, cand).summary(None)
+        real, _ = record(cand_cfg, schedule, 1, tmp / "candidate", args.model)
+        rows.append(compare_row("2. candidate config", predicted, W.recorded(real, None)))
+        predicted = W.predict(base, base.base, 2).summary(None)
+        real, _ = record(base_cfg, schedule, 2, tmp / "two", args.model)
+        rows.append(compare_row("3. two replicas", predicted, W.recorded(real, None)))
+        print()
+        print_rows(rows)
+        out["fidelity"] = rows
+        if not args.skip_size:
+            t = measured["table"]
+            slo = Slo(**{k: float(v) for k, v in (p.split("=") for p in args.slo.split(","))}) \
+                if args.slo else Slo(ttft_ms=3 * t["ttft_ms"]["p50"],
+                                     tpot_ms=2 * t["tpot_ms"]["p50"])
+            cap = W.capacity(base, base.base, slo, 0.9)
+            peak = args.size_factor * cap["goodput_rps"]
+            sized = W.size(base, base.base, slo, peak, 1.0, 0.9)
+            n = sized["replicas"]
+            print(f"\nsize: SLO TTFT <= {slo.ttft_ms:.0f} ms, TPOT <= {slo.tpot_ms:.1f} ms for "
+                  f"90%; c = {cap['goodput_rps']:.2f} req/s per replica; peak {peak:.2f} req/s "
+                  f"-> N = {n}")
+            scaled = [(t_ / sized["rate_scale"], i) for t_, i in schedule]
+            real_runs = {}
+            for k in sorted({max(1, n - 1), n}):
+                win, samples = record(base_cfg, scaled, k, tmp / f"size{k}", args.model)
+                got = W.recorded(win, slo)["slo"]["attainment"]
+                pred = next(c["attainment"] for c in sized["checks"] if c["replicas"] == k)
+                real_runs[k] = {"predicted": pred, "measured": got}
+                print(f"  {k} replica(s) at {peak:.2f} req/s: SLO met predicted {pred:.1%}, "
+                      f"measured {got:.1%}")
+            confirmed = real_runs[n]["measured"] >= 0.9 and (
+                n == 1 or real_runs[n - 1]["measured"] < 0.9)
+            print(f"  N = {n} {'confirmed' if confirmed else 'NOT confirmed'} by the real runs")
+            out["size"] = {"replicas": n, "peak_rps": peak, "slo": [slo.ttft_ms, slo.tpot_ms],
+                           "per_replica_goodput_rps": cap["goodput_rps"], "runs": real_runs,
+                           "confirmed": confirmed}
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2, default=float))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
