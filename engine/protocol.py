@@ -61,6 +61,11 @@ class TokenDelta(msgspec.Struct):
     # with the first token, when requested: per prompt token, the same shape (the first None)
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
     step: int = 0  # the engine step that produced token_ids (StepStats.step; 0: none)
+    # when this delta left the engine, in ms since the request's engine arrival (0: unknown).
+    # The gateway places the engine's timeline with it: the engine arrived no later than
+    # (receipt - sent_ms) of any delta, so the wait for the replica to read its inbox (the step
+    # in progress) is not hidden by anchoring the engine's offsets at the send
+    sent_ms: float = 0.0
 
 
 class StepReport(msgspec.Struct, tag="step"):

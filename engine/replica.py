@@ -46,7 +46,7 @@ IDLE_POLL_MS = 100
 HEARTBEAT_S = 0.5  # at least one message this often while the loop runs
 
 
-def _delta(out: RequestOutput, engine: Engine) -> TokenDelta:
+def _delta(out: RequestOutput, engine: Engine, now_ns: int) -> TokenDelta:
     req = engine.get_request(out.request_id)
     return TokenDelta(
         request_id=out.request_id, token_ids=out.new_token_ids, state=out.state.name,
@@ -58,6 +58,7 @@ def _delta(out: RequestOutput, engine: Engine) -> TokenDelta:
         prompt_logprobs=None if out.prompt_logprobs is None else
         [None if lp is None else (lp.logprob, list(lp.top)) for lp in out.prompt_logprobs],
         step=out.step,
+        sent_ms=(now_ns - req.arrival_ns) / 1e6 if req is not None else 0.0,
     )
 
 
@@ -85,8 +86,9 @@ def step_report(replica_id: str, engine: Engine, outputs: list[RequestOutput],
     if not outputs and not ran:
         return None
     usage = engine.kv.usage()
+    now = time.monotonic_ns()
     return StepReport(
-        replica_id, [_delta(o, engine) for o in outputs],
+        replica_id, [_delta(o, engine, now) for o in outputs],
         engine.observer.steps[-1] if ran else None,
         running=len(engine.scheduler.running), waiting=len(engine.scheduler.waiting),
         kv_blocks_used=usage.blocks_used, kv_blocks_total=usage.blocks_total,

@@ -113,6 +113,9 @@ class Choice:
     calls: list = field(default_factory=list)  # the gateway.tools.ToolCall it made
     called: list[str] = field(default_factory=list)  # the tools it called
     token_steps: list[int] = field(default_factory=list)  # the engine step of each token
+    # the engine's arrival on this gateway's monotonic clock, bounded from above by each
+    # delta's receipt less its ``sent_ms`` (the tightest bound wins; None: no delta said)
+    engine_anchor_ns: int | None = None
     return_ids: bool = False  # vLLM's return_token_ids
     # tenant -> prompt tokens other requests' prefill chunks brought into its steps
     neighbours: dict[str, int] = field(default_factory=dict)
@@ -615,6 +618,7 @@ class Service:
         except (ReplicaFailed, Overloaded, Unencodable):
             return False
         c.retries, c.queue, c.replica = 1, queue, route.replica
+        c.engine_anchor_ns = None  # another engine, another arrival
         return True
 
     async def next_text(self, c: Choice) -> tuple[str, bool]:
@@ -632,6 +636,10 @@ class Service:
                 self.pool.release(c.engine_id)
                 return "", True
         delta: TokenDelta = item
+        if delta.sent_ms > 0:
+            bound = time.monotonic_ns() - int(delta.sent_ms * 1e6)
+            c.engine_anchor_ns = bound if c.engine_anchor_ns is None else \
+                min(c.engine_anchor_ns, bound)
         text = ""
         c.token_ids.extend(delta.token_ids)
         c.token_steps.extend([delta.step] * len(delta.token_ids))
@@ -730,6 +738,7 @@ class Service:
             c0 = choices[0]
             r.replica = c0.replica
             trace.engine_stats = self._named(c0.stats)
+            trace.engine_anchor_ns = c0.engine_anchor_ns
         if r.final_state:
             return
         states = [c.final_state for c in choices]

@@ -58,6 +58,8 @@ class RequestTrace:
         self.flushes: list[int] = []
         self.end_ns: int | None = None
         self.engine_stats: RequestStats | None = None  # the replica's (its timeline), at the end
+        # where the replica's offsets start on this clock (None: at ROUTED); see TokenDelta
+        self.engine_anchor_ns: int | None = None
         self.route_note = ""  # why this side of a mixed pool (ahead of the router's reason)
         self.keep_first: set[str] = set()  # marks a second attempt does not move
         self.earlier_tries = 0  # failed elsewhere first (a mixed pool's backend)
@@ -105,8 +107,12 @@ class RequestTrace:
         events += [RecordEvent(self._wall(ns), stage) for stage, ns in
                    sorted(m.items(), key=lambda kv: kv[1])]
         routed = m.get("ROUTED")
-        if routed is not None and s is not None:  # the replica's offsets, anchored at ROUTED
-            events += [RecordEvent(self._wall(routed + int(e.at_ms * 1e6)), e.state, e.detail)
+        if routed is not None and s is not None:
+            # the replica's offsets, from its arrival: not before ROUTED, and no later than
+            # any delta's receipt allows (from ROUTED to there it waited for the replica to
+            # read its inbox: the step in progress)
+            at = routed if self.engine_anchor_ns is None else max(routed, self.engine_anchor_ns)
+            events += [RecordEvent(self._wall(at + int(e.at_ms * 1e6)), e.state, e.detail)
                        for e in s.events]
         if self.flushes:
             events.append(RecordEvent(self._wall(self.flushes[0]), "FIRST_FLUSH"))

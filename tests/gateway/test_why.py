@@ -184,3 +184,41 @@ def test_a_wait_for_kv_names_its_holders_and_the_one_behind_it_names_the_head(sm
     assert any(n.startswith("hol:") and ids["blocked"] in n for n in notes), notes
     _, sentence = Q.why(Q.GatewaySource(url), ids["blocked"])
     assert "for KV blocks (held by " + ids["holder"] in sentence, sentence
+
+
+@pytest.mark.bundled
+def test_a_request_that_arrives_during_a_step_waits_for_it_in_its_record():
+    """The replica reads its inbox between steps: a request sent while a long prefill step runs
+    waits for that step. Its record must say so (engine queue time with cause 'step'), and the
+    engine's timeline must sit where it happened: the first token reaches the client soon
+    after the engine produced it (before the replica's timeline was anchored at the send, so
+    the wait vanished from the queue and reappeared between first token and first flush)."""
+    s = start_server("--max-batched-tokens", "1024", "--max-model-len", "2048",
+                     env={"TAILSCOPE_THREADS": "1", "TAILSCOPE_DTYPE": "bfloat16"})
+    try:
+        ids: dict[str, str] = {}
+        long = threading.Thread(target=completion, args=(s.url, list(range(200, 900)), 2, ids,
+                                                         "long"))
+        long.start()
+        time.sleep(0.15)  # its one 700-token prefill step is running now (~0.5 s here)
+        completion(s.url, [7, 8, 9], 2, ids, "short")
+        long.join()
+
+        def got(key):
+            assert wait_for(lambda: httpx.get(f"{s.url}/debug/requests/{ids[key]}")
+                            .status_code == 200, 10)
+            return httpx.get(f"{s.url}/debug/requests/{ids[key]}").json()
+
+        short, long_ = got("short"), got("long")
+        rec = short["record"]
+        assert rec["wait_step_ms"] > 150, short["events"]  # the rest of the long step
+        causes = sum(rec[c] for c in ("wait_step_ms", "wait_budget_ms", "wait_kv_ms",
+                                      "wait_seqs_ms", "wait_hol_ms", "wait_share_ms"))
+        assert causes == pytest.approx(rec["engine_queue_ms"] + rec["preempted_ms"], abs=0.01)
+        for r in (short, long_):
+            ev = {e["state"]: e["ts_us"] for e in r["events"]}
+            assert ev["ROUTED"] <= ev["QUEUED"] <= ev["DECODING"] <= ev["FIRST_FLUSH"]
+            # the first token left the engine at DECODING: the client had it within 100 ms
+            assert ev["FIRST_FLUSH"] - ev["DECODING"] < 100_000, r["events"]
+    finally:
+        stop_server(s)
