@@ -18,7 +18,7 @@ Target (issue 21): predicted p50 within 15% and p99 within 25% of measured, for 
 Printed: predicted / measured and the ratio for each, and whether each bound held.
 
     python bench/whatif_validation.py [--model bundled|tiny] [--requests 80] [--rate R]
-        [--candidate FILE] [--dtype bfloat16] [--skip-size] [--json OUT]
+        [--candidate FILE] [--dtype bfloat16] [--only fidelity|size] [--json OUT]
 """
 
 from __future__ import annotations
@@ -74,21 +74,28 @@ def record(config: Path, schedule: list[tuple[float, Item]], replicas: int, home
             "--max-inflight", "100000", "--queue-timeout", "0"]
     if model == "tiny":
         args += ["--tokenizer", str(default_model_path())]
-    env = {"TAILSCOPE_STORE_DSN": f"chdb://{home}/store", "TAILSCOPE_THREADS": "1"}
+    env = {"TAILSCOPE_STORE_DSN": f"chdb://{home}/store", "TAILSCOPE_THREADS": "1",
+           "TAILSCOPE_STORE_FLUSH_S": "0.5"}
     with GatewayProcess(args, env=env, quiet=True, cwd=home) as gw:
         warm = Target(gw.url)  # its own bench run: not in the window
         asyncio.run(run_open_loop(warm, [Item([11, 12, 13], 4)] * 4, [0.0] * 4))
         target = Target(gw.url)
         samples, _ = asyncio.run(run_open_loop(target, [i for _, i in schedule],
                                                [t for t, _ in schedule]))
-        time.sleep(2.5)  # the store's flush
+        failed = [s for s in samples if not s.ok]
+        if failed:
+            raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0].status} "
+                               f"{failed[0].error}")
         src = Q.GatewaySource(gw.url)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # until the store has every record of the run
+            _, rows = src.select(Q.WHATIF_BENCH_RUN, {"b": target.run_id})
+            if rows[0][2] >= len(schedule):
+                break
+            time.sleep(0.5)
+        time.sleep(1.0)  # and the engine steps of its last moments
         start, end = W.window_of_bench_run(src, target.run_id)
-        window = W.load(src, start, end)
-    failed = [s for s in samples if not s.ok]
-    if failed:
-        raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0].error}")
-    return window, samples
+        return W.load(src, start, end), samples
 
 
 def compare_row(name: str, predicted: dict, measured: dict) -> dict:
@@ -126,9 +133,10 @@ def main() -> int:
     ap.add_argument("--size-factor", type=float, default=1.5)
     ap.add_argument("--slo", default=None, help="ttft_ms=N,tpot_ms=N for the sizing check "
                     "(default: 3x the base run's TTFT p50, 2x its TPOT p50)")
-    ap.add_argument("--skip-size", action="store_true")
     ap.add_argument("--seed", type=int, default=7)
-    ap.add_argument("--json", type=Path)
+    ap.add_argument("--json", type=Path, help="write the figures (and the steps each fit saw) "
+                    "here")
+    ap.add_argument("--only", choices=["fidelity", "size"], help="run one part")
     args = ap.parse_args()
 
     from tailscope import whatif as W
@@ -152,24 +160,27 @@ def main() -> int:
         print(f"step cost fit on {base.steps} steps: held-out error median {e.median_rel:.1%}, "
               f"p95 {e.p95_rel:.1%}; gateway share of TTFT {base.overhead_ms:.1f} ms")
         out["step_cost"] = base.cost.as_dict()
+        out["base_steps"] = base.step_rows
         measured = W.recorded(base, None)
         rows.append(compare_row("1. recorded config", W.predict(base, base.base).summary(None),
                                 measured))
         from tailscope import engine_config as ECF
 
-        cand = W.candidate(base.base, ECF.load(str(cand_cfg)).engine)
-        changed = {k: v for k, v in cand.as_dict().items() if base.base.as_dict()[k] != v}
-        print(f"candidate: {changed}", flush=True)
-        predicted = W.predict(base, cand).summary(None)
-        real, _ = record(cand_cfg, schedule, 1, tmp / "candidate", args.model)
-        rows.append(compare_row("2. candidate config", predicted, W.recorded(real, None)))
-        predicted = W.predict(base, base.base, 2).summary(None)
-        real, _ = record(base_cfg, schedule, 2, tmp / "two", args.model)
-        rows.append(compare_row("3. two replicas", predicted, W.recorded(real, None)))
+        if args.only != "size":
+            cand = W.candidate(base.base, ECF.load(str(cand_cfg)).engine)
+            changed = {k: v for k, v in cand.as_dict().items() if base.base.as_dict()[k] != v}
+            print(f"candidate: {changed}", flush=True)
+            predicted = W.predict(base, cand).summary(None)
+            real, _ = record(cand_cfg, schedule, 1, tmp / "candidate", args.model)
+            out["candidate_steps"] = real.step_rows
+            rows.append(compare_row("2. candidate config", predicted, W.recorded(real, None)))
+            predicted = W.predict(base, base.base, 2).summary(None)
+            real, _ = record(base_cfg, schedule, 2, tmp / "two", args.model)
+            rows.append(compare_row("3. two replicas", predicted, W.recorded(real, None)))
         print()
         print_rows(rows)
         out["fidelity"] = rows
-        if not args.skip_size:
+        if args.only != "fidelity":
             t = measured["table"]
             slo = Slo(**{k: float(v) for k, v in (p.split("=") for p in args.slo.split(","))}) \
                 if args.slo else Slo(ttft_ms=3 * t["ttft_ms"]["p50"],

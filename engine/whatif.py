@@ -11,9 +11,17 @@ exactly as a replica running that config would, given those step costs: the only
 cost of a step. (Simulators such as Vidur re-implement a scheduler; this one cannot drift from
 the engine's, because it is the engine's.)
 
-``StepCost.fit`` is ordinary least squares of a step's duration on [1, prefill tokens, decode
-tokens, sequences, KV blocks in use] (numpy's ``lstsq``), with its error reported on held-out
-steps (every fifth): the median and p95 of |predicted - measured| / measured. The duration to
+``StepCost.fit`` is non-negative least squares (``scipy.optimize.nnls``) of a step's duration on
+[1, prefill tokens, decode tokens, sequences, KV blocks in use], each step weighted by
+1 / duration (relative error: a window's few 700 ms prefill steps otherwise decide the fit and
+its 70 ms decode steps are priced at 120), with its error reported on held-out steps (every
+fifth): the median and p95 of |predicted - measured| / measured. Every cost is kept >= 0
+because a what-if extrapolates: the features are nearly collinear in a
+recorded window (sequences ~ decode tokens + prefill chunks), and ordinary least squares fitted
+a bundled-model window (1 thread) as 53.8 ms per decode token and -39.4 ms per sequence, which
+priced a step of 4 prefill chunks below zero and predicted a 4-sequence / 64-token config's
+TTFT at 0.16-0.7x of what that config then measured; the non-negative fit of the same steps
+predicted that config's own steps at 0.99x on average. The duration to
 fit is what a step holds the engine loop (``loop_times``: from its start to the next step's,
 when that one followed at once), not only its forward: the report and the messages between
 steps are part of every step's cost, and near saturation 10% more service time is much more
@@ -68,8 +76,11 @@ class StepCost:
         x = np.array([[1.0, s["prefill_tokens"], s["decode_tokens"], s["num_seqs"],
                        s["kv_blocks_used"]] for s in steps], dtype=np.float64)
         y = np.array([s["duration_ms"] for s in steps], dtype=np.float64)
+        from scipy.optimize import nnls
+
         test = np.arange(len(steps)) % holdout_every == holdout_every - 1
-        coef = np.linalg.lstsq(x[~test], y[~test], rcond=None)[0]
+        w = 1.0 / np.maximum(y[~test], 1e-3)  # relative error, as it is reported
+        coef = nnls(x[~test] * w[:, None], y[~test] * w)[0]
         pred = np.maximum(x[test] @ coef, 0.0)
         rel = np.abs(pred - y[test]) / np.maximum(y[test], 1e-9)
         error = FitError(float(np.median(rel)), float(np.percentile(rel, 95)),

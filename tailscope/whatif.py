@@ -73,6 +73,7 @@ class Window:
     overhead_ms: float  # median client TTFT - engine TTFT: the gateway's share
     stand_ins: int = 0  # requests whose token ids were not kept (counts only)
     arrivals: list[Arrival] = field(default_factory=list)
+    step_rows: list[dict] = field(default_factory=list)  # what the cost was fitted on
 
     @property
     def duration_s(self) -> float:
@@ -131,6 +132,7 @@ def load(source, start_us: int, end_us: int, replica: str | None = None) -> Wind
     w = Window(start_us, end_us, replicas, reqs, len(steps), cost, config_id, bool(rows), base,
                float(overhead.median()) if len(overhead) else 0.0)
     w.arrivals, w.stand_ins = _arrivals(reqs, start_us)
+    w.step_rows = busy
     return w
 
 
