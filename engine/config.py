@@ -27,6 +27,8 @@ class ModelConfig:
     eos_token_id: int | None = None
     name: str = "unknown"
     revision: str = "unknown"
+    qkv_bias: bool = False  # Q/K/V projections have biases (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm of Q and K before RoPE (Qwen3)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

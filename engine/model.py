@@ -1,4 +1,7 @@
-"""Llama-family decoder in plain PyTorch (Llama, SmolLM, Mistral-style checkpoints).
+"""Llama-family decoder in plain PyTorch (Llama, SmolLM, Mistral, Qwen2, Qwen3 checkpoints).
+
+Qwen2 adds biases to the Q/K/V projections (``ModelConfig.qkv_bias``), Qwen3 a per-head RMSNorm
+of Q and K before RoPE (``ModelConfig.qk_norm``); otherwise the layers are Llama's.
 
 Weights use the HF layout (``rotate_half`` RoPE); the GGUF loader un-permutes llama.cpp's Q/K
 rows on load so both loaders feed the same module. Q/K/V and gate/up projections are fused
@@ -56,6 +59,9 @@ class LayerWeights:
     ffn_norm: torch.Tensor
     gate_up: Linear | InvariantLinear  # [2 * ffn, hidden]
     down: Linear | InvariantLinear
+    qkv_bias: torch.Tensor | None = None  # [(H + 2*Hk) * D] (Qwen2)
+    q_norm: torch.Tensor | None = None  # [D] (Qwen3)
+    k_norm: torch.Tensor | None = None
 
 
 class LlamaModel:
@@ -97,6 +103,10 @@ class LlamaModel:
                 ffn_norm=take(f"{i}.ffn_norm"),
                 gate_up=linear(take(f"{i}.gate", f"{i}.up")),
                 down=linear(take(f"{i}.down")),
+                qkv_bias=take(f"{i}.q_bias", f"{i}.k_bias", f"{i}.v_bias") if c.qkv_bias
+                else None,
+                q_norm=take(f"{i}.q_norm") if c.qk_norm else None,
+                k_norm=take(f"{i}.k_norm") if c.qk_norm else None,
             )
             for i in range(c.num_layers)
         ]
@@ -122,6 +132,7 @@ class LlamaModel:
         for lw in self.layers:
             n += lw.attn_norm.numel() + lw.ffn_norm.numel()
             n += lw.qkv.numel + lw.o.numel + lw.gate_up.numel + lw.down.numel
+            n += sum(t.numel() for t in (lw.qkv_bias, lw.q_norm, lw.k_norm) if t is not None)
         return n
 
     @property
@@ -143,8 +154,14 @@ class LlamaModel:
         else:
             x = F.rms_norm(h, (c.hidden_size,), lw.attn_norm, c.rms_norm_eps)
         qkv = lw.qkv(x)
+        if lw.qkv_bias is not None:
+            qkv = qkv + lw.qkv_bias
         nqk = (c.num_heads + c.num_kv_heads) * c.head_dim
         qk = qkv[:, :nqk].view(-1, c.num_heads + c.num_kv_heads, c.head_dim)
+        if lw.q_norm is not None:  # per head, before RoPE
+            d = (c.head_dim,)
+            qk = torch.cat([F.rms_norm(qk[:, :c.num_heads], d, lw.q_norm, c.rms_norm_eps),
+                            F.rms_norm(qk[:, c.num_heads:], d, lw.k_norm, c.rms_norm_eps)], 1)
         if triton:  # in place, Q and K heads in one launch
             qk = qk.contiguous()
             kernels.rotary(qk, positions, self.cos_half, self.sin_half)

@@ -11,19 +11,19 @@ exactly as a replica running that config would, given those step costs: the only
 cost of a step. (Simulators such as Vidur re-implement a scheduler; this one cannot drift from
 the engine's, because it is the engine's.)
 
-``StepCost.fit`` is non-negative least squares (``scipy.optimize.nnls``) of a step's duration on
-[1, prefill tokens, decode tokens, sequences, KV blocks in use], each step weighted by
+``StepCost.fit`` is non-negative least squares (``scipy.optimize.nnls``) of a step's duration
+on [1, prefill tokens, decode tokens, sequences, KV blocks in use], each step weighted by
 1 / duration (relative error: a window's few 700 ms prefill steps otherwise decide the fit and
 its 70 ms decode steps are priced at 120), then scaled so that the training steps' total
 predicted time equals their measured total (a relative fit under-prices the long steps a
 little, and queueing adds every step's error up: 0.90-0.96 of the busy time predicted
-recorded TTFT at 0.65-0.8x), with its error reported on held-out steps (every fifth): the median and p95 of |predicted - measured| / measured. Every cost is kept >= 0
-because a what-if extrapolates: the features are nearly collinear in a
-recorded window (sequences ~ decode tokens + prefill chunks), and ordinary least squares fitted
-a bundled-model window (1 thread) as 53.8 ms per decode token and -39.4 ms per sequence, which
-priced a step of 4 prefill chunks below zero and predicted a 4-sequence / 64-token config's
-TTFT at 0.16-0.7x of what that config then measured; the non-negative fit of the same steps
-predicted that config's own steps at 0.99x on average. The duration to
+recorded TTFT at 0.65-0.8x). Its error is reported on held-out steps (every fifth): the median
+and p95 of |predicted - measured| / measured. Every cost is kept >= 0 because a what-if
+extrapolates: the features are nearly collinear in a recorded window (sequences ~ decode
+tokens + prefill chunks), and ordinary least squares fitted a bundled-model window (1 thread)
+as 53.8 ms per decode token and -39.4 ms per sequence, which priced a step of 4 prefill chunks
+below zero and predicted a 4-sequence / 64-token config's TTFT at 0.16-0.7x of what that
+config then measured. The duration to
 fit is what a step holds the engine loop (``loop_times``: from its start to the next step's,
 when that one followed at once), not only its forward: the report and the messages between
 steps are part of every step's cost, and near saturation 10% more service time is much more

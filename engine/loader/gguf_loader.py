@@ -18,7 +18,8 @@ from engine.config import ModelConfig
 from engine.loader.errors import UnsupportedModelError
 from engine.loader.gguf_read import GGUFFile
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+# llama.cpp's names; its converter permutes Q/K rows for llama only (qwen2/qwen3 keep HF's)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 SUPPORTED_TYPES = frozenset({
     Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
     Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
@@ -27,6 +28,7 @@ SUPPORTED_TYPES = frozenset({
 _LAYER_TENSORS = {
     "attn_norm": "attn_norm", "attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o",
     "ffn_norm": "ffn_norm", "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down",
+    "attn_q_norm": "q_norm", "attn_k_norm": "k_norm",
 }
 
 
@@ -82,7 +84,8 @@ def read_config(reader: GGUFFile, path: Path) -> ModelConfig:
         num_layers=int(field_value(reader, f"{arch}.block_count")),
         num_heads=n_head,
         num_kv_heads=int(field_value(reader, f"{arch}.attention.head_count_kv", n_head)),
-        head_dim=int(field_value(reader, f"{arch}.rope.dimension_count", hidden // n_head)),
+        head_dim=int(field_value(reader, f"{arch}.attention.key_length") or field_value(
+            reader, f"{arch}.rope.dimension_count", hidden // n_head)),
         rope_theta=float(field_value(reader, f"{arch}.rope.freq_base", 10000.0)),
         rms_norm_eps=float(field_value(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         max_position_embeddings=int(field_value(reader, f"{arch}.context_length", 2048)),
@@ -91,6 +94,8 @@ def read_config(reader: GGUFFile, path: Path) -> ModelConfig:
         eos_token_id=None if eos is None else int(eos),
         name=str(field_value(reader, "general.name", path.stem)),
         revision=file_revision(path),
+        qkv_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
     )
 
 
@@ -127,13 +132,17 @@ def load_gguf(path: str | Path
         elif name == "output_norm.weight":
             key = "final_norm"
         elif name.startswith("blk."):
-            _, idx, kind, _ = name.split(".", 3)
+            _, idx, kind, suffix = name.split(".", 3)
             if kind not in _LAYER_TENSORS:
                 continue  # e.g. rope_freqs: not used by the supported architectures
-            key = f"{idx}.{_LAYER_TENSORS[kind]}"
+            key = f"{idx}.{_LAYER_TENSORS[kind]}" + ("_bias" if suffix == "bias" else "")
+            if suffix == "bias" and kind not in ("attn_q", "attn_k", "attn_v"):
+                raise UnsupportedModelError(f"{path.name}: tensor {name}: biases other than "
+                                            "Q/K/V are not supported")
         else:
             continue
-        n_head = {"q": config.num_heads, "k": config.num_kv_heads}.get(key.rsplit(".", 1)[-1])
+        n_head = {"q": config.num_heads, "k": config.num_kv_heads}.get(
+            key.rsplit(".", 1)[-1]) if config.architecture == "llama" else None
         weights[key] = functools.partial(_load_tensor, t, n_head)
     return config, weights
 

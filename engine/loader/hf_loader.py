@@ -1,4 +1,7 @@
-"""Load an HF Llama-family directory: ``config.json`` + ``*.safetensors``."""
+"""Load an HF Llama-family directory: ``config.json`` + ``*.safetensors``.
+
+Llama, Mistral (its sliding window bounds the context: within it full attention is exact),
+Qwen2 / Qwen2.5 (Q/K/V biases) and Qwen3 (Q/K norms). Anything else is refused by name."""
 
 from __future__ import annotations
 
@@ -12,12 +15,16 @@ from safetensors.torch import load_file
 from engine.config import ModelConfig
 from engine.loader.errors import UnsupportedModelError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM")
 _LAYER = {
     "input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "q",
     "self_attn.k_proj.weight": "k", "self_attn.v_proj.weight": "v",
     "self_attn.o_proj.weight": "o", "post_attention_layernorm.weight": "ffn_norm",
     "mlp.gate_proj.weight": "gate", "mlp.up_proj.weight": "up", "mlp.down_proj.weight": "down",
+    "self_attn.q_proj.bias": "q_bias", "self_attn.k_proj.bias": "k_bias",
+    "self_attn.v_proj.bias": "v_bias", "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm",
 }
 
 
@@ -33,8 +40,23 @@ def read_config(path: Path) -> ModelConfig:
     rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
     if rope_type != "default":
         raise UnsupportedModelError(f"{path}: rope scaling {rope_type!r} is not supported")
-    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-        raise UnsupportedModelError(f"{path}: attention/MLP biases are not supported")
+    arch = archs[0]
+    # Qwen2 always has Q/K/V biases (and no output bias); elsewhere attention_bias would add
+    # an output-projection bias too, which this engine does not have
+    if (cfg.get("attention_bias") and arch != "Qwen2ForCausalLM") or cfg.get("mlp_bias"):
+        raise UnsupportedModelError(f"{path}: attention output / MLP biases are not supported")
+    max_pos = cfg.get("max_position_embeddings", 2048)
+    window = cfg.get("sliding_window")
+    if arch == "Qwen2ForCausalLM" or arch == "Qwen3ForCausalLM":
+        window = window if cfg.get("use_sliding_window") else None
+    if window is not None and window < max_pos:
+        if cfg.get("max_window_layers") is not None and \
+                cfg["max_window_layers"] < cfg["num_hidden_layers"]:
+            raise UnsupportedModelError(
+                f"{path}: sliding-window attention on some layers only (max_window_layers "
+                f"{cfg['max_window_layers']} of {cfg['num_hidden_layers']}) is not supported")
+        # full attention equals sliding-window attention up to the window: serve that much
+        max_pos = int(window)
     n_head = cfg["num_attention_heads"]
     eos = cfg.get("eos_token_id")
     rope_theta = cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 1e4))
@@ -49,12 +71,14 @@ def read_config(path: Path) -> ModelConfig:
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_head,
         rope_theta=float(rope_theta),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        max_position_embeddings=max_pos,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
         name=cfg.get("_name_or_path") or path.name,
         revision=hashlib.sha256((path / "config.json").read_bytes()).hexdigest()[:12],
+        qkv_bias=arch == "Qwen2ForCausalLM",
+        qk_norm=arch == "Qwen3ForCausalLM",
     )
 
 

@@ -1,0 +1,190 @@
+"""More architectures, verified without any download: tiny random Qwen2, Qwen3 and Mistral models
+built with transformers' own config and modeling classes, saved as HF directories and written
+as GGUF with the ``gguf`` writer (llama.cpp's tensor names; no Q/K permutation for qwen), loaded
+by the engine: logits against transformers' forward, greedy tokens against its generate, and
+(Qwen3) served through the gateway with the chat template of its ``tokenizer_config.json``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from engine import Engine, EngineConfig, SamplingParams, UnsupportedModelError, load_model
+
+IDS = [3, 17, 255, 42, 99, 1, 0, 299, 150]
+
+
+def tiny(arch: str, vocab: int = 300, **extra):
+    """A random transformers model of ``arch`` (eval mode, float32)."""
+    import transformers as T
+
+    common = dict(vocab_size=vocab, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
+                  rope_theta=5000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    cfg_cls, model_cls = {"qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM),
+                          "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM),
+                          "mistral": (T.MistralConfig, T.MistralForCausalLM)}[arch]
+    if arch == "qwen3":
+        common["head_dim"] = 16  # not hidden / heads (8): Qwen3 sets it on its own
+    torch.manual_seed(0)
+    model = model_cls(cfg_cls(**{**common, **extra})).eval()
+    with torch.no_grad():  # random biases and norm weights, so a loader that drops them fails
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "q_norm" in name or "k_norm" in name:
+                p.copy_(torch.randn_like(p) * 0.5 + (1.0 if "norm" in name else 0.0))
+    return model
+
+
+_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+         "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+         "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+         "post_attention_layernorm": "ffn_norm", "self_attn.q_norm": "attn_q_norm",
+         "self_attn.k_norm": "attn_k_norm"}
+
+
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def write_gguf(model, arch: str, path: Path) -> None:
+    """The model as llama.cpp's converter lays it out for ``arch`` (qwen2 / qwen3: HF's Q/K
+    row order kept; Qwen3's head size as ``attention.key_length``)."""
+    c = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(head_dim(c))
+    w.add_value_length(head_dim(c))
+    w.add_rope_freq_base(getattr(c, "rope_theta", None) or c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    for name, t in model.state_dict().items():
+        arr = t.float().numpy()
+        if name == "model.embed_tokens.weight":
+            out = "token_embd.weight"
+        elif name == "lm_head.weight":
+            out = "output.weight"
+        elif name == "model.norm.weight":
+            out = "output_norm.weight"
+        else:
+            _, _, idx, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            out = f"blk.{idx}.{_GGUF[module]}.{kind}"
+        w.add_tensor(out, np.ascontiguousarray(arr))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def greedy(model, ids: list[int], n: int) -> list[int]:
+    """transformers' forward, argmax, full recompute each token (its ``generate`` gave other
+    tokens than its own forward for the tiny Qwen3 here: its cache path, not the model)."""
+    ids = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[-n:]
+
+
+# (a Mistral GGUF is a 'llama' one to llama.cpp: the llama GGUF tests cover it)
+@pytest.mark.parametrize("arch,fmt", [("qwen2", "hf"), ("qwen3", "hf"), ("mistral", "hf"),
+                                      ("qwen2", "gguf"), ("qwen3", "gguf")])
+def test_the_engine_matches_transformers(tmp_path, arch, fmt):
+    ref = tiny(arch)
+    if fmt == "hf":
+        ref.save_pretrained(tmp_path)
+        ours = load_model(tmp_path)
+    else:
+        write_gguf(ref, arch, tmp_path / "m.gguf")
+        ours = load_model(tmp_path / "m.gguf")
+    assert ours.config.qkv_bias is (arch == "qwen2")
+    assert ours.config.qk_norm is (arch == "qwen3")
+    assert ours.config.head_dim == head_dim(ref.config)
+    with torch.no_grad():
+        theirs = ref(torch.tensor([IDS])).logits[0]
+    torch.testing.assert_close(ours.dense_forward(torch.tensor(IDS)), theirs, rtol=0,
+                               atol=1e-4)
+    # through the paged engine (prefill chunks, decode steps, the KV cache): the same tokens
+    engine = Engine(ours, EngineConfig(num_kv_blocks=64, block_size=4, max_batched_tokens=5))
+    prompts = [IDS, IDS[3:] + [7, 8, 9, 10, 11, 12]]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0,
+                                                   ignore_eos=True))
+    assert [o.output_token_ids for o in outs] == [greedy(ref, p, 10) for p in prompts]
+
+
+def test_mistral_sliding_window_bounds_the_context_and_partial_windows_are_refused(tmp_path):
+    """Within its window full attention is sliding-window attention: the context is capped
+    there (a longer prompt is refused as too long, never silently mis-attended)."""
+    ref = tiny("mistral", sliding_window=64)
+    ref.save_pretrained(tmp_path / "m")
+    assert load_model(tmp_path / "m").config.max_position_embeddings == 64
+    q = tiny("qwen2", use_sliding_window=True, sliding_window=32, max_window_layers=1)
+    q.save_pretrained(tmp_path / "q")
+    with pytest.raises(UnsupportedModelError, match="max_window_layers"):
+        load_model(tmp_path / "q")
+
+
+def test_unsupported_architectures_and_weights_are_named(tmp_path):
+    (tmp_path / "phi").mkdir()
+    (tmp_path / "phi" / "config.json").write_text(json.dumps(
+        {"architectures": ["Phi3ForCausalLM"]}))
+    with pytest.raises(UnsupportedModelError, match="Phi3ForCausalLM.*not supported"):
+        load_model(tmp_path / "phi")
+    ref = tiny("qwen3", attention_bias=True)  # adds an output-projection bias
+    ref.save_pretrained(tmp_path / "q3")
+    with pytest.raises(UnsupportedModelError, match="output"):
+        load_model(tmp_path / "q3")
+    write_gguf(ref, "qwen3", tmp_path / "q3.gguf")
+    with pytest.raises(UnsupportedModelError, match="attn_output.bias"):
+        load_model(tmp_path / "q3.gguf")
+
+
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\nQWEN-TEMPLATE "
+            "{% endif %}")
+
+
+@pytest.mark.bundled
+def test_a_qwen3_directory_is_served_with_its_own_chat_template(tmp_path, bundled_path):
+    """A tiny Qwen3 with the bundled tokenizer's vocabulary, its tokenizer files beside it and
+    a chat template of its own in tokenizer_config.json: served by the gateway, the prompt the
+    engine got is that template's."""
+    from transformers import AutoTokenizer
+
+    from engine.text import load_tokenizer
+    from tests.gateway.conftest import start_server, stop_server
+
+    ref = tiny("qwen3", vocab=49152)
+    ref.config.eos_token_id = 2
+    ref.save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(str(bundled_path.parent),
+                                  gguf_file=bundled_path.name).save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = TEMPLATE
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)  # one template: the config's
+    server = start_server("--model", str(tmp_path), "--served-model-name", "tiny-qwen3")
+    try:
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+            "model": "tiny-qwen3", "max_tokens": 6, "temperature": 0,
+            "messages": [{"role": "user", "content": "Hi there"}]})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] >= 1
+        trace = r.headers["x-tailscope-trace-id"]
+        rec = httpx.get(f"{server.url}/debug/requests/{trace}", timeout=10).json()["record"]
+        prompt = load_tokenizer(tmp_path).decode(rec["input_token_ids"])
+        assert prompt.endswith("<|im_start|>assistant\nQWEN-TEMPLATE "), prompt
+        assert "Hi there" in prompt
+    finally:
+        stop_server(server)
