@@ -261,8 +261,12 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
     async def debug_config() -> dict:
         """The gateway's resolved config, its config_id and versions (the eval runner reads
         them to label a run). Open: it holds no secrets."""
+        from engine.config import auto_dtype
+
+        chosen, why = auto_dtype()
         return {"config_id": versions["config_id"], "name": config.config_name,
-                "config": resolved_config(config), "versions": versions}
+                "config": resolved_config(config), "versions": versions,
+                "dtype_auto": {"chooses": chosen, "because": why}}
 
     @app.get("/debug/replicas")
     async def debug_replicas(request: Request) -> dict:

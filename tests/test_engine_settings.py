@@ -78,15 +78,18 @@ def test_bad_values_are_refused_naming_the_setting(tmp_path):
 def test_the_replica_receives_the_whole_config(bundled_path):
     import httpx
 
+    from engine.config import auto_dtype
     from tests.gateway.conftest import start_server, stop_server
 
     server = start_server("--model", "tiny:49152", "--tokenizer", str(bundled_path),
-                          "--num-kv-blocks", "40", "--max-num-seqs", "3")
+                          "--num-kv-blocks", "40", "--max-num-seqs", "3", "--dtype", "auto")
     try:
         info = httpx.get(f"{server.url}/debug/replicas").json()["r0"]
         assert info["kv_blocks_total"] == 40  # only the replica's engine could know this
-        engine = httpx.get(f"{server.url}/debug/config").json()["config"]["engine"]
+        body = httpx.get(f"{server.url}/debug/config").json()
+        engine = body["config"]["engine"]
         assert engine["max_num_seqs"] == 3 and engine["num_kv_blocks"] == 40
+        assert engine["dtype"] == body["dtype_auto"]["chooses"] == auto_dtype()[0]
     finally:
         stop_server(server)
 
@@ -104,3 +107,26 @@ def test_a_backend_entry_with_a_typo_is_refused(tmp_path):
     path.write_text("backends:\n  - {name: a, url: 'http://x', model: m, idle_timeout: 3}\n")
     with pytest.raises(ConfigFileError, match="idle_timeout"):
         load(path)
+
+
+def test_dtype_auto_is_resolved_where_the_config_is_made(tmp_path, monkeypatch):
+    """``auto`` is bf16 where the CPU multiplies bf16 natively, else fp32; it becomes the
+    concrete dtype when the config is made, so config_id, the replicas and the records see
+    the choice, and a config written ``auto`` is the same config as the one it chose."""
+    from engine.config import auto_dtype
+
+    assert auto_dtype({"avx2", "avx512f", "avx512_bf16"})[0] == "bfloat16"
+    assert auto_dtype({"avx2", "amx_bf16", "amx_tile"})[0] == "bfloat16"
+    chosen, why = auto_dtype({"avx2", "avx512f"})
+    assert chosen == "float32" and "avx512_bf16" in why
+    here = auto_dtype()[0]
+    assert EngineConfig(dtype="auto").dtype == here
+    assert EngineConfig(dtype="auto") == EngineConfig(dtype=here)
+    f = tmp_path / "c.yaml"
+    f.write_text("engine: {dtype: auto}")
+    assert EngineConfig.from_mapping(load(f).engine, str(f)).dtype == here
+    monkeypatch.setenv("TAILSCOPE_DTYPE", "auto")
+    assert Settings.from_env().engine.dtype == here
+    f.write_text("engine: {dtype: bf8}")
+    with pytest.raises(ConfigFileError, match="or auto"):
+        load(f)
