@@ -168,8 +168,7 @@ def main() -> int:
 
         if args.only != "size":
             cand = W.candidate(base.base, ECF.load(str(cand_cfg)).engine)
-            changed = {k: v for k, v in cand.as_dict().items() if base.base.as_dict()[k] != v}
-            print(f"candidate: {changed}", flush=True)
+            print(f"candidate: {W.changes(base.base, cand)}", flush=True)
             predicted = W.predict(base, cand).summary(None)
             real, _ = record(cand_cfg, schedule, 1, tmp / "candidate", args.model)
             out["candidate_steps"] = real.step_rows

@@ -390,6 +390,21 @@ def _print_columns(title: str, cols: dict[str, dict | None]) -> None:
             if c else f"{'':>28}" for c in cols.values()))
 
 
+def _keep_run(args: argparse.Namespace, s: Settings, target, kind: str, w, params: dict,
+              results: dict) -> str | None:
+    """The run's id in ``whatif_runs`` (None with ``--no-store``, or when storing failed:
+    then a warning says why and the figures are printed all the same)."""
+    from tailscope import whatif as W
+
+    if args.no_store:
+        return None
+    try:
+        return W.store_run(target, kind, w, params, results, s.admin_key or None)
+    except (W.WhatIfError, OSError) as exc:
+        print(f"warning: {exc}", file=sys.stderr)
+        return None
+
+
 def cmd_whatif(args: argparse.Namespace) -> int:
     """Recorded traffic through the engine's own scheduler on a virtual clock
     (tailscope.whatif), under its recorded config and a candidate, side by side."""
@@ -417,12 +432,7 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     params, results = W.compare(w, cand, args.replicas, scales, slo, args.max_inflight)
     changed, points = params["candidate_changes"], results["points"]
     n_rec, n_cand = params["replicas_recorded"], params["replicas_candidate"]
-    stored = None
-    if not args.no_store:
-        try:
-            stored = W.store_run(target, "whatif", w, params, results, s.admin_key or None)
-        except (W.WhatIfError, OSError) as exc:
-            print(f"warning: {exc}", file=sys.stderr)
+    stored = _keep_run(args, s, target, "whatif", w, params, results)
     if args.plot:
         W.plot_frontier(points, args.plot, f"what-if: {changed or 'recorded config'}, "
                         f"{n_cand} replica(s)")
@@ -474,16 +484,11 @@ def cmd_size(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    changed = {k: v for k, v in cand.as_dict().items() if w.base.as_dict()[k] != v}
+    changed = W.changes(w.base, cand)
     params = {"slo": slo, "peak_rate_rps": args.peak_rate, "utilisation": args.utilisation,
               "target_attainment": args.attainment, "candidate_changes": changed,
               "max_inflight": args.max_inflight}
-    stored = None
-    if not args.no_store:
-        try:
-            stored = W.store_run(target, "size", w, params, out, s.admin_key or None)
-        except (W.WhatIfError, OSError) as exc:
-            print(f"warning: {exc}", file=sys.stderr)
+    stored = _keep_run(args, s, target, "size", w, params, out)
     if args.json:
         print(json.dumps({"run_id": stored, **out}, indent=2, default=float))
         return 0

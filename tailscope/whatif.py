@@ -173,6 +173,12 @@ def candidate(base: EngineConfig, engine_settings: dict | None = None,
     return replace(EngineConfig(**merged), num_kv_blocks=base.num_kv_blocks)
 
 
+def changes(base: EngineConfig, cand: EngineConfig) -> dict:
+    """The settings ``cand`` has that ``base`` has not."""
+    b = base.as_dict()
+    return {k: v for k, v in cand.as_dict().items() if b[k] != v}
+
+
 def _route(config: EngineConfig, max_inflight: int | None):
     """The gateway's routing rule over simulated replicas (``None``: shed, as a 429)."""
     from gateway import router
@@ -271,7 +277,7 @@ def compare(w: Window, cand: EngineConfig, replicas: int | None = None,
     results) as ``whatif_runs`` keeps them."""
     n_rec = len(w.replicas)
     n_cand = replicas or n_rec
-    changed = {k: v for k, v in cand.as_dict().items() if w.base.as_dict()[k] != v}
+    changed = changes(w.base, cand)
     points = []
     for scale in scales:
         point = {"rate_scale": scale, "offered_rps": w.rate_rps * scale,
