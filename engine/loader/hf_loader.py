@@ -1,7 +1,9 @@
 """Load an HF Llama-family directory: ``config.json`` + ``*.safetensors``.
 
 Llama, Mistral (its sliding window bounds the context: within it full attention is exact),
-Qwen2 / Qwen2.5 (Q/K/V biases) and Qwen3 (Q/K norms). Anything else is refused by name."""
+Qwen2 / Qwen2.5 (Q/K/V biases), Qwen3 (Q/K norms) and Phi-3 (Llama with fused ``qkv_proj`` and
+``gate_up_proj``, split here; its long-context rope scaling and partial rotary are refused).
+Anything else is refused by name."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from engine.config import ModelConfig
 from engine.loader.errors import UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM")
+                           "Qwen3ForCausalLM", "Phi3ForCausalLM")
 _LAYER = {
     "input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "q",
     "self_attn.k_proj.weight": "k", "self_attn.v_proj.weight": "v",
@@ -36,15 +38,22 @@ def read_config(path: Path) -> ModelConfig:
             f"{path}: architecture {archs[0]!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
-    rope_scaling = cfg.get("rope_scaling") or {}
-    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-    if rope_type != "default":
-        raise UnsupportedModelError(f"{path}: rope scaling {rope_type!r} is not supported")
+    for rope in (cfg.get("rope_scaling") or {}, cfg.get("rope_parameters") or {}):
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise UnsupportedModelError(f"{path}: rope scaling {rope_type!r} is not supported")
+        if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise UnsupportedModelError(f"{path}: partial rotary embeddings are not supported")
+    if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise UnsupportedModelError(f"{path}: partial rotary embeddings are not supported")
     arch = archs[0]
     # Qwen2 always has Q/K/V biases (and no output bias); elsewhere attention_bias would add
     # an output-projection bias too, which this engine does not have
     if (cfg.get("attention_bias") and arch != "Qwen2ForCausalLM") or cfg.get("mlp_bias"):
         raise UnsupportedModelError(f"{path}: attention output / MLP biases are not supported")
+    act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
+    if act != "silu":
+        raise UnsupportedModelError(f"{path}: activation {act!r} is not supported (silu only)")
     max_pos = cfg.get("max_position_embeddings", 2048)
     window = cfg.get("sliding_window")
     if arch == "Qwen2ForCausalLM" or arch == "Qwen3ForCausalLM":
@@ -104,6 +113,17 @@ def load_hf_dir(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
                 idx, rest = name[len("model.layers."):].split(".", 1)
                 if rest in _LAYER:
                     weights[f"{idx}.{_LAYER[rest]}"] = t
+                elif rest == "self_attn.qkv_proj.weight":  # Phi-3: [q; k; v] rows
+                    c = config
+                    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+                    weights[f"{idx}.q"], weights[f"{idx}.k"], weights[f"{idx}.v"] = \
+                        t.split([q, kv, kv])
+                elif rest == "mlp.gate_up_proj.weight":  # Phi-3: [gate; up] rows
+                    weights[f"{idx}.gate"], weights[f"{idx}.up"] = t.chunk(2)
+                elif rest.endswith((".weight", ".bias")):
+                    raise UnsupportedModelError(f"{path}: tensor {name} is not one this engine "
+                                                "runs (an architecture variant it does not "
+                                                "support)")
     if config.tie_word_embeddings:
         weights.pop("lm_head", None)
     elif "lm_head" not in weights:

@@ -1,4 +1,5 @@
-"""More architectures, verified without any download: tiny random Qwen2, Qwen3 and Mistral models
+"""More architectures, verified without any download: tiny random Qwen2, Qwen3, Mistral and Phi-3
+models
 built with transformers' own config and modeling classes, saved as HF directories and written
 as GGUF with the ``gguf`` writer (llama.cpp's tensor names; no Q/K permutation for qwen), loaded
 by the engine: logits against transformers' forward, greedy tokens against its generate, and
@@ -29,7 +30,10 @@ def tiny(arch: str, vocab: int = 300, **extra):
                   rope_theta=5000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
     cfg_cls, model_cls = {"qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM),
                           "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM),
-                          "mistral": (T.MistralConfig, T.MistralForCausalLM)}[arch]
+                          "mistral": (T.MistralConfig, T.MistralForCausalLM),
+                          "phi3": (T.Phi3Config, T.Phi3ForCausalLM)}[arch]
+    if arch == "phi3":
+        common.update(pad_token_id=0, eos_token_id=2, bos_token_id=1)
     if arch == "qwen3":
         common["head_dim"] = 16  # not hidden / heads (8): Qwen3 sets it on its own
     torch.manual_seed(0)
@@ -99,7 +103,7 @@ def greedy(model, ids: list[int], n: int) -> list[int]:
 
 # (a Mistral GGUF is a 'llama' one to llama.cpp: the llama GGUF tests cover it)
 @pytest.mark.parametrize("arch,fmt", [("qwen2", "hf"), ("qwen3", "hf"), ("mistral", "hf"),
-                                      ("qwen2", "gguf"), ("qwen3", "gguf")])
+                                      ("phi3", "hf"), ("qwen2", "gguf"), ("qwen3", "gguf")])
 def test_the_engine_matches_transformers(tmp_path, arch, fmt):
     ref = tiny(arch)
     if fmt == "hf":
@@ -136,10 +140,17 @@ def test_mistral_sliding_window_bounds_the_context_and_partial_windows_are_refus
 
 
 def test_unsupported_architectures_and_weights_are_named(tmp_path):
-    (tmp_path / "phi").mkdir()
-    (tmp_path / "phi" / "config.json").write_text(json.dumps(
-        {"architectures": ["Phi3ForCausalLM"]}))
-    with pytest.raises(UnsupportedModelError, match="Phi3ForCausalLM.*not supported"):
+    (tmp_path / "gemma").mkdir()
+    (tmp_path / "gemma" / "config.json").write_text(json.dumps(
+        {"architectures": ["Gemma2ForCausalLM"]}))
+    with pytest.raises(UnsupportedModelError, match="Gemma2ForCausalLM.*not supported"):
+        load_model(tmp_path / "gemma")
+    phi = tiny("phi3")  # Phi-3's long-context variants scale RoPE: refused, not misread
+    phi.save_pretrained(tmp_path / "phi")
+    cfg = json.loads((tmp_path / "phi" / "config.json").read_text())
+    cfg["rope_parameters"] = {**(cfg.get("rope_parameters") or {}), "rope_type": "longrope"}
+    (tmp_path / "phi" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="longrope"):
         load_model(tmp_path / "phi")
     ref = tiny("qwen3", attention_bias=True)  # adds an output-projection bias
     ref.save_pretrained(tmp_path / "q3")
