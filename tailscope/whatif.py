@@ -9,10 +9,11 @@ scheduler and KV code on a virtual clock) with the gateway's own routing rule
 (``gateway.router.choose``) choosing among simulated replicas, so a candidate config, policy,
 replica count or arrival rate is scheduled as the deployed code would schedule it.
 
-What the simulation times is the engine: from a sequence's admission on a replica to its
-tokens. What a client sees adds the gateway's own share (parsing, tokenising, routing, the
-first flush); the window's median of it (recorded client TTFT minus engine TTFT) is added to
-predicted TTFT and E2E so that an SLO is checked on the client's figures; it is reported.
+What the simulation times is the engine: from a sequence's arrival (at its recorded time, so
+the wait for the step in progress is in it) to its tokens. What a client sees adds the
+gateway's own share (parsing, tokenising, routing, the first flush); the window's median of it
+(recorded client TTFT minus engine TTFT) is added to predicted TTFT and E2E so that an SLO is
+checked on the client's figures; it is reported.
 
 Sizing (``size``) follows the seed lecture: the replica count for a peak rate is
 N = ceil(lambda_peak / (c * rho)), where c is one replica's goodput (the highest arrival rate of
@@ -122,7 +123,10 @@ def load(source, start_us: int, end_us: int, replica: str | None = None) -> Wind
     busy = []  # loop times per replica: a step's start to the next one's when it followed
     for _, group in steps.groupby("replica", sort=True):
         busy += loop_times(group.to_dict("records"))
-    cost = StepCost.fit(busy)  # its ValueError (too few steps) is a WhatIfError's message
+    try:
+        cost = StepCost.fit(busy)
+    except ValueError as exc:  # too few steps: the window, not the command line, is at fault
+        raise WhatIfError(str(exc)) from None
     config_id = str(reqs["config_id"].mode().iloc[0])
     _, rows = source.select(Q.CONFIG_OF, {"c": config_id})
     recorded = json.loads(rows[0][1]).get("engine", {}) if rows else {}
