@@ -333,7 +333,9 @@ def _parse_slo(text: str | None) -> dict[str, float]:
 
 
 def _whatif_window(args: argparse.Namespace, s: Settings):
-    """(store target, the ``tailscope.whatif.Window``) of ``--window`` / ``--bench-run``."""
+    """(store target, the ``tailscope.whatif.Window`` of ``--window`` / ``--bench-run``, the
+    candidate: the recorded config with ``--engine-config``, ``--set`` and ``--policy``)."""
+    from tailscope import engine_config as ECF
     from tailscope import whatif as W
     from tracing import queries as Q
 
@@ -345,7 +347,10 @@ def _whatif_window(args: argparse.Namespace, s: Settings):
         start, end = W.window_of_bench_run(source, args.bench_run)
     else:
         start, end = _window(args.window)
-    return target, W.load(source, start, end, args.replica)
+    w = W.load(source, start, end, args.replica)
+    cand = W.candidate(w.base, ECF.load(args.engine_config).engine if args.engine_config
+                       else None, args.set, args.policy)
+    return target, w, cand
 
 
 def _print_window(w) -> None:
@@ -408,7 +413,6 @@ def _keep_run(args: argparse.Namespace, s: Settings, target, kind: str, w, param
 def cmd_whatif(args: argparse.Namespace) -> int:
     """Recorded traffic through the engine's own scheduler on a virtual clock
     (tailscope.whatif), under its recorded config and a candidate, side by side."""
-    from tailscope import engine_config as ECF
     from tailscope import whatif as W
     from tracing.timing import Slo
 
@@ -420,9 +424,7 @@ def cmd_whatif(args: argparse.Namespace) -> int:
         slo = Slo(**_parse_slo(args.slo)) if args.slo else None
         if args.replicas is not None and args.replicas < 1:
             raise ValueError("--replicas must be at least 1")
-        target, w = _whatif_window(args, s)
-        cand = W.candidate(w.base, ECF.load(args.engine_config).engine
-                           if args.engine_config else None, args.set, args.policy)
+        target, w, cand = _whatif_window(args, s)
     except W.WhatIfError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -464,7 +466,6 @@ def cmd_whatif(args: argparse.Namespace) -> int:
 def cmd_size(args: argparse.Namespace) -> int:
     """Replicas for a peak rate: N = ceil(peak / (c * rho)) from one replica's predicted goodput
     c on the window's traffic, confirmed by what-if runs at N - 1, N and N + 1."""
-    from tailscope import engine_config as ECF
     from tailscope import whatif as W
     from tracing.timing import Slo
 
@@ -473,9 +474,7 @@ def cmd_size(args: argparse.Namespace) -> int:
         slo = _parse_slo(args.slo)
         if not slo:
             raise ValueError("--slo is required: ttft_ms=N,tpot_ms=N")
-        target, w = _whatif_window(args, s)
-        cand = W.candidate(w.base, ECF.load(args.engine_config).engine
-                           if args.engine_config else None, args.set, args.policy)
+        target, w, cand = _whatif_window(args, s)
         out = W.size(w, cand, Slo(**slo), args.peak_rate, args.utilisation, args.attainment,
                      args.max_inflight)
     except W.WhatIfError as exc:

@@ -66,7 +66,6 @@ class Window:
     end_us: int
     replicas: list[str]
     requests: pd.DataFrame | None  # None: a hand-built window (``of_arrivals``)
-    steps: int
     cost: StepCost
     config_id: str
     config_known: bool  # the configs table had it (else: engine defaults)
@@ -75,6 +74,10 @@ class Window:
     stand_ins: int = 0  # requests whose token ids were not kept (counts only)
     arrivals: list[Arrival] = field(default_factory=list)
     step_rows: list[dict] = field(default_factory=list)  # what the cost was fitted on
+
+    @property
+    def steps(self) -> int:
+        return len(self.step_rows)
 
     @property
     def duration_s(self) -> float:
@@ -94,7 +97,7 @@ class Window:
         """A window with no records behind it (tests, benchmarks): these arrivals, this
         config, these step costs, no gateway share."""
         end = int(max(a.at_ms for a in arrivals) * 1000) + 1
-        return cls(0, end, ["r0"], None, 0, cost, "", False, config, 0.0, arrivals=arrivals)
+        return cls(0, end, ["r0"], None, cost, "", False, config, 0.0, arrivals=arrivals)
 
 
 def window_of_bench_run(source, run_id: str) -> tuple[int, int]:
@@ -133,10 +136,9 @@ def load(source, start_us: int, end_us: int, replica: str | None = None) -> Wind
     base = EngineConfig(**{**recorded, "num_kv_blocks": int(steps["kv_blocks_total"].max())})
     engine_ttft = reqs["engine_queue_ms"] + reqs["prefill_ms"]
     overhead = (reqs["ttft_ms"] - engine_ttft).dropna()
-    w = Window(start_us, end_us, replicas, reqs, len(steps), cost, config_id, bool(rows), base,
-               float(overhead.median()) if len(overhead) else 0.0)
+    w = Window(start_us, end_us, replicas, reqs, cost, config_id, bool(rows), base,
+               float(overhead.median()) if len(overhead) else 0.0, step_rows=busy)
     w.arrivals, w.stand_ins = _arrivals(reqs, start_us)
-    w.step_rows = busy
     return w
 
 
@@ -199,6 +201,13 @@ def _route(config: EngineConfig, max_inflight: int | None):
     return route
 
 
+def _attainment(good: int, n: int, duration_s: float) -> dict:
+    """The share of requests within the SLO and such requests per second (as
+    ``bench.loadgen.slo_stats`` has them for a load generator's samples)."""
+    return {"attainment": good / n if n else float("nan"),
+            "goodput_rps": good / duration_s if duration_s > 0 else float("nan")}
+
+
 @dataclass
 class Prediction:
     config: EngineConfig
@@ -226,9 +235,7 @@ class Prediction:
         good = sum(slo.met(s.state == "FINISHED",
                            None if s.ttft_ms is None else s.ttft_ms + self.overhead_ms,
                            s.tpot_ms) for s in self.sims)
-        n = len(self.sims)
-        return {"attainment": good / n if n else float("nan"),
-                "goodput_rps": good / self.duration_s if self.duration_s > 0 else float("nan")}
+        return _attainment(good, len(self.sims), self.duration_s)
 
     def summary(self, slo: Slo | None) -> dict:
         out = {"replicas": self.replicas, "rate_scale": self.rate_scale, "table": self.table(),
@@ -268,8 +275,7 @@ def recorded(w: Window, slo: Slo | None) -> dict:
         good = sum(slo.met(x.final_state == "FINISHED", x.ttft_ms,
                            None if x.tpot_ms != x.tpot_ms else x.tpot_ms)
                    for x in r.itertuples(index=False))
-        out["slo"] = {"attainment": good / len(r),
-                      "goodput_rps": good / w.duration_s if w.duration_s > 0 else float("nan")}
+        out["slo"] = _attainment(good, len(r), w.duration_s)
     return out
 
 
