@@ -42,9 +42,9 @@ def source_spec() -> str:
 def open_source(spec: str):
     if spec.startswith("gateway:"):
         return Q.GatewaySource(spec[len("gateway:"):], os.environ.get("TAILSCOPE_ADMIN_KEY"))
-    from tracing.store import Store
+    from tracing.store import connect
 
-    store = Store(spec)
+    store = connect(spec, key=os.environ.get("TAILSCOPE_STORE_KEY") or None)
     try:
         store.migrate()
     except Exception as exc:  # a read-only user (the compose stack's viewer): the gateway migrates
@@ -126,11 +126,13 @@ def regression(src, now: dt.datetime) -> None:
 
 def requests_page(src, now: dt.datetime) -> None:
     start, end = window("Window", now - dt.timedelta(hours=1), now, "rq")
-    c1, c2, c3 = st.columns(3)
+    c1, c2, c3, c4 = st.columns(4)
     metric = c1.selectbox("Slowest by", ["e2e_ms", "ttft_ms", "tpot_ms", "itl_ms"], key="rq_m")
-    replica = c2.text_input("Replica (blank: all)", key="rq_r")
-    tenant = c3.text_input("Tenant (blank: all)", key="rq_t")
-    filters = {k: v for k, v in (("replica", replica), ("tenant", tenant)) if v}
+    instance = c2.text_input("Gateway instance (blank: all)", key="rq_i")
+    replica = c3.text_input("Replica (blank: all)", key="rq_r")
+    tenant = c4.text_input("Tenant (blank: all)", key="rq_t")
+    filters = {k: v for k, v in (("instance", instance), ("replica", replica),
+                                 ("tenant", tenant)) if v}
     slow = Q.slowest(src, start, end, metric=metric, limit=50, filters=filters)
     st.dataframe(slow, hide_index=True)
     options = list(slow["trace_id"]) if not slow.empty else []

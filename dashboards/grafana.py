@@ -36,10 +36,11 @@ OUT = Path(__file__).resolve().parent / "grafana"
 DRILL_URL = "http://localhost:8501"
 
 # Filters every request panel applies: the time range and the variables ('All' = every value).
-REQ_FILTER = ("$__timeFilter(arrival_ts) AND replica IN (${replica:singlequote}) AND model IN "
-              "(${model:singlequote}) AND config_id IN (${config_id:singlequote}) AND tenant "
-              "IN (${tenant:singlequote})")
-STEP_FILTER = "$__timeFilter(ts) AND replica IN (${replica:singlequote})"
+REQ_FILTER = ("$__timeFilter(arrival_ts) AND instance IN (${instance:singlequote}) AND replica "
+              "IN (${replica:singlequote}) AND model IN (${model:singlequote}) AND config_id IN "
+              "(${config_id:singlequote}) AND tenant IN (${tenant:singlequote})")
+STEP_FILTER = ("$__timeFilter(ts) AND instance IN (${instance:singlequote}) AND replica IN "
+               "(${replica:singlequote})")
 # The SLO text boxes take anything a viewer types. Grafana's ``sqlstring`` format doubles quotes
 # but leaves backslashes, which ClickHouse reads as escapes, so it cannot fence a value in;
 # ``percentencode`` leaves nothing but [A-Za-z0-9._~%-] inside the quotes, and the number is
@@ -165,6 +166,7 @@ def build() -> dict:
     d = (dash.Dashboard("Tailscope: latency, stages and capacity").uid("tailscope-overview")
          .tags(["tailscope", "llm"]).time("now-1h", "now").refresh("30s").timezone("utc")
          .with_variable(dash.DatasourceVariable("ds").label("ClickHouse").type(PLUGIN))
+         .with_variable(_variable("instance", "instance"))
          .with_variable(_variable("replica", "replica"))
          .with_variable(_variable("model", "model"))
          .with_variable(_variable("config_id", "config_id"))

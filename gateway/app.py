@@ -69,7 +69,8 @@ class GatewayConfig:
     detail_quantile: float = 0.99
     detail_warmup: int = 100
     memory_records: int = 10_000  # the latest records kept for /debug/requests
-    store_dsn: str | None = None  # chdb:///path or http(s)://host:8123; None = no store
+    store_dsn: str | None = None  # chdb:///path, http(s)://host:8123, tailscope://host:8124
+    store_key: str | None = None  # the store process's key (tailscope:// DSNs)
     spool_dir: str | None = None  # where batches wait while the store is down
     store_ttl_days: int = 30  # default row TTL (a tenant's ttl_days overrides)
     store_flush_s: float = 5.0  # a batch is inserted when its oldest record is this old
@@ -89,6 +90,10 @@ class GatewayConfig:
     key_id_secret: str | None = None  # keys api_key_id (default: .tailscope/key-id-secret)
     # external OpenAI-compatible servers, each serving a model name of its own (gateway.upstream)
     backends: tuple[UpstreamConfig, ...] = ()
+    # this gateway among several writing into one store (README "Scaling out"): on every
+    # record, event and step row, and the prefix of its replicas' ids ("<instance>/r0"); ""
+    # (one gateway per store) keeps them "r0", "r1", ...
+    instance_id: str = ""
     freeze_gc: bool = False  # gc.freeze() once started (``tailscope serve`` sets it)
 
 
@@ -121,7 +126,7 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
     pool = backend or ReplicaPool(config.model, config.engine, config.replicas,
                                   config.max_inflight_per_replica, config.max_buffered_deltas,
                                   config.slow_client_timeout_s, config.heartbeat_timeout_s,
-                                  tokenizer=str(tok_path))
+                                  tokenizer=str(tok_path), instance=config.instance_id)
     registry = TenantRegistry.from_file(config.tenants_file, config.key_id_secret)
     if registry.open:
         log.warning("no API keys configured: open local mode, every request is tenant 'local'")
@@ -141,12 +146,13 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
     if config.store_dsn:
         handle, writer = open_store(config.store_dsn, config.spool_dir,
                                     config.fault_store_down_file, config.store_flush_s,
-                                    config.query_limits, config.max_queue_mb << 20)
+                                    config.query_limits, config.max_queue_mb << 20,
+                                    config.store_key)
         sinks.append(writer)
         def on_step(replica, incarnation, msg) -> None:
             service.note_step(msg.stats)
             writer.emit_step(step_row(replica, incarnation, msg, config.store_ttl_days,
-                                      service.trace_of))
+                                      service.trace_of, config.instance_id))
 
         pool.on_step = on_step
         metrics.watch_writer(writer)
@@ -167,6 +173,7 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
             metrics.observe(record)  # every ITL, before retention decides what is kept
         except Exception:  # metrics must never take a record (or a response) down with them
             log.exception("metrics failed for trace %s", record.trace_id)
+        record.instance = config.instance_id
         retention.decide(record)
         sink.emit(record)
 

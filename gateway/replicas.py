@@ -93,9 +93,11 @@ class ReplicaPool:
     def __init__(self, model: str, engine: EngineConfig, num_replicas: int = 1,
                  max_inflight: int | None = None, max_buffered_deltas: int = 256,
                  slow_client_timeout_s: float = 30.0, heartbeat_timeout_s: float = 30.0,
-                 restart: RestartPolicy | None = None, tokenizer: str | None = None) -> None:
+                 restart: RestartPolicy | None = None, tokenizer: str | None = None,
+                 instance: str = "") -> None:
         """Replicas of ``model`` run ``engine``; ``tokenizer`` (its path) lets them compile
-        response_format grammars."""
+        response_format grammars. Replica ids are ``r0``, ``r1``, ... or, under a gateway
+        ``instance`` id, ``<instance>/r0``, ...: unique among gateways sharing a store."""
         self.model, self.config, self.tokenizer = model, engine, tokenizer
         self.work: dict[str, _Work] = {}
         # called with (replica id, incarnation, StepReport) for every engine tick (the store's
@@ -107,7 +109,8 @@ class ReplicaPool:
         # past this many in-flight requests on every replica, new ones are shed (503)
         self.max_inflight = max_inflight or 4 * engine.max_num_seqs
         self.transport = ZmqTransport()
-        self.replicas = [Replica(f"r{i}") for i in range(num_replicas)]
+        prefix = f"{instance}/" if instance else ""
+        self.replicas = [Replica(f"{prefix}r{i}") for i in range(num_replicas)]
         self.supervisor = Supervisor(self.replicas, self._launch, self._failed, restart,
                                      heartbeat_timeout_s)
         self.flow = FlowControl(self._control, max_buffered_deltas, slow_client_timeout_s)

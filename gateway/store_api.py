@@ -41,6 +41,7 @@ from tracing.store import (
     QueryRefused,
     Store,
     StoreError,
+    connect,
     is_embedded,
     normalise_dsn,
 )
@@ -52,16 +53,17 @@ log = logging.getLogger("tailscope.store")
 class StoreHandle:
     """Opens (and migrates) the store on first use; a server that is down is retried later."""
 
-    def __init__(self, dsn: str, limits: QueryLimits | None = None) -> None:
+    def __init__(self, dsn: str, limits: QueryLimits | None = None,
+                 key: str | None = None) -> None:
         self.dsn = normalise_dsn(dsn)
-        self.limits = limits
+        self.limits, self.key = limits, key
         self._store: Store | None = None
         self._lock = threading.Lock()
 
     def get(self) -> Store:
         with self._lock:
             if self._store is None:
-                store = Store(self.dsn, self.limits)
+                store = connect(self.dsn, self.limits, self.key)
                 store.migrate()
                 self._store = store
             return self._store
@@ -92,8 +94,9 @@ def default_spool_dir(dsn: str) -> Path:
 
 def open_store(dsn: str, spool_dir: str | None, fault_file: str | None,
                flush_s: float = 1.0, limits: QueryLimits | None = None,
-               max_queue_bytes: int = 256 << 20) -> tuple[StoreHandle, RecordWriter]:
-    handle = StoreHandle(dsn, limits)
+               max_queue_bytes: int = 256 << 20, key: str | None = None
+               ) -> tuple[StoreHandle, RecordWriter]:
+    handle = StoreHandle(dsn, limits, key)
     if is_embedded(handle.dsn):  # fail fast: e.g. another gateway already owns the directory
         try:
             handle.get()
@@ -136,10 +139,10 @@ _STEP_FIELDS = tuple(f.name for f in dataclasses.fields(EngineStepRow)
 
 
 def step_row(replica: str, incarnation: int, msg, ttl_days: int,
-             trace_of: Callable[[str], str] | None = None) -> EngineStepRow:
+             trace_of: Callable[[str], str] | None = None, instance: str = "") -> EngineStepRow:
     """The engine_steps row of a StepReport: its StepStats field for field, plus where and
     when (the replica, its incarnation, the wall clock), the queue lengths, and its members
-    (engine request ids turned into trace ids by ``trace_of``)."""
+    (engine request ids turned into trace ids by ``trace_of``), and the gateway ``instance``."""
     s = msg.stats
     name = trace_of or (lambda rid: rid)
     return EngineStepRow(replica=replica, incarnation=incarnation,
@@ -147,7 +150,8 @@ def step_row(replica: str, incarnation: int, msg, ttl_days: int,
                          ttl_days=ttl_days, **{f: getattr(s, f) for f in _STEP_FIELDS},
                          member_traces=[name(m.request_id) for m in s.members],
                          member_prefill=[m.prefill_tokens for m in s.members],
-                         member_decode=[m.decode_tokens for m in s.members])
+                         member_decode=[m.decode_tokens for m in s.members],
+                         instance=instance)
 
 
 def _jsonable(v):

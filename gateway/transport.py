@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import shutil
 import tempfile
@@ -41,7 +42,9 @@ class ZmqTransport:
         self._on_message: Callable[[msgspec.Struct], None] | None = None
 
     def inbox_addr(self, replica_id: str) -> str:
-        return f"ipc://{self.dir}/{replica_id}.in"
+        # a short file name whatever the id holds ("host:8000/r0"): a socket path has ~100 bytes
+        name = hashlib.sha256(replica_id.encode()).hexdigest()[:16]
+        return f"ipc://{self.dir}/{name}.in"
 
     def connect(self, replica_id: str) -> None:
         """Open the PUSH socket to a replica's inbox (once: it survives the replica's

@@ -98,6 +98,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def instance_id(setting: str, port: int) -> str:
+    """``TAILSCOPE_INSTANCE_ID``: "auto" is this host's name and the gateway's port, unique
+    among gateways on one network; anything else is taken as given."""
+    if setting.strip().lower() == "auto":
+        import socket
+
+        return f"{socket.gethostname()}:{port}"
+    return setting.strip()
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
@@ -151,6 +161,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                        detail_warmup=s.detail_warmup,
                                        store_dsn=None if s.store_dsn.lower() in ("", "none")
                                        else s.store_dsn,
+                                       store_key=s.store_key or None,
                                        spool_dir=s.spool_dir or None,
                                        store_ttl_days=s.store_ttl_days,
                                        store_flush_s=s.store_flush_s,
@@ -180,7 +191,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                        heartbeat_timeout_s=s.heartbeat_timeout_s,
                                        max_queue_mb=s.store_max_queue_mb,
                                        key_id_secret=s.key_id_secret or None,
-                                       backends=backends, freeze_gc=True))
+                                       backends=backends, freeze_gc=True,
+                                       instance_id=instance_id(s.instance_id, args.port)))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -215,7 +227,7 @@ def _store_target(args: argparse.Namespace, s: Settings):
     """('gateway', url) or ('direct', Store): the gateway owns an embedded store while it runs."""
     import httpx
 
-    from tracing.store import Store, is_embedded, normalise_dsn
+    from tracing.store import connect, is_embedded, normalise_dsn
 
     if args.url:
         return "gateway", args.url.rstrip("/")
@@ -226,7 +238,7 @@ def _store_target(args: argparse.Namespace, s: Settings):
             return "gateway", s.gateway_url.rstrip("/")
         except httpx.HTTPError:
             pass
-    store = Store(dsn)
+    store = connect(dsn, key=s.store_key or None)
     store.migrate()
     return "direct", store
 
@@ -238,7 +250,36 @@ def _admin_headers(s: Settings) -> dict[str, str]:
 def cmd_store(args: argparse.Namespace) -> int:
     import httpx
 
+    from tracing.store import QueryLimits
+
     s = Settings.from_env()
+    if args.store_command == "serve":
+        import logging
+
+        from tracing.store import StoreError, is_embedded, normalise_dsn
+        from tracing.store_server import serve
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        os.umask(0o077)
+        dsn = normalise_dsn(args.dsn or s.store_dsn)
+        if not is_embedded(dsn):
+            print(f"error: a store process serves an embedded store (chdb://...), not {dsn}; "
+                  "gateways reach a ClickHouse server directly", file=sys.stderr)
+            return 2
+        if args.host not in ("127.0.0.1", "::1", "localhost") and not s.store_key:
+            print("error: set TAILSCOPE_STORE_KEY to serve the store beyond loopback",
+                  file=sys.stderr)
+            return 2
+        try:
+            serve(dsn, args.host, args.port, s.store_key or None, QueryLimits(
+                max_execution_s=s.query_max_execution_s,
+                max_result_rows=s.query_max_result_rows,
+                max_rows_to_read=s.query_max_rows_to_read,
+                max_memory_mb=s.query_max_memory_mb))
+        except StoreError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        return 0
     kind, target = _store_target(args, s)
     if args.store_command == "query":
         params = dict(_param(p) for p in args.param or [])
@@ -779,6 +820,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--format", choices=["table", "json"], default="table")
     d = sst.add_parser("delete", help="delete every stored row of a tenant")
     d.add_argument("--tenant", required=True)
+    ss = sst.add_parser("serve", help="own an embedded (chDB) store and serve it to several "
+                                      "gateways (their TAILSCOPE_STORE_DSN=tailscope://HOST:PORT)")
+    ss.add_argument("--host", default="127.0.0.1")
+    ss.add_argument("--port", type=int, default=8124)
     st.set_defaults(func=cmd_store)
     w = sub.add_parser("why", help="why a request was slow: its slowest gaps, the engine steps "
                                    "and the other requests (and tenants) inside them")

@@ -53,10 +53,14 @@ class Settings:
     detail_quantile: float = 0.99  # TAILSCOPE_DETAIL_QUANTILE: at/above it, detail is kept
     detail_warmup: int = 100  # TAILSCOPE_DETAIL_WARMUP: first requests per model all kept
     store_dsn: str = "chdb://./.tailscope/store"  # TAILSCOPE_STORE_DSN ("none": no store)
+    store_key: str = ""  # TAILSCOPE_STORE_KEY: a store process's key (tailscope:// DSNs)
     spool_dir: str = ""  # TAILSCOPE_SPOOL_DIR: failed batches wait here (default beside store)
     store_ttl_days: int = 30  # TAILSCOPE_STORE_TTL_DAYS: default row TTL
     store_flush_s: float = 5.0  # TAILSCOPE_STORE_FLUSH_S: oldest record waits this long at most
     admin_key: str = ""  # TAILSCOPE_ADMIN_KEY: Bearer key for /debug/* endpoints
+    # TAILSCOPE_INSTANCE_ID: this gateway's id on every record, event and step row and the
+    # prefix of its replica ids; "auto" is <host name>:<port>, "" none (one gateway per store)
+    instance_id: str = "auto"
     gateway_url: str = "http://127.0.0.1:8000"  # TAILSCOPE_GATEWAY_URL: for `tailscope store`
     otlp_endpoint: str = ""  # TAILSCOPE_OTLP_ENDPOINT: OTLP collector (spans off when empty)
     otlp_protocol: str = "http/protobuf"  # TAILSCOPE_OTLP_PROTOCOL: http/protobuf | grpc

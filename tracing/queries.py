@@ -35,9 +35,9 @@ pd = _Pandas()
 # Latency columns of tailscope.requests; "itl_ms" is an array (one value per gap).
 METRICS = ("ttft_ms", "tpot_ms", "e2e_ms", "itl_ms", "tail_ms", "ingress_ms", "tokenize_ms",
            "route_ms", "engine_queue_ms", "prefill_ms", "decode_ms", "preempted_ms")
-DIMENSIONS = ("replica", "model", "model_revision", "engine_version", "config_id", "tenant",
-              "final_state", "finish_reason", "endpoint", "prompt_bucket", "neighbour_tenant",
-              "priority", "lane")
+DIMENSIONS = ("replica", "instance", "model", "model_revision", "engine_version", "config_id",
+              "tenant", "final_state", "finish_reason", "endpoint", "prompt_bucket",
+              "neighbour_tenant", "priority", "lane")
 # The stages that add up to each end-to-end metric, in path order (from the timing owner).
 # "streaming" is the rest: for e2e, the time between the engine's tokens and the client's
 # flushes (and the tail).
@@ -287,7 +287,7 @@ def slowest(source, start, end, metric: str = "e2e_ms", limit: int = 50,
     m = _metric(metric)
     params = {"start": _us(start), "end": _us(end), "limit": int(limit)}
     order = "arrayMax(itl_ms)" if m == "itl_ms" else m
-    sql = (f"SELECT trace_id, arrival_ts, replica, tenant, final_state, finish_reason, "
+    sql = (f"SELECT trace_id, arrival_ts, instance, replica, tenant, final_state, finish_reason, "
            f"prompt_tokens, emitted_tokens, ttft_ms, tpot_ms, e2e_ms, engine_queue_ms, "
            f"prefill_ms, decode_ms FROM tailscope.requests WHERE {_WINDOW}"
            f"{_filters(filters, params)} ORDER BY {order} DESC LIMIT {{limit:UInt32}}")

@@ -58,6 +58,7 @@ class RequestRecord:
     gateway_version: str = ""
     config_id: str = ""
     # where it ran
+    instance: str = ""  # the gateway that served it (TAILSCOPE_INSTANCE_ID)
     replica: str = ""
     route_reason: str = ""  # why the router chose the replica (cost, prefix locality)
     prefix_hit_tokens: int = 0  # leading prompt tokens the chosen replica served recently

@@ -59,6 +59,7 @@ class EngineStepRow:
     member_prefill: list[int] = dataclasses.field(default_factory=list)  # its prefill tokens
     member_decode: list[int] = dataclasses.field(default_factory=list)  # its decode tokens
     ttl_days: int = 30
+    instance: str = ""  # the gateway whose replica ran the step
 
 
 @dataclass(slots=True)
@@ -70,6 +71,7 @@ class EventRow:
     seq: int = 0  # order within the request (timestamps can tie)
     ttl_days: int = 30
     tenant: str = ""  # the request's tenant: a tenant delete never keys on trace ids alone
+    instance: str = ""  # the gateway that served the request
 
 
 @dataclass(slots=True)
@@ -159,7 +161,7 @@ _LOW_CARDINALITY = {"tenant", "api_key_id", "endpoint", "final_state", "finish_r
                     "timing_source", "error_type", "model", "model_revision", "engine_version",
                     "tokenizer_revision", "gateway_version", "config_id", "replica", "state",
                     "suite", "mode", "kind", "bench_run", "neighbour_tenant", "detail_reason",
-                    "lane"}
+                    "lane", "instance"}
 _TIME_COLUMNS = {"ts_us": "ts", "arrival_ts_us": "arrival_ts"}  # µs ints -> DateTime64(6)
 _SCALARS = {str: "String", int: "Int64", float: "Float64", bool: "Bool"}
 _ARRAYS = {"input_token_ids": "Array(UInt32)", "output_token_ids": "Array(UInt32)",
@@ -303,6 +305,13 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
         "PARTITION BY toDate(ts)\nORDER BY (ts, run_id)\n"
         "TTL toDateTime(ts) + toIntervalDay(ttl_days)\n"
         f"SETTINGS non_replicated_deduplication_window = {DEDUP_WINDOW}"]),
+    (15, "the gateway instance on requests, request_events and engine_steps", [
+        f"ALTER TABLE {DATABASE}.requests ADD COLUMN IF NOT EXISTS instance "
+        "LowCardinality(String) AFTER config_id",
+        f"ALTER TABLE {DATABASE}.request_events ADD COLUMN IF NOT EXISTS instance "
+        "LowCardinality(String) AFTER tenant",
+        f"ALTER TABLE {DATABASE}.engine_steps ADD COLUMN IF NOT EXISTS instance "
+        "LowCardinality(String) AFTER ttl_days"]),
 ]
 
 __all__ = ["DATABASE", "TABLES", "MIGRATIONS", "ConfigRow", "EngineStepRow", "EventRow",

@@ -1,7 +1,9 @@
 """The one store client: clickhouse-connect over embedded chDB or a ClickHouse server.
 
 DSNs: ``chdb:///abs/path`` or ``chdb://./rel/path`` (embedded; the default is
-``chdb://./.tailscope/store``) and ``http(s)://user:pass@host:8123/tailscope`` (server). The same
+``chdb://./.tailscope/store``), ``http(s)://user:pass@host:8123/tailscope`` (server) and
+``tailscope://host:8124`` (a store process that owns an embedded store for several gateways,
+``tracing.store_server``; ``connect`` opens any of them). The same
 calls work on both; chDB locks its directory, so in embedded mode one process (the gateway)
 owns it and other tools read through the gateway's ``/debug/query``.
 
@@ -53,13 +55,26 @@ def normalise_dsn(dsn: str) -> str:
     if dsn.startswith("chdb://"):
         path = Path(dsn[len("chdb://"):] or ".").expanduser().resolve()
         return f"chdb://{path}"
-    if dsn.startswith(("http://", "https://")):
+    if dsn.startswith(("http://", "https://", "tailscope://")):
         return dsn
-    raise StoreError(f"unsupported store DSN {dsn!r}: use chdb:///path or http(s)://host:8123")
+    raise StoreError(f"unsupported store DSN {dsn!r}: use chdb:///path, http(s)://host:8123 "
+                     "or tailscope://host:8124 (a store process)")
 
 
 def is_embedded(dsn: str) -> bool:
     return dsn.startswith("chdb://")
+
+
+def connect(dsn: str, limits: QueryLimits | None = None, key: str | None = None):
+    """A ``Store`` on chDB or a ClickHouse server, or a ``RemoteStore`` on a store process
+    (``tailscope://``, ``tracing.store_server``; ``key`` is its ``TAILSCOPE_STORE_KEY``).
+    The limits of a store process's reads are its own."""
+    dsn = normalise_dsn(dsn)
+    if dsn.startswith("tailscope://"):
+        from tracing.store_server import RemoteStore
+
+        return RemoteStore(dsn, key)
+    return Store(dsn, limits)
 
 
 @dataclass(frozen=True)

@@ -240,6 +240,7 @@ class RecordWriter:
             cols["seq"] += range(n)
             cols["ttl_days"] += [r.ttl_days] * n
             cols["tenant"] += [r.tenant] * n
+            cols["instance"] += [r.instance] * n
         return pa.table({c: pa.array(cols[c], type=arrow_type(t))
                          for c, t, _ in TABLES["request_events"].columns})
 

@@ -56,7 +56,8 @@ def test_committed_files_are_what_the_generator_makes():
 def test_dashboard_has_the_variables_and_a_trace_link():
     d = grafana.build()
     names = [v["name"] for v in d["templating"]["list"]]
-    assert names == ["ds", "replica", "model", "config_id", "tenant", "ttft_slo", "tpot_slo"]
+    assert names == ["ds", "instance", "replica", "model", "config_id", "tenant", "ttft_slo",
+                     "tpot_slo"]
     assert all(t["datasource"]["type"] == grafana.PLUGIN for p in d["panels"]
                for t in p["targets"])
     links = [lk for p in d["panels"] for lk in p["fieldConfig"]["defaults"].get("links", [])]
@@ -66,8 +67,9 @@ def test_dashboard_has_the_variables_and_a_trace_link():
 @pytest.mark.parametrize("panel", grafana.PANELS, ids=lambda p: p.title[:40])
 def test_every_panel_query_runs_and_fits_its_panel(seeded, panel):
     store, recs = seeded
-    values = {"replica": ["r0", "r1", "g0", "g1"], "model": ["SmolLM2-135M-Instruct"],
-              "config_id": ["cfg-g"], "tenant": ["acme", "globex"]}
+    values = {"instance": [""], "replica": ["r0", "r1", "g0", "g1"],
+              "model": ["SmolLM2-135M-Instruct"], "config_id": ["cfg-g"],
+              "tenant": ["acme", "globex"]}
     cols, rows = store.select(expand(panel.sql, values))
     assert rows, f"{panel.title}: no rows on the seeded store"
     if panel.kind == "timeseries":
@@ -85,7 +87,7 @@ def test_every_panel_query_runs_and_fits_its_panel(seeded, panel):
 def test_slo_text_boxes_cannot_inject_sql(seeded):
     store, _ = seeded
     panel = next(p for p in grafana.PANELS if p.title.startswith("SLO attainment"))
-    values = {"replica": ["g0", "g1"], "model": ["SmolLM2-135M-Instruct"],
+    values = {"instance": [""], "replica": ["g0", "g1"], "model": ["SmolLM2-135M-Instruct"],
               "config_id": ["cfg-g"], "tenant": ["acme", "globex"]}
     honest = store.select(expand(panel.sql, values, slo=("0", "0")))[1]
     for evil in ("0') OR 1=1 OR ('", "0\\') OR 1=1 --", "1e9 OR 1=1"):

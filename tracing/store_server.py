@@ -1,0 +1,256 @@
+"""A store process several gateways can write into: ``tailscope store serve``.
+
+A chDB directory belongs to one process, so gateways that share an embedded store cannot each
+open it. This process opens it (``tracing.store.Store``: migrations, the read-only read path,
+deduplicated inserts) and serves that same interface over HTTP; a gateway given
+``TAILSCOPE_STORE_DSN=tailscope://host:8124`` talks to it through ``RemoteStore``, which has
+the ``Store`` methods the gateway's writer and debug endpoints call. Nothing else changes: the
+writer still batches, spools while the store process is down and replays spooled batches with
+their ``insert_deduplication_token`` (the store drops a batch it already has), and reads still
+go through ``Store.select``'s checks, here, in the process that owns the data.
+
+With a ClickHouse server (``http(s)://`` DSNs) no store process is needed: every gateway
+writes to the server directly. This is the embedded store's path to several gateways on one
+machine or a small fleet, not a replacement for a ClickHouse cluster (README "Scaling out").
+
+Endpoints (JSON unless said; ``Authorization: Bearer <TAILSCOPE_STORE_KEY>`` when a key is set,
+loopback clients only otherwise):
+
+- ``POST /v1/insert/{table}?token=T``: an Arrow IPC stream of that table's rows;
+- ``POST /v1/select``: ``{"sql", "params", "query_id", "format": "json" | "arrow"}``;
+- ``POST /v1/cancel``: ``{"query_id"}`` (none: every tagged read);
+- ``POST /v1/delete-tenant``: ``{"tenant"}``;
+- ``GET /health``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import hmac
+import io
+import logging
+import threading
+
+import pyarrow as pa
+import pyarrow.ipc as ipc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from tracing.schema import TABLES
+from tracing.store import QueryLimits, QueryRefused, Store, StoreError
+
+log = logging.getLogger("tailscope.store")
+LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
+SCHEME = "tailscope://"
+
+
+def _arrow_bytes(table: pa.Table) -> bytes:
+    sink = io.BytesIO()
+    with ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    return sink.getvalue()
+
+
+def _jsonable(v):
+    if isinstance(v, dt.datetime):
+        return {"$dt": (v if v.tzinfo else v.replace(tzinfo=dt.UTC)).isoformat()}
+    if isinstance(v, list | tuple):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+def _from_json(v):
+    if isinstance(v, dict) and "$dt" in v:
+        return dt.datetime.fromisoformat(v["$dt"])
+    if isinstance(v, list):
+        return [_from_json(x) for x in v]
+    return v
+
+
+def create_app(store: Store, key: str | None = None):
+    """The store process's HTTP app over an open (migrated) ``store``."""
+    app = FastAPI(title="Tailscope store", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.inserts = 0
+
+    def error(status: int, message: str, code: str) -> JSONResponse:
+        return JSONResponse({"error": {"message": message, "type": "store_error",
+                                       "code": code}}, status_code=status)
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if request.url.path != "/health":
+            auth = (request.headers.get("authorization") or "").encode()
+            if key:
+                if not hmac.compare_digest(auth, f"Bearer {key}".encode()):
+                    return error(401, "a valid store key is required (TAILSCOPE_STORE_KEY)",
+                                 "invalid_store_key")
+            elif (request.client.host if request.client else "") not in LOOPBACK:
+                return error(403, "without TAILSCOPE_STORE_KEY the store serves loopback "
+                             "clients only", "loopback_only")
+        return await call_next(request)
+
+    async def run(fn, *args):
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except QueryRefused as exc:
+            return error(400, str(exc), "query_refused")
+        except StoreError as exc:
+            return error(503, str(exc), "store_unavailable")
+        except Exception as exc:  # ClickHouse's own errors (bad SQL, a bad batch): the caller's
+            return error(400, str(exc).strip().splitlines()[0][:500] if str(exc)
+                         else type(exc).__name__, "store_error")
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"ok": True, "dsn": store.dsn, "inserts": app.state.inserts}
+
+    @app.post("/v1/insert/{table}")
+    async def insert(table: str, request: Request, token: str | None = None):
+        if table not in TABLES:
+            return error(400, f"unknown table {table!r}", "unknown_table")
+        body = await request.body()
+        try:
+            data = ipc.open_stream(body).read_all()
+        except (pa.ArrowInvalid, OSError) as exc:
+            return error(400, f"body is not an Arrow IPC stream: {exc}", "bad_batch")
+        out = await run(store.insert, table, data, token or None)
+        if isinstance(out, Response):
+            return out
+        app.state.inserts += 1
+        return {"table": table, "rows": data.num_rows}
+
+    @app.post("/v1/select")
+    async def select(request: Request):
+        body = await request.json()
+        sql, params = body.get("sql"), body.get("params") or None
+        if not isinstance(sql, str):
+            return error(400, "body: {\"sql\": \"SELECT ...\", \"params\": {...}}", "bad_body")
+        qid = body.get("query_id") or None
+        if body.get("format") == "arrow":
+            out = await run(store.select_arrow, sql, params, qid)
+            return out if isinstance(out, Response) else Response(
+                _arrow_bytes(out), media_type="application/vnd.apache.arrow.stream")
+        out = await run(store.select, sql, params, qid)
+        if isinstance(out, Response):
+            return out
+        cols, rows = out
+        return JSONResponse({"columns": cols, "rows": _jsonable([list(r) for r in rows])})
+
+    @app.post("/v1/cancel")
+    async def cancel(request: Request):
+        out = await run(store.cancel, (await request.json()).get("query_id") or None)
+        return out if isinstance(out, Response) else {"cancelled": True}
+
+    @app.post("/v1/delete-tenant")
+    async def delete_tenant(request: Request):
+        tenant = (await request.json()).get("tenant")
+        if not isinstance(tenant, str) or not tenant:
+            return error(400, "body: {\"tenant\": \"...\"}", "bad_body")
+        out = await run(store.delete_tenant, tenant)
+        return out if isinstance(out, Response) else {"deleted_requests": out}
+
+    return app
+
+
+class RemoteStore:
+    """The ``Store`` methods the gateway calls, sent to a store process (``tailscope://``).
+
+    Its schema is the store process's business (it migrates at start), so ``migrate`` applies
+    nothing here. A store process that cannot be reached raises ``StoreError``: the writer then
+    spools, and the debug endpoints answer 503, as for a ClickHouse server that is down."""
+
+    def __init__(self, dsn: str, key: str | None = None, timeout_s: float = 60.0) -> None:
+        import httpx
+
+        rest = dsn[len(SCHEME):] if dsn.startswith(SCHEME) else dsn
+        scheme = "http"
+        if rest.startswith("https:"):  # tailscope://https:host:port: TLS to the store process
+            scheme, rest = "https", rest[len("https:"):]
+        self.dsn = dsn
+        self.url = f"{scheme}://{rest.rstrip('/')}"
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+        self._lock = threading.Lock()  # httpx.Client is thread-safe; this orders close()
+
+    def _post(self, path: str, **kw):
+        import httpx
+
+        try:
+            r = self._client.post(path, **kw)
+        except httpx.HTTPError as exc:
+            raise StoreError(f"store process {self.url} unreachable: {exc!r}") from None
+        if r.status_code == 200:
+            return r
+        try:
+            err = r.json()["error"]
+            message, code = err["message"], err.get("code", "")
+        except (ValueError, KeyError, TypeError):
+            message, code = r.text[:500], ""
+        if code == "query_refused":
+            raise QueryRefused(message)
+        if r.status_code in (400, 422):
+            raise ValueError(message)
+        raise StoreError(f"store process {self.url}: {r.status_code} {message}")
+
+    def migrate(self) -> list[int]:
+        self._post("/v1/select", json={"sql": "SELECT 1"})  # reachable and answering
+        return []
+
+    def insert(self, table: str, data: pa.Table, token: str | None = None) -> None:
+        self._post(f"/v1/insert/{table}", params={"token": token} if token else None,
+                   content=_arrow_bytes(data),
+                   headers={"content-type": "application/vnd.apache.arrow.stream"})
+
+    def insert_rows(self, table: str, rows: list, token: str | None = None) -> None:
+        from tracing.store import to_arrow
+
+        if rows:
+            self.insert(table, to_arrow(TABLES[table], rows), token)
+
+    def select(self, sql: str, parameters: dict | None = None, query_id: str | None = None
+               ) -> tuple[list[str], list[tuple]]:
+        body = self._post("/v1/select", json={"sql": sql, "params": parameters or {},
+                                              "query_id": query_id}).json()
+        return body["columns"], [tuple(_from_json(r)) for r in body["rows"]]
+
+    def select_arrow(self, sql: str, parameters: dict | None = None,
+                     query_id: str | None = None) -> pa.Table:
+        r = self._post("/v1/select", json={"sql": sql, "params": parameters or {},
+                                           "query_id": query_id, "format": "arrow"})
+        return ipc.open_stream(r.content).read_all()
+
+    def command(self, sql: str, parameters: dict | None = None):
+        """A read only (the writer's ``SELECT 1`` probe): a store process takes no DDL or
+        writes but its inserts."""
+        rows = self.select(sql, parameters)[1]
+        return rows[0][0] if rows and rows[0] else None
+
+    def cancel(self, query_id: str | None = None) -> None:
+        self._post("/v1/cancel", json={"query_id": query_id})
+
+    def delete_tenant(self, tenant: str) -> int:
+        return int(self._post("/v1/delete-tenant", json={"tenant": tenant}).json()[
+            "deleted_requests"])
+
+    def close(self) -> None:
+        with self._lock:
+            self._client.close()
+
+
+def serve(dsn: str, host: str, port: int, key: str | None,
+          limits: QueryLimits | None = None) -> None:
+    """Open and migrate the store at ``dsn``, then serve it until stopped."""
+    import uvicorn
+
+    store = Store(dsn, limits)
+    store.migrate()
+    log.info("store process: %s on %s:%d (%s)", store.dsn, host, port,
+             "keyed" if key else "loopback clients only")
+    try:
+        uvicorn.run(create_app(store, key), host=host, port=port, log_level="warning")
+    finally:
+        store.close()
+
+
+__all__ = ["RemoteStore", "SCHEME", "create_app", "serve"]
