@@ -6,6 +6,9 @@ the receiver places them on its own timeline and never subtracts readings across
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+
 import msgspec
 
 from engine.observer import RequestStats, StepStats
@@ -82,6 +85,9 @@ class StepReport(msgspec.Struct, tag="step"):
 
 
 class Health(msgspec.Struct, tag="health"):
+    """Sent when the replica is ready, then every ``HEALTH_EVERY_S`` (a gateway that started
+    after a remote replica learns of it from the next one)."""
+
     replica: str
     ready: bool
     model: str
@@ -89,6 +95,11 @@ class Health(msgspec.Struct, tag="health"):
     kv_blocks_total: int
     max_model_len: int = 0
     detail: str = ""
+    # this run of the replica process (pid and start time): a new value from a replica the
+    # gateway holds as ready means it restarted, and what it held is gone
+    incarnation: str = ""
+    rejected: int = 0  # messages it dropped because their signature did not verify
+    engine_config: str = ""  # its EngineConfig, JSON (a remote replica must run the gateway's)
 
 
 class Heartbeat(msgspec.Struct, tag="beat"):
@@ -109,6 +120,30 @@ _from_replica = msgspec.msgpack.Decoder(FromReplica)
 
 def encode(msg: ToReplica | FromReplica) -> bytes:
     return _encoder.encode(msg)
+
+
+# Signed frames (a replica on another host): HMAC-SHA256 of the message under a shared key,
+# then the message. Python's own hmac (no new dependency): every message is authenticated,
+# not encrypted (README "Scaling out" says how to add transport encryption).
+TAG_BYTES = 32
+
+
+def sign(key: bytes | None, data: bytes) -> bytes:
+    """``data`` framed for the wire: unchanged without a key."""
+    if not key:
+        return data
+    return hmac.new(key, data, hashlib.sha256).digest() + data
+
+
+def verify(key: bytes | None, frame: bytes) -> bytes | None:
+    """The message in ``frame``, or None when its signature does not verify under ``key``."""
+    if not key:
+        return frame
+    tag, data = frame[:TAG_BYTES], frame[TAG_BYTES:]
+    if len(tag) < TAG_BYTES or not hmac.compare_digest(
+            tag, hmac.new(key, data, hashlib.sha256).digest()):
+        return None
+    return data
 
 
 def decode_to_replica(data: bytes) -> ToReplica:

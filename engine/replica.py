@@ -3,10 +3,13 @@
     python -m engine.replica --id r0 --model bundled --inbox ipc:///tmp/r0.in \
         --outbox ipc:///tmp/r0.out [--engine-config '{"max_num_seqs": 8}'] [--tokenizer PATH]
 
-It PULLs ``ToReplica`` messages and PUSHes ``FromReplica`` messages (ZeroMQ; ``ipc://`` here,
-``tcp://`` works the same across hosts). The loop: apply every waiting message, run one engine
-step when there is work, report the step's token deltas and stats; when idle, block on the
-inbox. A ``Health`` message is sent once the model is loaded and warmed up.
+It PULLs ``ToReplica`` messages and PUSHes ``FromReplica`` messages (ZeroMQ). The gateway starts
+its own replicas over ``ipc://``; a replica on another host binds a ``tcp://`` inbox and
+connects to the gateway's ``tcp://`` outbox, and then every message both ways is signed with
+the shared ``TAILSCOPE_REPLICA_KEY`` (``engine.protocol.sign``): one that does not verify is
+dropped and counted. The loop: apply every waiting message, run one engine step when there is
+work, report the step's token deltas and stats; when idle, block on the inbox. A ``Health``
+message is sent once the model is loaded and warmed up, then every ``HEALTH_EVERY_S``.
 """
 
 from __future__ import annotations
@@ -38,12 +41,15 @@ from engine.protocol import (
     TokenDelta,
     decode_to_replica,
     encode,
+    sign,
+    verify,
 )
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("engine.replica")
 IDLE_POLL_MS = 100
 HEARTBEAT_S = 0.5  # at least one message this often while the loop runs
+HEALTH_EVERY_S = 5.0  # a Health in place of a heartbeat this often
 
 
 def _delta(out: RequestOutput, engine: Engine, now_ns: int) -> TokenDelta:
@@ -99,9 +105,13 @@ def step_report(replica_id: str, engine: Engine, outputs: list[RequestOutput],
 
 class Replica:
     def __init__(self, replica_id: str, engine: Engine, inbox: str, outbox: str,
-                 parent_pid: int | None = None) -> None:
+                 parent_pid: int | None = None, key: bytes | None = None) -> None:
         self.id = replica_id
         self.parent_pid = parent_pid
+        self.key = key
+        self.rejected = 0  # inbox messages whose signature did not verify
+        self.incarnation = f"{os.getpid()}-{time.time_ns()}"
+        self.last_health = 0.0
         self.engine = engine
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
@@ -117,9 +127,18 @@ class Replica:
     def health(self, detail: str = "") -> Health:
         mc = self.engine.model.config
         return Health(self.id, True, mc.name, mc.revision, self.engine.kv.pool.num_blocks,
-                      self.engine.max_model_len, detail)
+                      self.engine.max_model_len, detail, self.incarnation, self.rejected,
+                      json.dumps(self.engine.config.as_dict(), sort_keys=True))
 
-    def handle(self, data: bytes) -> None:
+    def handle(self, frame: bytes) -> None:
+        data = verify(self.key, frame)
+        if data is None:
+            self.rejected += 1
+            if self.rejected & (self.rejected - 1) == 0:  # 1st, 2nd, 4th, ...: not a flood
+                log.warning("replica %s: dropped a message that failed its signature check "
+                            "(%d so far): a sender without the replica key", self.id,
+                            self.rejected)
+            return
         try:
             msg = decode_to_replica(data)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
@@ -138,13 +157,18 @@ class Replica:
             self.running = False
 
     def send(self, msg) -> None:
-        self.outbox.send(encode(msg))
+        self.outbox.send(sign(self.key, encode(msg)))
         self.last_sent = time.monotonic()
+        if isinstance(msg, Health):
+            self.last_health = self.last_sent
 
     def serve(self) -> None:
         self.send(self.health())
         while self.running:
-            if time.monotonic() - self.last_sent >= HEARTBEAT_S:
+            now = time.monotonic()
+            if now - self.last_health >= HEALTH_EVERY_S:
+                self.send(self.health())
+            elif now - self.last_sent >= HEARTBEAT_S:
                 self.send(Heartbeat(self.id, self.engine.step_count))
             if orphaned(self.parent_pid):  # the gateway died without telling us: do not linger
                 log.error("replica %s: parent process %s is gone; exiting", self.id,
@@ -189,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="exit when this process is no longer our parent (the gateway passes its "
                         "own pid); default: the parent at start. 0 turns the check off")
     args = p.parse_args(argv)
+    key = os.environ.get("TAILSCOPE_REPLICA_KEY", "").encode() or None
+    if not key and any(a.startswith("tcp://") for a in (args.inbox, args.outbox)):
+        p.error("a tcp:// inbox or outbox needs TAILSCOPE_REPLICA_KEY (the key the gateway "
+                "has): every message is signed with it")
     parent_pid = None if args.parent_pid == 0 else (args.parent_pid or os.getppid())
     if orphaned(parent_pid):
         return 1
@@ -216,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("replica %s: parent process %s is gone; exiting", args.id, parent_pid)
         return 1
     replica = Replica(args.id, Engine(model, config, grammar=grammar), args.inbox, args.outbox,
-                      parent_pid)
+                      parent_pid, key)
     replica.warm_up()
     replica.serve()
     return 0

@@ -94,6 +94,11 @@ class GatewayConfig:
     # record, event and step row, and the prefix of its replicas' ids ("<instance>/r0"); ""
     # (one gateway per store) keeps them "r0", "r1", ...
     instance_id: str = ""
+    # replicas on other hosts (README "Scaling out"): (id, their tcp:// inbox); they connect
+    # to replica_outbox (tcp://host:port bound here) and sign every message with replica_key
+    remote_replicas: tuple[tuple[str, str], ...] = ()
+    replica_outbox: str | None = None
+    replica_key: str | None = None
     freeze_gc: bool = False  # gc.freeze() once started (``tailscope serve`` sets it)
 
 
@@ -103,6 +108,8 @@ def resolved_config(config: GatewayConfig) -> dict:
            "replicas": config.replicas, "engine": config.engine.as_dict(),
            "sampling": {"defaults": config.sampling_defaults,
                         "overrides": config.sampling_overrides}}
+    if config.remote_replicas:  # (absent otherwise, like backends)
+        out["remote_replicas"] = sorted(rid for rid, _ in config.remote_replicas)
     if config.backends:  # (absent otherwise: config ids without backends stay as they were)
         out["backends"] = [{k: v for k, v in dataclasses.asdict(b).items() if k != "api_key_env"}
                            for b in config.backends]
@@ -126,7 +133,10 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
     pool = backend or ReplicaPool(config.model, config.engine, config.replicas,
                                   config.max_inflight_per_replica, config.max_buffered_deltas,
                                   config.slow_client_timeout_s, config.heartbeat_timeout_s,
-                                  tokenizer=str(tok_path), instance=config.instance_id)
+                                  tokenizer=str(tok_path), instance=config.instance_id,
+                                  remote=dict(config.remote_replicas),
+                                  key=(config.replica_key or "").encode() or None,
+                                  outbox_bind=config.replica_outbox)
     registry = TenantRegistry.from_file(config.tenants_file, config.key_id_secret)
     if registry.open:
         log.warning("no API keys configured: open local mode, every request is tenant 'local'")

@@ -62,6 +62,13 @@ class _PoolCollector:
             for key, family in kv_counts.items():
                 family.add_metric([rid], d[key])
         yield from (running, waiting, inflight, kv, ready, restarts, *kv_counts.values())
+        rejected = getattr(self.pool, "rejected_messages", None)
+        if rejected is not None:
+            c = CounterMetricFamily("tailscope:replica_messages_rejected",
+                                    "Replica messages dropped: their signature did not verify "
+                                    "under TAILSCOPE_REPLICA_KEY")
+            c.add_metric([], rejected)
+            yield c
 
 
 class _WriterCollector:

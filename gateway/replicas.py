@@ -94,10 +94,13 @@ class ReplicaPool:
                  max_inflight: int | None = None, max_buffered_deltas: int = 256,
                  slow_client_timeout_s: float = 30.0, heartbeat_timeout_s: float = 30.0,
                  restart: RestartPolicy | None = None, tokenizer: str | None = None,
-                 instance: str = "") -> None:
+                 instance: str = "", remote: dict[str, str] | None = None,
+                 key: bytes | None = None, outbox_bind: str | None = None) -> None:
         """Replicas of ``model`` run ``engine``; ``tokenizer`` (its path) lets them compile
         response_format grammars. Replica ids are ``r0``, ``r1``, ... or, under a gateway
-        ``instance`` id, ``<instance>/r0``, ...: unique among gateways sharing a store."""
+        ``instance`` id, ``<instance>/r0``, ...: unique among gateways sharing a store.
+        ``remote`` adds replicas on other hosts (id: their ``tcp://`` inbox); they connect
+        back to ``outbox_bind``, and every message is signed with ``key``."""
         self.model, self.config, self.tokenizer = model, engine, tokenizer
         self.work: dict[str, _Work] = {}
         # called with (replica id, incarnation, StepReport) for every engine tick (the store's
@@ -108,9 +111,20 @@ class ReplicaPool:
         self.on_abandoned: Callable[[str], None] | None = None
         # past this many in-flight requests on every replica, new ones are shed (503)
         self.max_inflight = max_inflight or 4 * engine.max_num_seqs
-        self.transport = ZmqTransport()
+        self.transport = ZmqTransport(key, outbox_bind)
         prefix = f"{instance}/" if instance else ""
         self.replicas = [Replica(f"{prefix}r{i}") for i in range(num_replicas)]
+        if remote and not outbox_bind:
+            raise ValueError("remote replicas need an outbox to connect to "
+                             "(TAILSCOPE_REPLICA_OUTBOX=tcp://HOST:PORT)")
+        for rid, inbox in (remote or {}).items():
+            if any(r.id == rid for r in self.replicas):
+                raise ValueError(f"remote replica id {rid!r} is taken by a local replica")
+            self.transport.add_remote(rid, inbox)
+            self.transport.connect(rid)
+            self.replicas.append(Replica(rid, remote=inbox))
+        if not self.replicas:
+            raise ValueError("no replicas: give --replicas 1 or more, or remote replicas")
         self.supervisor = Supervisor(self.replicas, self._launch, self._failed, restart,
                                      heartbeat_timeout_s)
         self.flow = FlowControl(self._control, max_buffered_deltas, slow_client_timeout_s)
@@ -155,6 +169,11 @@ class ReplicaPool:
     def slow_client_cancels(self) -> int:
         return self.flow.slow_client_cancels
 
+    @property
+    def rejected_messages(self) -> int:
+        """Replica messages dropped here because their signature did not verify."""
+        return self.transport.rejected
+
     def states(self) -> dict[str, str]:
         return {r.id: r.state for r in self.replicas}
 
@@ -172,6 +191,8 @@ class ReplicaPool:
                 "kv_blocks_total": r.health.kv_blocks_total if r.health else 0,
                 "ended": dict(r.ended), **{k: r.kv_counters[k] for k in KV_COUNTERS},
                 "kv_books": (rep.kv_books or {}) if rep else {},
+                # messages it dropped for a bad signature (its latest announcement's count)
+                "rejected_by_replica": getattr(r.health, "rejected", 0) if r.health else 0,
             }
         return out
 
@@ -283,6 +304,8 @@ class ReplicaPool:
         if replica is not None:
             self.supervisor.seen(replica)
         if isinstance(msg, Health):
+            if replica is not None and replica.remote and not self._same_engine(replica, msg):
+                return
             if replica is not None and self.supervisor.became_ready(replica, msg):
                 log.info("replica %s ready (%s)", msg.replica, msg.model)
         elif isinstance(msg, StepReport):
@@ -302,6 +325,24 @@ class ReplicaPool:
                     self.release(delta.request_id)
                     if self.on_abandoned is not None:
                         self.on_abandoned(delta.request_id)
+
+    def _same_engine(self, r: Replica, health: Health) -> bool:
+        """A remote replica runs its own ``--engine-config``: one that differs from this
+        gateway's would make every record's config_id a lie, so it is not used."""
+        mine = self.config.as_dict()
+        try:
+            theirs = json.loads(health.engine_config) if health.engine_config else None
+        except ValueError:
+            theirs = None
+        if theirs == mine:
+            return True
+        why = "runs another engine config than this gateway: " + (", ".join(
+            f"{k}={theirs.get(k)!r} (here {v!r})" for k, v in mine.items()
+            if theirs.get(k) != v) if isinstance(theirs, dict) else "it did not say which")
+        if r.last_failure != why:
+            log.error("remote replica %s %s; not routing to it", r.id, why)
+        r.state, r.last_failure = "refused", why
+        return False
 
     async def _watchdog(self) -> None:
         while True:

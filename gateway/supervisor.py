@@ -8,6 +8,12 @@ process exited) or stalled (no message, not even a heartbeat, for ``heartbeat_ti
 stopped, wedged or swapping), before the supervisor kills what is left of it. A failed replica is
 started again after an exponential backoff (``RestartPolicy``); one that keeps failing soon after
 its start is in ``crash_loop`` and is retried at the longest backoff.
+
+A remote replica (``remote``: its inbox on another host) has no process here: its own host's
+supervisor (systemd, Kubernetes) restarts it. This one only judges it: ready once it announced
+itself, ``unreachable`` when it stalls (its requests fail as for a local replica), ready again
+at its next announcement, and a new incarnation in an announcement from a ready replica means it
+restarted behind our back, which fails what it held the same way.
 """
 
 from __future__ import annotations
@@ -54,9 +60,12 @@ class ReplicaProcess:
     last_failure: str = ""
     health: Any = None  # what it announced when it became ready (engine.protocol.Health)
     restarts: int = 0
+    remote: str = ""  # a replica on another host: its inbox (tcp://host:port)
 
     @property
     def ready(self) -> bool:
+        if self.remote:
+            return self.state == "ready"
         return self.state == "ready" and self.proc is not None and self.proc.poll() is None
 
     def supervision(self, now: float) -> dict:
@@ -68,6 +77,8 @@ class ReplicaProcess:
             if self.restart_at is not None else None,
             "last_seen_s_ago": round(now - self.last_seen, 3) if self.last_seen else None,
             "pid": self.proc.pid if self.proc else None, "restarts": self.restarts,
+            "kind": "remote" if self.remote else "local",
+            **({"inbox": self.remote} if self.remote else {}),
         }
 
 
@@ -86,7 +97,7 @@ class Supervisor:
 
     def spawn(self, r: ReplicaProcess) -> None:
         r.health, r.state, r.ready_at, r.restart_at = None, "starting", None, None
-        r.proc = self.launch(r)
+        r.proc = None if r.remote else self.launch(r)
 
     def start(self) -> None:
         for r in self.replicas:
@@ -97,8 +108,12 @@ class Supervisor:
 
     def became_ready(self, r: ReplicaProcess, health: Any) -> bool:
         """A starting replica announced itself; False if it was not starting (a late or
-        repeated announcement changes nothing)."""
-        if r.state != "starting":
+        repeated announcement changes nothing) unless a ready remote replica announces a new
+        incarnation: it restarted, so what it held is failed first."""
+        if r.remote and r.state == "ready" and r.health is not None and getattr(
+                health, "incarnation", "") != getattr(r.health, "incarnation", ""):
+            self.fail(r, time.monotonic(), "restarted (a new incarnation announced itself)")
+        if r.state not in ("starting", "unreachable", "refused"):
             return False
         r.health, r.state, r.ready_at = health, "ready", r.last_seen or time.monotonic()
         return True
@@ -107,7 +122,11 @@ class Supervisor:
         """Start replicas whose restart is due; fail those that exited or stalled."""
         now = time.monotonic() if now is None else now
         for r in self.replicas:
-            if r.proc is None:
+            if r.remote:
+                if r.state == "ready" and now - r.last_seen > self.heartbeat_timeout_s:
+                    self.fail(r, now, f"sent nothing for {now - r.last_seen:.1f} s (heartbeat "
+                              f"timeout {self.heartbeat_timeout_s:g} s): unreachable")
+            elif r.proc is None:
                 if r.restart_at is not None and now >= r.restart_at:
                     log.info("replica %s: starting again (failure %d in a row)", r.id,
                              r.failures)
@@ -120,9 +139,16 @@ class Supervisor:
                           f"timeout {self.heartbeat_timeout_s:g} s): stalled")
 
     def fail(self, r: ReplicaProcess, now: float, why: str) -> None:
-        """The replica died or stalled: tell the owner, kill it, schedule its restart."""
-        log.error("replica %s %s; restarting it", r.id, why)
+        """The replica died or stalled: tell the owner, kill it, schedule its restart (a
+        remote one: wait for its next announcement)."""
+        log.error("replica %s %s; %s", r.id, why,
+                  "waiting for it to announce itself" if r.remote else "restarting it")
         self.on_failed(r, why)
+        if r.remote:
+            r.failures, r.last_failure, r.health = r.failures + 1, why, None
+            r.restarts += 1  # its next steps are another incarnation's
+            r.state = "unreachable"
+            return
         if r.proc is not None and r.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 r.proc.send_signal(signal.SIGKILL)  # works on a SIGSTOPped process too

@@ -1,7 +1,11 @@
-"""The gateway's side of the replica wire: ZeroMQ sockets over ``ipc://`` in a private directory.
+"""The gateway's side of the replica wire: ZeroMQ sockets over ``ipc://`` in a private directory,
+and ``tcp://`` for replicas on other hosts.
 
 Each replica has its own inbox (the gateway PUSHes to it); every replica PUSHes to one gateway
-outbox, read by an event-loop reader callback that decodes each message
+outbox (``ipc://`` for its own replicas, also bound on ``outbox_bind``, a ``tcp://`` address,
+when remote replicas connect to it). With a ``key`` every message both ways is signed
+(``engine.protocol.sign``); one from the outbox that does not verify is dropped and counted in
+``rejected``. The outbox is read by an event-loop reader callback that decodes each message
 (``engine.protocol.decode_from_replica``) and hands it to ``on_message``. Plain (sync) sockets:
 sends are non-blocking and the outbox is drained from the reader callback, which costs far less
 per message than zmq.asyncio futures. Knows nothing of requests, routing or processes.
@@ -20,7 +24,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from engine.protocol import decode_from_replica, encode
+from engine.protocol import decode_from_replica, encode, sign, verify
 
 log = logging.getLogger("tailscope.replicas")
 
@@ -32,16 +36,33 @@ class SendRefused(RuntimeError):
 
 
 class ZmqTransport:
-    def __init__(self) -> None:
+    def __init__(self, key: bytes | None = None, outbox_bind: str | None = None) -> None:
+        if outbox_bind and not key:
+            raise ValueError("a tcp:// replica outbox needs TAILSCOPE_REPLICA_KEY: every "
+                             "message from another host must be signed")
+        self.key = key
+        self.rejected = 0  # messages from the outbox whose signature did not verify
         self.ctx = zmq.Context()
         self.dir = tempfile.mkdtemp(prefix="tailscope-")
         self.outbox_addr = f"ipc://{self.dir}/gateway.out"
         self.outbox = self.ctx.socket(zmq.PULL)
         self.outbox.bind(self.outbox_addr)
+        if outbox_bind:
+            self.outbox.bind(outbox_bind)
         self._inboxes: dict[str, zmq.Socket] = {}
+        self._addrs: dict[str, str] = {}  # remote replicas' inboxes
         self._on_message: Callable[[msgspec.Struct], None] | None = None
 
+    def add_remote(self, replica_id: str, inbox: str) -> None:
+        """A replica on another host, whose inbox is ``inbox`` (``tcp://host:port``)."""
+        if not self.key:
+            raise ValueError(f"remote replica {replica_id} ({inbox}) needs "
+                             "TAILSCOPE_REPLICA_KEY: every message to it must be signed")
+        self._addrs[replica_id] = inbox
+
     def inbox_addr(self, replica_id: str) -> str:
+        if replica_id in self._addrs:
+            return self._addrs[replica_id]
         # a short file name whatever the id holds ("host:8000/r0"): a socket path has ~100 bytes
         name = hashlib.sha256(replica_id.encode()).hexdigest()[:16]
         return f"ipc://{self.dir}/{name}.in"
@@ -60,7 +81,7 @@ class ZmqTransport:
     def send(self, replica_id: str, data: bytes) -> None:
         """Queue an encoded message for a replica; ``SendRefused`` if it is not reading."""
         try:
-            self._inboxes[replica_id].send(data, zmq.NOBLOCK)
+            self._inboxes[replica_id].send(sign(self.key, data), zmq.NOBLOCK)
         except zmq.Again:
             raise SendRefused(f"replica {replica_id} is not accepting requests") from None
 
@@ -70,7 +91,7 @@ class ZmqTransport:
         sock = self._inboxes.get(replica_id)
         if sock is not None:
             with contextlib.suppress(zmq.Again, zmq.ZMQError):
-                sock.send(encode(msg), zmq.NOBLOCK)
+                sock.send(sign(self.key, encode(msg)), zmq.NOBLOCK)
 
     def listen(self, on_message: Callable[[msgspec.Struct], None]) -> None:
         """Hand every decoded message from the outbox to ``on_message`` on the event loop."""
@@ -85,9 +106,15 @@ class ZmqTransport:
         sock = self.outbox
         while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             try:
-                data = sock.recv(zmq.NOBLOCK)
+                data = verify(self.key, sock.recv(zmq.NOBLOCK))
             except zmq.Again:
                 break
+            if data is None:
+                self.rejected += 1
+                if self.rejected & (self.rejected - 1) == 0:  # 1st, 2nd, 4th, ...
+                    log.warning("dropped a replica message that failed its signature check "
+                                "(%d so far): a sender without the replica key", self.rejected)
+                continue
             try:
                 msg = decode_from_replica(data)
                 if self._on_message is not None:

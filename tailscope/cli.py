@@ -108,6 +108,19 @@ def instance_id(setting: str, port: int) -> str:
     return setting.strip()
 
 
+def remote_replicas(items: list[str]) -> tuple[tuple[str, str], ...]:
+    """``ID=tcp://HOST:PORT`` items (``--remote-replica``, ``TAILSCOPE_REMOTE_REPLICAS``)."""
+    out = []
+    for item in items:
+        rid, sep, addr = item.strip().partition("=")
+        if not sep or not rid or not addr.startswith("tcp://"):
+            raise ValueError(f"remote replica {item!r}: expected ID=tcp://HOST:PORT")
+        out.append((rid, addr))
+    if len({rid for rid, _ in out}) != len(out):
+        raise ValueError("remote replica ids must be unique")
+    return tuple(out)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
@@ -143,10 +156,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    try:
+        remote = remote_replicas([*filter(None, s.remote_replicas.split(",")),
+                                  *(args.remote_replica or [])])
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:  # a config the gateway refuses (e.g. one model name served twice) is an error
         app = create_app(GatewayConfig(model=s.model, tokenizer=args.tokenizer,
                                        served_model_name=served,
-                                       replicas=args.replicas or (file and file.replicas) or 1,
+                                       replicas=args.replicas if args.replicas is not None
+                                       else (file and file.replicas) or (0 if remote else 1),
                                        engine=engine,
                                        tenants_file=args.config or s.config,
                                        max_inflight_per_replica=args.max_inflight,
@@ -192,7 +212,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                        max_queue_mb=s.store_max_queue_mb,
                                        key_id_secret=s.key_id_secret or None,
                                        backends=backends, freeze_gc=True,
-                                       instance_id=instance_id(s.instance_id, args.port)))
+                                       instance_id=instance_id(s.instance_id, args.port),
+                                       remote_replicas=remote,
+                                       replica_outbox=s.replica_outbox or None,
+                                       replica_key=s.replica_key or None))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -788,7 +811,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--model", help="'bundled' (default), a .gguf file, an HF dir, or tiny:<vocab>")
     sv.add_argument("--tokenizer", help="tokenizer path (defaults to the model's)")
     sv.add_argument("--served-model-name", help="default SmolLM2-135M-Instruct")
-    sv.add_argument("--replicas", type=int, help="replica processes (default 1)")
+    sv.add_argument("--replicas", type=int, help="replica processes (default 1; 0 with remote "
+                    "replicas)")
+    sv.add_argument("--remote-replica", action="append", metavar="ID=tcp://HOST:PORT",
+                    help="a replica on another host, by its inbox (repeatable; needs "
+                         "TAILSCOPE_REPLICA_OUTBOX and TAILSCOPE_REPLICA_KEY)")
     sv.add_argument("--engine-config", metavar="FILE",
                     help="YAML: model, engine settings and sampling policy (evals/configs/)")
     add_engine_flags(sv)

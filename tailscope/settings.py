@@ -61,6 +61,10 @@ class Settings:
     # TAILSCOPE_INSTANCE_ID: this gateway's id on every record, event and step row and the
     # prefix of its replica ids; "auto" is <host name>:<port>, "" none (one gateway per store)
     instance_id: str = "auto"
+    # replicas on other hosts (README "Scaling out")
+    remote_replicas: str = ""  # TAILSCOPE_REMOTE_REPLICAS: "ID=tcp://HOST:PORT,..." (inboxes)
+    replica_outbox: str = ""  # TAILSCOPE_REPLICA_OUTBOX: tcp://HOST:PORT they connect to
+    replica_key: str = ""  # TAILSCOPE_REPLICA_KEY: signs every replica message (HMAC-SHA256)
     gateway_url: str = "http://127.0.0.1:8000"  # TAILSCOPE_GATEWAY_URL: for `tailscope store`
     otlp_endpoint: str = ""  # TAILSCOPE_OTLP_ENDPOINT: OTLP collector (spans off when empty)
     otlp_protocol: str = "http/protobuf"  # TAILSCOPE_OTLP_PROTOCOL: http/protobuf | grpc

@@ -34,8 +34,11 @@ class GatewayProcess:
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None,
                  ready_timeout_s: float = 300.0, log: str | Path | None = None,
-                 cwd: str | Path | None = None, quiet: bool = False) -> None:
+                 cwd: str | Path | None = None, quiet: bool = False,
+                 ready_field: str = "all_ready") -> None:
+        """``ready_field``: what of ``/ready`` must be true (``ready``: one replica is up)."""
         self.args, self.cwd, self.log = list(args), cwd, log
+        self.ready_field = ready_field
         self.env = {**os.environ, **(env or {})}
         self.ready_timeout_s = ready_timeout_s
         self.quiet = quiet  # discard its output (else inherited, or appended to ``log``)
@@ -57,7 +60,7 @@ class GatewayProcess:
                 raise GatewayStartError(f"the gateway exited with {self.proc.returncode} during "
                                         "start-up" + (f"; see {self.log}" if self.log else ""))
             try:
-                if httpx.get(f"{self.url}/ready", timeout=2).json().get("all_ready"):
+                if httpx.get(f"{self.url}/ready", timeout=2).json().get(self.ready_field):
                     return self
             except (httpx.HTTPError, ValueError):
                 pass

@@ -42,14 +42,15 @@ class Server:
     model: str = "SmolLM2-135M-Instruct"
 
 
-def start_server(*args: str, timeout_s: float = 240.0, env: dict[str, str] | None = None
-                 ) -> Server:
+def start_server(*args: str, timeout_s: float = 240.0, env: dict[str, str] | None = None,
+                 ready_field: str = "all_ready") -> Server:
     store = tempfile.mkdtemp(prefix="tailscope-test-store-")  # chDB: one directory per process
     gw = GatewayProcess(list(args), env={
         "TAILSCOPE_KV_CACHE_MB": "64", "TAILSCOPE_STORE_DSN": f"chdb://{store}/store",
         "TAILSCOPE_STORE_FLUSH_S": "0.5",
         # one gateway per store: replica ids stay "r0", "r1" (test_instances.py runs several)
-        "TAILSCOPE_INSTANCE_ID": "", **(env or {})}, ready_timeout_s=timeout_s)
+        "TAILSCOPE_INSTANCE_ID": "", **(env or {})}, ready_timeout_s=timeout_s,
+        ready_field=ready_field)
     try:
         gw.start()
     except GatewayStartError as exc:
