@@ -270,6 +270,54 @@ def _admin_headers(s: Settings) -> dict[str, str]:
     return {"Authorization": f"Bearer {s.admin_key}"} if s.admin_key else {}
 
 
+def _store_init(args: argparse.Namespace, s: Settings) -> int:
+    """``tailscope store init [--cluster NAME]``: the tables as DDL (``--print``) or applied."""
+    from tracing import cluster as C
+    from tracing.store import Store, StoreError, normalise_dsn
+
+    dsn = normalise_dsn(args.dsn or s.store_dsn)
+    if args.cluster is None:
+        if args.print:
+            from tracing.schema import MIGRATIONS
+
+            for _, _, statements in MIGRATIONS:
+                for stmt in statements:
+                    print(stmt.rstrip() + ";\n")
+            return 0
+        try:
+            store = Store(dsn)
+            print(f"applied migrations {store.migrate() or 'none (up to date)'} on {dsn}")
+        except StoreError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        return 0
+    try:
+        statements = C.ddl(args.cluster, args.shard_by)
+        if not args.print:
+            if not dsn.startswith(("http://", "https://")):
+                print("error: --cluster applies to a ClickHouse server (http(s):// DSN); an "
+                      "embedded store is one node (--print shows the DDL)", file=sys.stderr)
+                return 2
+            store = Store(dsn)
+            have = store.client.query("SELECT count() FROM system.tables WHERE database = "
+                                      "'tailscope' AND name = 'schema_migrations'"
+                                      ).result_rows[0][0]
+            if have:
+                applied = {r[0] for r in store.client.query(
+                    "SELECT version FROM tailscope.schema_migrations").result_rows}
+                statements = C.migrations(args.cluster, applied, args.shard_by)
+            for stmt in statements:
+                store.client.command(stmt)
+            print(f"applied {len(statements)} statements on cluster {args.cluster} via {dsn}")
+            return 0
+    except (ValueError, StoreError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for stmt in statements:
+        print(stmt.rstrip() + ";\n")
+    return 0
+
+
 def cmd_store(args: argparse.Namespace) -> int:
     import httpx
 
@@ -303,6 +351,8 @@ def cmd_store(args: argparse.Namespace) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 1
         return 0
+    if args.store_command == "init":
+        return _store_init(args, s)
     kind, target = _store_target(args, s)
     if args.store_command == "query":
         params = dict(_param(p) for p in args.param or [])
@@ -847,6 +897,14 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--format", choices=["table", "json"], default="table")
     d = sst.add_parser("delete", help="delete every stored row of a tenant")
     d.add_argument("--tenant", required=True)
+    si = sst.add_parser("init", help="create or upgrade the store's tables (--cluster: on a "
+                                     "ClickHouse cluster, ReplicatedMergeTree + Distributed)")
+    si.add_argument("--cluster", metavar="NAME", help="the cluster in the servers' "
+                    "remote_servers config; ON CLUSTER DDL")
+    si.add_argument("--shard-by", choices=["instance", "trace"], default="instance",
+                    help="the sharding key of requests, events and steps (README \"Scaling "
+                         "out\")")
+    si.add_argument("--print", action="store_true", help="print the DDL; apply nothing")
     ss = sst.add_parser("serve", help="own an embedded (chDB) store and serve it to several "
                                       "gateways (their TAILSCOPE_STORE_DSN=tailscope://HOST:PORT)")
     ss.add_argument("--host", default="127.0.0.1")

@@ -213,6 +213,14 @@ class Store:
                 "ENGINE = ReplacingMergeTree ORDER BY version")
             done = {r[0] for r in self.client.query(
                 f"SELECT version FROM {DATABASE}.schema_migrations").result_rows}
+            pending = [v for v, _, _ in MIGRATIONS if v not in done]
+            if pending and self.client.query(
+                    "SELECT count() FROM system.tables WHERE database = {d:String} AND name = "
+                    "'schema_migrations' AND engine = 'Distributed'",
+                    parameters={"d": DATABASE}).result_rows[0][0]:
+                raise StoreError(f"the store is a cluster and migrations {pending} are not "
+                                 "applied: run `tailscope store init --cluster NAME` (it applies "
+                                 "them ON CLUSTER to the local and distributed tables)")
             applied = []
             for version, name, statements in MIGRATIONS:
                 if version in done:
