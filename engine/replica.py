@@ -206,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="bundled")
     p.add_argument("--engine-config", default="{}",
                    help="the EngineConfig as JSON (omitted settings keep their defaults)")
+    p.add_argument("--engine-config-file", metavar="FILE",
+                   help="a `tailscope serve --engine-config` file: its engine settings (a remote "
+                        "replica must run its gateway's)")
     p.add_argument("--tokenizer", help="tokenizer (GGUF/HF dir) enabling response_format")
     p.add_argument("--inbox", required=True)
     p.add_argument("--outbox", required=True)
@@ -227,11 +230,18 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(int(os.environ["TAILSCOPE_THREADS"]))
     try:
         values = json.loads(args.engine_config)
+        if args.engine_config_file:  # the gateway's config file: the same settings, one source
+            import yaml
+
+            with open(args.engine_config_file) as f:
+                values = (yaml.safe_load(f) or {}).get("engine") or {}
         if not isinstance(values, dict):
             raise ValueError("--engine-config must be a JSON object")
         config = EngineConfig.from_mapping(values, "--engine-config")
-    except ValueError as exc:  # json's errors are ValueErrors too
+    except (ValueError, OSError) as exc:  # json's errors are ValueErrors too
         p.error(str(exc))
+    except Exception as exc:  # a YAML syntax error in the file
+        p.error(f"--engine-config-file {args.engine_config_file}: {exc}")
     model = load_model(args.model, config.dtype, batch_invariant=config.batch_invariant)
     grammar = None
     if args.tokenizer:

@@ -298,16 +298,11 @@ def _store_init(args: argparse.Namespace, s: Settings) -> int:
                 print("error: --cluster applies to a ClickHouse server (http(s):// DSN); an "
                       "embedded store is one node (--print shows the DDL)", file=sys.stderr)
                 return 2
-            store = Store(dsn)
-            have = store.client.query("SELECT count() FROM system.tables WHERE database = "
-                                      "'tailscope' AND name = 'schema_migrations'"
-                                      ).result_rows[0][0]
-            if have:
-                applied = {r[0] for r in store.client.query(
-                    "SELECT version FROM tailscope.schema_migrations").result_rows}
-                statements = C.migrations(args.cluster, applied, args.shard_by)
-            for stmt in statements:
-                store.client.command(stmt)
+            try:
+                statements = C.apply(Store(dsn), args.cluster, args.shard_by)
+            except Exception as exc:  # the server's own error (no such cluster, Keeper down)
+                print(f"error: {str(exc).strip().splitlines()[0][:500]}", file=sys.stderr)
+                return 1
             print(f"applied {len(statements)} statements on cluster {args.cluster} via {dsn}")
             return 0
     except (ValueError, StoreError) as exc:

@@ -13,7 +13,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVICES = {"clickhouse": "8123", "grafana": "3000", "jaeger": "16686",
-            "otel-collector": "4318", "gateway": "8000", "drill": "8501"}
+            "otel-collector": "4318", "gateway": "8000", "gateway-b": "8001", "drill": "8501"}
 
 
 SECRETS = {"CLICKHOUSE_PASSWORD": "s3cret-writer", "CLICKHOUSE_VIEWER_PASSWORD": "s3cret-viewer",
@@ -74,6 +74,20 @@ def test_gateway_writes_to_the_clickhouse_server_and_exports_spans():
                if isinstance(v, dict) and v.get("type") == "bind"}
     for path in volumes:
         assert Path(path).exists(), f"a bind mount points at a missing path: {path}"
+
+
+def test_the_fleet_profile_adds_a_second_gateway_into_the_same_clickhouse():
+    services = config()["services"]
+    a, b = services["gateway"], services["gateway-b"]
+    assert b["profiles"] == ["fleet"] and "profiles" not in a  # `up` alone: one gateway
+    assert a["environment"]["TAILSCOPE_STORE_DSN"] == b["environment"]["TAILSCOPE_STORE_DSN"]
+    ids = {a["environment"]["TAILSCOPE_INSTANCE_ID"], b["environment"]["TAILSCOPE_INSTANCE_ID"]}
+    assert len(ids) == 2  # records, events, steps and replica ids never collide
+    def sources(svc: dict) -> set[str]:
+        return {v["source"] if isinstance(v, dict) else str(v).split(":")[0]
+                for v in svc["volumes"]}
+    assert sources(a).isdisjoint(sources(b))  # each its own spool
+    assert "--profile fleet" in (ROOT / "README.md").read_text()
 
 
 def test_every_port_is_on_loopback_and_no_secret_has_a_default():

@@ -117,3 +117,21 @@ def migrations(cluster: str, applied: set[int], shard_by: str = "instance") -> l
                                  f"{stmt[:80]}")
         done.append((version, name))
     return out + _mark(done)
+
+
+def apply(store, cluster: str, shard_by: str = "instance") -> list[str]:
+    """Create the cluster's tables, or upgrade them: the statements run, in order. ``store``
+    is a ``tracing.store.Store`` on one of the cluster's servers."""
+    client = store.client
+    have = client.query("SELECT count() FROM system.tables WHERE database = {d:String} AND "
+                        "name = 'schema_migrations'", parameters={"d": DATABASE}
+                        ).result_rows[0][0]
+    if have:
+        applied = {r[0] for r in client.query(
+            f"SELECT version FROM {DATABASE}.schema_migrations").result_rows}
+        statements = migrations(cluster, applied, shard_by)
+    else:
+        statements = ddl(cluster, shard_by)
+    for stmt in statements:
+        client.command(stmt)
+    return statements
