@@ -140,7 +140,10 @@ class ReplicaPool:
                "--outbox", self.transport.outbox_addr, "--parent-pid", str(os.getpid())]
         if self.tokenizer:
             cmd += ["--tokenizer", self.tokenizer]
-        proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if self.transport.key:  # its messages are signed like every other replica's
+            env["TAILSCOPE_REPLICA_KEY"] = self.transport.key.decode()
+        proc = subprocess.Popen(cmd, env=env)
         self.transport.connect(r.id)
         return proc
 
@@ -339,7 +342,9 @@ class ReplicaPool:
         why = "runs another engine config than this gateway: " + (", ".join(
             f"{k}={theirs.get(k)!r} (here {v!r})" for k, v in mine.items()
             if theirs.get(k) != v) if isinstance(theirs, dict) else "it did not say which")
-        if r.last_failure != why:
+        if r.state == "ready":  # it restarted with other settings: what it held is gone
+            self.supervisor.fail(r, time.monotonic(), why)
+        if r.last_failure != why or r.state != "refused":
             log.error("remote replica %s %s; not routing to it", r.id, why)
         r.state, r.last_failure = "refused", why
         return False

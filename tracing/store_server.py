@@ -53,18 +53,14 @@ def _arrow_bytes(table: pa.Table) -> bytes:
 
 
 def _jsonable(v):
+    """A row value as JSON (the JSON form is for people and scripts; ``RemoteStore`` reads
+    Arrow)."""
     if isinstance(v, dt.datetime):
-        return {"$dt": (v if v.tzinfo else v.replace(tzinfo=dt.UTC)).isoformat()}
+        return (v if v.tzinfo else v.replace(tzinfo=dt.UTC)).isoformat()
+    if isinstance(v, float) and v != v:
+        return None
     if isinstance(v, list | tuple):
         return [_jsonable(x) for x in v]
-    return v
-
-
-def _from_json(v):
-    if isinstance(v, dict) and "$dt" in v:
-        return dt.datetime.fromisoformat(v["$dt"])
-    if isinstance(v, list):
-        return [_from_json(x) for x in v]
     return v
 
 
@@ -210,9 +206,10 @@ class RemoteStore:
 
     def select(self, sql: str, parameters: dict | None = None, query_id: str | None = None
                ) -> tuple[list[str], list[tuple]]:
-        body = self._post("/v1/select", json={"sql": sql, "params": parameters or {},
-                                              "query_id": query_id}).json()
-        return body["columns"], [tuple(_from_json(r)) for r in body["rows"]]
+        # as Arrow: types survive the trip (datetimes, NaN), which JSON would not keep
+        table = self.select_arrow(sql, parameters, query_id)
+        return table.column_names, list(zip(*(c.to_pylist() for c in table.columns),
+                                            strict=True))
 
     def select_arrow(self, sql: str, parameters: dict | None = None,
                      query_id: str | None = None) -> pa.Table:
