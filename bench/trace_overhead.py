@@ -2,15 +2,17 @@
 writer's ingest rate into embedded ClickHouse (chDB).
 
     python bench/trace_overhead.py [--seconds 15] [--concurrency 16] [--records 100000] [--quick]
-                                   [--detail-sample 0.1]
+                                   [--detail-sample 0.1] [--skip-ingest]
 
 1. Two gateways on the tiny model (vocabulary of the bundled tokenizer), one replica each, run
    one after the other under the same closed-loop load (``--concurrency`` streams of short
    completions): ``capture on`` writes every record, its events and every engine step to chDB;
    ``capture off`` has no store (records still go to the in-memory sink and ``/metrics``). The
    runs alternate on/off/on/off and the best of each is compared, to damp drift on a shared
-   machine. Printed: requests/s, output tokens/s, and the loss in percent. The writer's batch
-   age is the gateway's ``TAILSCOPE_STORE_FLUSH_S`` (5 s unless set in the environment).
+   machine. A third gateway runs the store in a supervised child process
+   (``TAILSCOPE_STORE_PROCESS=1``). Printed: requests/s, output tokens/s, the loss in percent,
+   and each gateway's peak RSS (the store child's apart). The writer's batch age is the
+   gateway's ``TAILSCOPE_STORE_FLUSH_S`` (5 s unless set in the environment).
 2. The writer alone, in this process: ``--records`` records with 256 token ids each (and 12
    events) emitted as fast as possible into a fresh chDB store; records/s from the first emit to
    the end of the drain (every row inserted), and the bytes per request on disk (requests and
@@ -35,15 +37,47 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def start_gateway(store: str | None) -> tuple[subprocess.Popen, str]:
+def start_gateway(store: str | None, child: bool = False) -> tuple[subprocess.Popen, str]:
     from engine.loader.paths import resolve_model_path
     from tracing.client import GatewayProcess
 
     gw = GatewayProcess(["--model", "tiny:49152", "--tokenizer",
                          str(resolve_model_path("bundled"))], cwd=ROOT, quiet=True,
-                        env={"TAILSCOPE_KV_CACHE_MB": "64", "TAILSCOPE_STORE_DSN": store or "none"},
+                        env={"TAILSCOPE_KV_CACHE_MB": "64", "TAILSCOPE_STORE_DSN": store or "none",
+                             "TAILSCOPE_STORE_PROCESS": "1" if child else "0"},
                         ready_timeout_s=180).start()
     return gw.proc, gw.url
+
+
+class PeakRss:
+    """Peak RSS of the gateway process and, apart, of its store child (if any), sampled every
+    50 ms from a thread (the replica, also a child, is left out)."""
+
+    def __init__(self, pid: int) -> None:
+        import threading
+
+        self.pid, self.gateway_mb, self.store_mb = pid, 0.0, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import psutil
+
+        gw = psutil.Process(self.pid)
+        while not self._stop.wait(0.05):
+            try:
+                self.gateway_mb = max(self.gateway_mb, gw.memory_info().rss / 2**20)
+                for c in gw.children():
+                    if "store" in c.cmdline():
+                        self.store_mb = max(self.store_mb, c.memory_info().rss / 2**20)
+            except psutil.Error:
+                pass
+
+    def stop(self) -> PeakRss:
+        self._stop.set()
+        self._thread.join()
+        return self
 
 
 def closed_loop(url: str, seconds: float, concurrency: int) -> tuple[float, float]:
@@ -57,20 +91,30 @@ def closed_loop(url: str, seconds: float, concurrency: int) -> tuple[float, floa
     return rep["request_throughput_rps"], rep["output_token_throughput_tps"]
 
 
+MODES = {"on": "capture on (store in the gateway)", "child": "capture on (store child)",
+         "off": "capture off"}
+
+
 def throughput(seconds: float, concurrency: int, rounds: int) -> dict:
-    results: dict[str, list[tuple[float, float]]] = {"on": [], "off": []}
+    """Per mode: the best (requests/s, output tokens/s) of the rounds, and the highest peak
+    RSS of the gateway and of its store child."""
+    results: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
+    rss: dict[str, list[float]] = {m: [0.0, 0.0] for m in MODES}
     for _ in range(rounds):
-        for mode in ("on", "off"):
+        for mode in MODES:
             store = f"chdb://{tempfile.mkdtemp(prefix='tailscope-bench-')}/store" \
-                if mode == "on" else None
-            proc, url = start_gateway(store)
+                if mode != "off" else None
+            proc, url = start_gateway(store, child=mode == "child")
+            peak = PeakRss(proc.pid)
             try:
                 closed_loop(url, 2.0, concurrency)  # warm-up
                 results[mode].append(closed_loop(url, seconds, concurrency))
             finally:
+                peak.stop()
+                rss[mode] = [max(rss[mode][0], peak.gateway_mb), max(rss[mode][1], peak.store_mb)]
                 proc.terminate()
                 proc.wait(60)
-    return {m: max(v) for m, v in results.items()}
+    return {m: (*max(v), *rss[m]) for m, v in results.items()}
 
 
 def ingest(n: int, detail_sample: float = 1.0) -> tuple[float, dict]:
@@ -128,10 +172,11 @@ def main() -> int:
     ap.add_argument("--records", type=int, default=100_000)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--detail-sample", type=float, default=0.1)
+    ap.add_argument("--skip-ingest", action="store_true", help="only the gateway runs")
     args = ap.parse_args()
     if args.quick:
         args.seconds, args.rounds, args.records = 5.0, 1, 20_000
-    for sample in (1.0, args.detail_sample):
+    for sample in () if args.skip_ingest else (1.0, args.detail_sample):
         rate, stats = ingest(args.records, sample)
         what = "full detail" if sample >= 1 else (
             f"tail-based retention (p99 + {sample:g} sample: {stats['kept']:,} kept)")
@@ -141,12 +186,17 @@ def main() -> int:
               f"us/record on the request path; written {stats['written']:,}, dropped "
               f"{stats['dropped']})")
     tp = throughput(args.seconds, args.concurrency, args.rounds)
-    on, off = tp["on"], tp["off"]
-    print(f"\ncapture on : {on[0]:7.1f} req/s  {on[1]:8.1f} output tok/s")
-    print(f"capture off: {off[0]:7.1f} req/s  {off[1]:8.1f} output tok/s")
-    print(f"throughput loss with full capture: {100 * (1 - on[0] / off[0]):+.1f}% "
-          f"(best of {args.rounds} alternating runs of {args.seconds:g} s, "
-          f"{args.concurrency} streams, 16 output tokens)")
+    print()
+    for mode, label in MODES.items():
+        rps, tps, gw_mb, store_mb = tp[mode]
+        child = f" + store child {store_mb:.0f} MB" if mode == "child" else ""
+        print(f"{label:34}: {rps:7.1f} req/s {tps:8.1f} output tok/s   gateway peak RSS "
+              f"{gw_mb:.0f} MB{child}")
+    off = tp["off"][0]
+    for mode in ("on", "child"):
+        print(f"throughput loss, {MODES[mode]}: {100 * (1 - tp[mode][0] / off):+.1f}%")
+    print(f"(best of {args.rounds} alternating runs of {args.seconds:g} s, {args.concurrency} "
+          "streams, 16 output tokens; peak RSS the highest over the runs)")
     return 0
 
 

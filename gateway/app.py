@@ -34,14 +34,14 @@ from gateway.metrics import GatewayMetrics
 from gateway.replicas import ReplicaPool
 from gateway.schemas import TokenizerInfoResponse
 from gateway.serving import Service
-from gateway.store_api import open_store, step_row
+from gateway.store_api import StoreProcess, open_store, step_row
 from gateway.tenants import TenantRegistry
 from gateway.trace import TraceMiddleware
 from gateway.upstream import UpstreamConfig, UpstreamPool
 from tracing.record import RequestRecord
 from tracing.retention import TailRetention
 from tracing.sinks import FanoutSink, JsonlSink, MemorySink, RecordSink
-from tracing.store import QueryLimits
+from tracing.store import QueryLimits, is_embedded, normalise_dsn
 
 log = logging.getLogger("tailscope.gateway")
 LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
@@ -71,6 +71,7 @@ class GatewayConfig:
     memory_records: int = 10_000  # the latest records kept for /debug/requests
     store_dsn: str | None = None  # chdb:///path, http(s)://host:8123, tailscope://host:8124
     store_key: str | None = None  # the store process's key (tailscope:// DSNs)
+    store_process: bool = False  # an embedded store in a supervised child process
     spool_dir: str | None = None  # where batches wait while the store is down
     store_ttl_days: int = 30  # default row TTL (a tenant's ttl_days overrides)
     store_flush_s: float = 5.0  # a batch is inserted when its oldest record is this old
@@ -151,13 +152,16 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
     sinks: list[RecordSink] = [memory]
     if config.records_jsonl:
         sinks.append(JsonlSink(config.records_jsonl))
-    handle = writer = None
+    handle = writer = store_child = None
     pool.on_step = lambda replica, incarnation, msg: service.note_step(msg.stats)
     if config.store_dsn:
+        if config.store_process and is_embedded(normalise_dsn(config.store_dsn)):
+            store_child = StoreProcess(config.store_dsn)
+            store_child.start()
         handle, writer = open_store(config.store_dsn, config.spool_dir,
                                     config.fault_store_down_file, config.store_flush_s,
                                     config.query_limits, config.max_queue_mb << 20,
-                                    config.store_key)
+                                    config.store_key, store_child)
         sinks.append(writer)
         def on_step(replica, incarnation, msg) -> None:
             service.note_step(msg.stats)
@@ -211,6 +215,8 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
             sink.close()  # the writer drains: every record is inserted or spooled
             if handle is not None:
                 handle.close()
+            if store_child is not None:
+                store_child.close()
 
     app = FastAPI(title="Tailscope gateway", lifespan=lifespan)
     app.state.pool, app.state.tokenizer, app.state.records = pool, tokenizer, memory
@@ -283,7 +289,8 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
         chosen, why = auto_dtype()
         return {"config_id": versions["config_id"], "name": config.config_name,
                 "config": resolved_config(config), "versions": versions,
-                "dtype_auto": {"chooses": chosen, "because": why}}
+                "dtype_auto": {"chooses": chosen, "because": why},
+                **({"store_process": store_child.describe()} if store_child else {})}
 
     @app.get("/debug/replicas")
     async def debug_replicas(request: Request) -> dict:

@@ -13,6 +13,9 @@ import datetime as dt
 import io
 import json
 import logging
+import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -85,6 +88,79 @@ class StoreHandle:
             self._store.close()
 
 
+class StoreProcess:
+    """The embedded store in a supervised child process (``TAILSCOPE_STORE_PROCESS=1``):
+    ``tailscope store serve`` on a private loopback port with a random key, reached through a
+    ``tailscope://`` DSN. chDB's memory (its caches, merges, query buffers) then lives outside
+    the gateway, and a crash of the store costs no request: the writer spools while the child
+    is down and replays once it is back (the same insert tokens: nothing twice). A child that
+    exits is started again after ``restart_s``; it exits by itself when the gateway is gone
+    (``--parent-pid``)."""
+
+    def __init__(self, dsn: str, restart_s: float = 1.0, start_timeout_s: float = 60.0) -> None:
+        import secrets
+
+        from tracing.client import free_port
+
+        self.dsn, self.restart_s, self.start_timeout_s = normalise_dsn(dsn), restart_s, \
+            start_timeout_s
+        self.port, self.key = free_port(), secrets.token_hex(24)
+        self.url = f"tailscope://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="store-process", daemon=True)
+
+    def _spawn(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tailscope.cli", "store", "--dsn", self.dsn, "serve",
+             "--port", str(self.port), "--parent-pid", str(os.getpid())],
+            env={**os.environ, "TAILSCOPE_STORE_KEY": self.key, "PYTHONUNBUFFERED": "1"})
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def start(self) -> None:
+        """Start the child and wait until it answers (records before that would only spool)."""
+        self._spawn()
+        deadline = time.monotonic() + self.start_timeout_s
+        while not self._healthy():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"tailscope: the store process for {self.dsn} did not start "
+                                 f"(exit code {self.proc.poll()}); see its log above")
+            time.sleep(0.1)
+        self._thread.start()
+        log.info("trace store in child process %d (%s)", self.proc.pid, self.dsn)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.5):
+            if self.proc is not None and self.proc.poll() is not None:
+                log.error("store process exited with code %s; starting it again in %.0f s "
+                          "(records spool meanwhile)", self.proc.returncode, self.restart_s)
+                if self._stop.wait(self.restart_s):
+                    return
+                self.restarts += 1
+                self._spawn()
+
+    def describe(self) -> dict:
+        return {"pid": self.proc.pid if self.proc else None, "restarts": self.restarts,
+                "alive": self.proc is not None and self.proc.poll() is None}
+
+    def close(self) -> None:
+        """After the writer has drained into it: stop the child."""
+        self._stop.set()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
 def default_spool_dir(dsn: str) -> Path:
     dsn = normalise_dsn(dsn)
     if is_embedded(dsn):
@@ -94,9 +170,11 @@ def default_spool_dir(dsn: str) -> Path:
 
 def open_store(dsn: str, spool_dir: str | None, fault_file: str | None,
                flush_s: float = 1.0, limits: QueryLimits | None = None,
-               max_queue_bytes: int = 256 << 20, key: str | None = None
-               ) -> tuple[StoreHandle, RecordWriter]:
-    handle = StoreHandle(dsn, limits, key)
+               max_queue_bytes: int = 256 << 20, key: str | None = None,
+               child: StoreProcess | None = None) -> tuple[StoreHandle, RecordWriter]:
+    """The store and its writer; with ``child`` (a started ``StoreProcess``) the writer and the
+    debug endpoints reach the store through it, and the spool stays where it would be."""
+    handle = StoreHandle(child.url, limits, child.key) if child else StoreHandle(dsn, limits, key)
     if is_embedded(handle.dsn):  # fail fast: e.g. another gateway already owns the directory
         try:
             handle.get()

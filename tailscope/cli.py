@@ -182,6 +182,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                        store_dsn=None if s.store_dsn.lower() in ("", "none")
                                        else s.store_dsn,
                                        store_key=s.store_key or None,
+                                       store_process=s.store_process,
                                        spool_dir=s.spool_dir or None,
                                        store_ttl_days=s.store_ttl_days,
                                        store_flush_s=s.store_flush_s,
@@ -337,7 +338,7 @@ def cmd_store(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
         try:
-            serve(dsn, args.host, args.port, s.store_key or None, QueryLimits(
+            serve(dsn, args.host, args.port, s.store_key or None, args.parent_pid, QueryLimits(
                 max_execution_s=s.query_max_execution_s,
                 max_result_rows=s.query_max_result_rows,
                 max_rows_to_read=s.query_max_rows_to_read,
@@ -904,6 +905,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "gateways (their TAILSCOPE_STORE_DSN=tailscope://HOST:PORT)")
     ss.add_argument("--host", default="127.0.0.1")
     ss.add_argument("--port", type=int, default=8124)
+    ss.add_argument("--parent-pid", type=int, help="exit when this process is gone (a gateway "
+                    "running its store as a child passes its own pid)")
     st.set_defaults(func=cmd_store)
     w = sub.add_parser("why", help="why a request was slow: its slowest gaps, the engine steps "
                                    "and the other requests (and tenants) inside them")

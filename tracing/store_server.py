@@ -31,6 +31,7 @@ import hmac
 import io
 import logging
 import threading
+import time
 
 import pyarrow as pa
 import pyarrow.ipc as ipc
@@ -235,15 +236,27 @@ class RemoteStore:
             self._client.close()
 
 
-def serve(dsn: str, host: str, port: int, key: str | None,
+def serve(dsn: str, host: str, port: int, key: str | None, parent_pid: int | None = None,
           limits: QueryLimits | None = None) -> None:
-    """Open and migrate the store at ``dsn``, then serve it until stopped."""
+    """Open and migrate the store at ``dsn``, then serve it until stopped (SIGTERM, or
+    ``parent_pid`` no longer being our parent)."""
+    import os
+    import signal
+
     import uvicorn
 
     store = Store(dsn, limits)
     store.migrate()
     log.info("store process: %s on %s:%d (%s)", store.dsn, host, port,
              "keyed" if key else "loopback clients only")
+    if parent_pid:
+        def watch_parent() -> None:
+            while os.getppid() == parent_pid:
+                time.sleep(1.0)
+            log.error("store process: parent %d is gone; stopping", parent_pid)
+            os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful stop, then close()
+
+        threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
     try:
         uvicorn.run(create_app(store, key), host=host, port=port, log_level="warning")
     finally:

@@ -1,0 +1,87 @@
+"""The embedded store in a supervised child process (``TAILSCOPE_STORE_PROCESS=1``): killed
+mid-load, it is started again and no record is lost or stored twice (the writer spools while
+it is down and replays with the same insert tokens); and it does not outlive its gateway."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+import psutil
+
+from tests.gateway.conftest import start_server, stop_server
+from tests.gateway.test_faults import wait_for
+
+
+def child(url: str) -> dict:
+    return httpx.get(f"{url}/debug/config", timeout=10).json()["store_process"]
+
+
+def test_the_store_child_killed_mid_load_loses_and_duplicates_nothing(bundled_path):
+    server = start_server("--model", "tiny:49152", "--tokenizer", str(bundled_path),
+                          env={"TAILSCOPE_STORE_PROCESS": "1"})
+    try:
+        first = child(server.url)
+        assert first["alive"] and first["pid"] != server.proc.pid
+        traces, errors = [], []
+
+        def load(k: int) -> None:
+            with httpx.Client(timeout=60) as http:
+                for i in range(15):
+                    r = http.post(f"{server.url}/v1/completions", json={
+                        "model": "SmolLM2-135M-Instruct", "prompt": f"load {k} {i}",
+                        "max_tokens": 4, "temperature": 0})
+                    (traces if r.status_code == 200 else errors).append(
+                        r.headers.get("x-tailscope-trace-id") or r.text)
+
+        threads = [threading.Thread(target=load, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        assert wait_for(lambda: len(traces) >= 10, 60)
+        os.kill(first["pid"], signal.SIGKILL)  # mid-load
+        for t in threads:
+            t.join()
+        assert not errors and len(traces) == 45  # the gateway served on
+        assert wait_for(lambda: child(server.url)["restarts"] == 1
+                        and child(server.url)["alive"], 30), child(server.url)
+
+        def counts() -> dict:
+            r = httpx.post(f"{server.url}/debug/query", json={
+                "sql": "SELECT trace_id, count() AS n FROM tailscope.requests WHERE trace_id "
+                       "IN {t:Array(String)} GROUP BY trace_id", "params": {"t": traces}},
+                timeout=30)
+            return dict(r.json()["rows"]) if r.status_code == 200 else {}
+        assert wait_for(lambda: len(counts()) == len(traces), 60), len(counts())
+        assert set(counts().values()) == {1}  # every one once: the replays did not duplicate
+        pid = child(server.url)["pid"]
+    finally:
+        server.proc.kill()  # SIGKILL: no shutdown path runs
+        server.proc.wait()
+    # the orphaned store child notices and stops (its store is closed, not left locked)
+    assert wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status()
+                    == psutil.STATUS_ZOMBIE, 15)
+
+
+def test_a_clean_stop_drains_into_the_child_then_stops_it(bundled_path, tmp_path):
+    dsn = f"chdb://{tmp_path}/store"
+    server = start_server("--model", "tiny:49152", "--tokenizer", str(bundled_path),
+                          env={"TAILSCOPE_STORE_PROCESS": "1", "TAILSCOPE_STORE_DSN": dsn,
+                               "TAILSCOPE_STORE_FLUSH_S": "60"})  # nothing written before the stop
+    pid = child(server.url)["pid"]
+    r = httpx.post(f"{server.url}/v1/completions", json={
+        "model": "SmolLM2-135M-Instruct", "prompt": "last words", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200
+    stop_server(server)  # SIGTERM: the writer drains into the child, then the child stops
+    assert wait_for(lambda: not psutil.pid_exists(pid), 10)
+    # the directory is free again and holds the record (read in another process: chDB opens
+    # one directory per process, and this one has the session's store)
+    out = subprocess.run(
+        [sys.executable, "-m", "tailscope.cli", "store", "--dsn", dsn, "query",
+         "SELECT count() FROM tailscope.requests WHERE trace_id = {t:String}", "--param",
+         f"t={r.headers['x-tailscope-trace-id']}"], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "TAILSCOPE_GATEWAY_URL": "http://127.0.0.1:9"})
+    assert out.returncode == 0 and out.stdout.splitlines()[-1] == "1", out.stderr[-500:]
