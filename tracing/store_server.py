@@ -98,6 +98,13 @@ def create_app(store: Store, key: str | None = None):
             return error(400, str(exc).strip().splitlines()[0][:500] if str(exc)
                          else type(exc).__name__, "store_error")
 
+    async def json_of(request: Request) -> dict | None:
+        try:
+            body = await request.json()
+        except ValueError:
+            return None
+        return body if isinstance(body, dict) else None
+
     @app.get("/health")
     async def health() -> dict:
         return {"ok": True, "dsn": store.dsn, "inserts": app.state.inserts}
@@ -119,9 +126,9 @@ def create_app(store: Store, key: str | None = None):
 
     @app.post("/v1/select")
     async def select(request: Request):
-        body = await request.json()
+        body = await json_of(request) or {}
         sql, params = body.get("sql"), body.get("params") or None
-        if not isinstance(sql, str):
+        if not isinstance(sql, str) or not isinstance(params, dict | None):
             return error(400, "body: {\"sql\": \"SELECT ...\", \"params\": {...}}", "bad_body")
         qid = body.get("query_id") or None
         if body.get("format") == "arrow":
@@ -136,12 +143,12 @@ def create_app(store: Store, key: str | None = None):
 
     @app.post("/v1/cancel")
     async def cancel(request: Request):
-        out = await run(store.cancel, (await request.json()).get("query_id") or None)
+        out = await run(store.cancel, (await json_of(request) or {}).get("query_id") or None)
         return out if isinstance(out, Response) else {"cancelled": True}
 
     @app.post("/v1/delete-tenant")
     async def delete_tenant(request: Request):
-        tenant = (await request.json()).get("tenant")
+        tenant = (await json_of(request) or {}).get("tenant")
         if not isinstance(tenant, str) or not tenant:
             return error(400, "body: {\"tenant\": \"...\"}", "bad_body")
         out = await run(store.delete_tenant, tenant)

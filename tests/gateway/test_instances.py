@@ -145,6 +145,10 @@ def test_the_store_process_keeps_its_read_path_and_its_key(fleet):
     r = httpx.post(f"http://127.0.0.1:{fleet['port']}/v1/select", json={"sql": "SELECT 1"},
                    headers={"Authorization": "Bearer wrong"}, timeout=10)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_store_key"
+    for bad in (b"not json", b"[1, 2]", b'{"sql": 5}'):  # a clear 400, never a 500
+        r = httpx.post(f"http://127.0.0.1:{fleet['port']}/v1/select", content=bad,
+                       headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "bad_body", r.text
     assert stored(store, "SELECT count() AS n FROM tailscope.requests")[0]["n"] >= 0
 
 
