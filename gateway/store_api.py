@@ -129,6 +129,9 @@ class StoreProcess:
         deadline = time.monotonic() + self.start_timeout_s
         while not self._healthy():
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                if self.proc.poll() is None:  # up but not answering: not left behind
+                    self.proc.kill()
+                    self.proc.wait()
                 raise SystemExit(f"tailscope: the store process for {self.dsn} did not start "
                                  f"(exit code {self.proc.poll()}); see its log above")
             time.sleep(0.1)
