@@ -200,7 +200,8 @@ def orphaned(parent_pid: int | None) -> bool:
     return parent_pid is not None and os.getppid() != parent_pid
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line (the deployment files' commands are checked against it)."""
     p = argparse.ArgumentParser(description="Tailscope engine replica process")
     p.add_argument("--id", required=True)
     p.add_argument("--model", default="bundled")
@@ -215,6 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parent-pid", type=int,
                    help="exit when this process is no longer our parent (the gateway passes its "
                         "own pid); default: the parent at start. 0 turns the check off")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     key = os.environ.get("TAILSCOPE_REPLICA_KEY", "").encode() or None
     if not key and any(a.startswith("tcp://") for a in (args.inbox, args.outbox)):

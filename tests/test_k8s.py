@@ -47,6 +47,27 @@ def test_every_manifest_validates_and_the_validator_can_fail():
         "kustomization.yaml"}
 
 
+def _replica_args(argv: list[str]):
+    from engine.replica import parser
+
+    return parser().parse_args(argv)  # exits (SystemExit) on a flag it does not know
+
+
+def test_the_systemd_unit_runs_a_replica_command_the_replica_takes():
+    import configparser
+
+    unit = configparser.ConfigParser(interpolation=None, strict=False)
+    unit.optionxform = str
+    unit.read(ROOT / "deploy" / "systemd" / "tailscope-replica@.service")
+    argv = shlex.split(unit["Service"]["ExecStart"])
+    assert argv[1:3] == ["-m", "engine.replica"] and unit["Service"]["Restart"] == "always"
+    env = {"${TAILSCOPE_REPLICA_INBOX}": "tcp://0.0.0.0:5601",
+           "${TAILSCOPE_GATEWAY_OUTBOX}": "tcp://gateway:5600", "%i": "gpu1"}
+    args = _replica_args([env.get(a, a) for a in argv[3:]])
+    assert (args.id, args.parent_pid, args.inbox) == ("gpu1", 0, "tcp://0.0.0.0:5601")
+    assert args.engine_config_file == "/etc/tailscope/engine.yaml"
+
+
 def _container(doc: dict) -> dict:
     return doc["spec"]["template"]["spec"]["containers"][0]
 
@@ -90,6 +111,7 @@ def test_the_remote_gateway_names_exactly_the_replica_pods_that_connect_to_it():
                for pod, addr in remotes.items())
     replica = shlex.split(_container(sts)["command"][-1])
     args = dict(zip(replica[::2], replica[1::2], strict=True))
+    _replica_args(replica[replica.index("engine.replica") + 1:])  # the replica takes them
     outbox = args["--outbox"]
     service = docs["Service/tailscope-remote-gateway"]
     port = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "outbox")
