@@ -50,11 +50,14 @@ class RequestOutput:
 class Engine:
     def __init__(self, model: LlamaModel, config: EngineConfig | None = None,
                  observer: OutputObserver | None = None,
-                 grammar: GrammarCompiler | None = None, runner=None) -> None:
+                 grammar: GrammarCompiler | None = None, runner=None,
+                 clock: Callable[[], int] = time.monotonic_ns) -> None:
         """``grammar`` compiles ``response_format`` constraints; without it such requests
         are rejected. ``runner`` replaces the model runner (``engine.whatif.CostRunner``: the
-        same engine on a virtual clock, no weights)."""
+        same engine on a virtual clock, no weights), and ``clock`` (ns) is what request
+        deadlines and queue timeouts are set and judged by (that virtual clock, there)."""
         self.grammar = grammar
+        self.clock = clock
         self.config = config or EngineConfig(dtype=_dtype_name(model),
                                              batch_invariant=model.batch_invariant)
         if self.config.batch_invariant != model.batch_invariant:
@@ -101,9 +104,9 @@ class Engine:
         samples its first token from the same logits; otherwise it runs on its own."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already live")
-        now = time.monotonic_ns()
+        now = self.clock()
         req = Request(request_id, list(prompt_token_ids), params or SamplingParams(),
-                      arrival_ns=arrival_ns or now,
+                      arrival_ns=arrival_ns or time.monotonic_ns(),  # the timeline's clock
                       deadline_ns=None if deadline_s is None else now + int(deadline_s * 1e9),
                       queue_deadline_ns=None if queue_timeout_s is None
                       else now + int(queue_timeout_s * 1e9), cache_salt=cache_salt)
@@ -272,7 +275,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One tick: schedule -> run -> postprocess."""
         start, wall = time.monotonic_ns(), time.time_ns()
-        self._expire(start)
+        self._expire(self.clock())
         sched = self.scheduler.schedule()
         self.preemptions += len(sched.preempted)
         self.swaps += sum(1 for p in sched.preempted if p.mode == "swap")

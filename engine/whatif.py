@@ -42,6 +42,7 @@ import numpy as np
 
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_manager import KVCacheManager
+from engine.request import RequestState
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
 
@@ -121,6 +122,9 @@ class Arrival:
     tenant: str = ""
     priority: int = 0
     cache_salt: str = ""
+    # the engine queue timeout it was sent with (the gateway's TAILSCOPE_QUEUE_TIMEOUT_S):
+    # past it, still waiting, it ends TIMED_OUT as on a replica (None: it waits for ever)
+    queue_timeout_s: float | None = None
 
 
 @dataclass
@@ -216,7 +220,9 @@ class SimReplica:
 
         self.id = replica_id
         self.runner = CostRunner(cost, sims)
-        self.engine = Engine(_SimModel(model_config), config, runner=self.runner)
+        # deadlines run on the virtual clock, like the steps
+        self.engine = Engine(_SimModel(model_config), config, runner=self.runner,
+                             clock=lambda: int(self.runner.now_ms * 1e6))
         self.inflight: set[str] = set()
         self.prefixes: OrderedDict[int, None] = OrderedDict()
 
@@ -266,9 +272,12 @@ def simulate(arrivals: Sequence[Arrival], config: EngineConfig, cost: StepCost,
                 continue
             if not rep.engine.has_unfinished() and rep.runner.now_ms < a.at_ms:
                 rep.runner.now_ms = a.at_ms  # it was idle until this arrival
+            late_s = max(0.0, rep.runner.now_ms - a.at_ms) / 1e3  # it came during a step
             rep.engine.add_request(a.request_id, a.prompt_token_ids, SamplingParams(
                 max_tokens=max(1, a.output_tokens), ignore_eos=True, tenant=a.tenant,
-                priority=a.priority), cache_salt=a.cache_salt)
+                priority=a.priority), cache_salt=a.cache_salt,
+                queue_timeout_s=None if a.queue_timeout_s is None
+                else max(0.0, a.queue_timeout_s - late_s))
             rep.inflight.add(a.request_id)
             stuck.discard(rep.id)
             continue
@@ -283,9 +292,17 @@ def simulate(arrivals: Sequence[Arrival], config: EngineConfig, cost: StepCost,
                 rep.inflight.discard(out.request_id)
         if len(rep.runner.steps) == ran and rep.engine.has_unfinished():
             # nothing could run (e.g. waiting on KV no running request will free): it waits
-            # for the next arrival; with none left, its run is over
-            if i < len(pending):
-                rep.runner.now_ms = max(rep.runner.now_ms, pending[i].at_ms)
+            # for the next arrival or the next queue timeout; with neither, its run is over
+            now = rep.runner.now_ms
+            due = [r.queue_deadline_ns / 1e6 for r in rep.engine.scheduler.waiting
+                   if r.queue_deadline_ns is not None and r.queue_deadline_ns / 1e6 > now
+                   and r.state in (RequestState.QUEUED, RequestState.DEGRADED)]
+            if i < len(pending) and pending[i].at_ms <= now:
+                continue  # the next arrival joins first (it may be the one that unblocks it)
+            wake = min([*due, *([pending[i].at_ms] if i < len(pending) else [])],
+                       default=None)
+            if wake is not None:
+                rep.runner.now_ms = wake
             else:
                 stuck.add(rep.id)
     for rep in reps:

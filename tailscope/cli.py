@@ -488,7 +488,8 @@ def _iso(us: int) -> str:
 
 
 def _print_columns(title: str, cols: dict[str, dict | None]) -> None:
-    """One row per metric (each cell p50/p90/p99 ms), then preemptions, shed and the SLO."""
+    """One row per metric (each cell p50/p90/p99 ms), then preemptions, shed, timed out and
+    the SLO."""
     from tailscope.whatif import LABELS, METRICS
 
     names = list(cols)
@@ -497,8 +498,9 @@ def _print_columns(title: str, cols: dict[str, dict | None]) -> None:
         cells = ("/".join(f"{c['table'][m][q]:.0f}" for q in ("p50", "p90", "p99"))
                  if c else "" for c in cols.values())
         print(f"{LABELS[m]:<14}" + "".join(f"{x:>28}" for x in cells))
-    for key in ("preemptions", "shed"):
-        print(f"{key:<14}" + "".join(f"{c[key] if c else '':>28}" for c in cols.values()))
+    for key in ("preemptions", "shed", "timed_out"):
+        print(f"{key:<14}" + "".join(f"{c.get(key, '') if c else '':>28}"
+                                     for c in cols.values()))
     if any(c and "slo" in c for c in cols.values()):
         print(f"{'SLO met':<14}" + "".join(
             f"{c['slo']['attainment']:.1%} ({c['slo']['goodput_rps']:.2f}/s)".rjust(28)
@@ -541,7 +543,8 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    params, results = W.compare(w, cand, args.replicas, scales, slo, args.max_inflight)
+    params, results = W.compare(w, cand, args.replicas, scales, slo, args.max_inflight,
+                                args.queue_timeout)
     changed, points = params["candidate_changes"], results["points"]
     n_rec, n_cand = params["replicas_recorded"], params["replicas_candidate"]
     stored = _keep_run(args, s, target, "whatif", w, params, results)
@@ -940,6 +943,10 @@ def build_parser() -> argparse.ArgumentParser:
     window_args(wi)
     wi.add_argument("--replicas", type=int, help="the candidate's replica count (default: as "
                     "recorded)")
+    wi.add_argument("--queue-timeout", type=float, metavar="S",
+                    help="end a request still queued after S seconds (TIMED_OUT), as the "
+                         "gateway's TAILSCOPE_QUEUE_TIMEOUT_S does (default: none; the records "
+                         "do not say what the recorded gateway used)")
     wi.add_argument("--rate-scale", default="1", metavar="X[,X...]",
                     help="arrivals this many times as fast; several: a sweep (see --plot)")
     wi.add_argument("--slo", metavar="ttft_ms=N,tpot_ms=N", help="also report SLO attainment "

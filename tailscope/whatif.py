@@ -240,19 +240,24 @@ class Prediction:
     def summary(self, slo: Slo | None) -> dict:
         out = {"replicas": self.replicas, "rate_scale": self.rate_scale, "table": self.table(),
                "preemptions": self.preemptions, "steps": self.steps,
-               "shed": sum(s.state == "SHED" for s in self.sims)}
+               "shed": sum(s.state == "SHED" for s in self.sims),
+               "timed_out": sum(s.state == "TIMED_OUT" for s in self.sims)}
         if slo is not None:
             out["slo"] = self.slo(slo)
         return out
 
 
 def predict(w: Window, config: EngineConfig, replicas: int = 1, rate_scale: float = 1.0,
-            max_inflight: int | None = None) -> Prediction:
+            max_inflight: int | None = None, queue_timeout_s: float | None = None
+            ) -> Prediction:
     """The window's arrivals, ``rate_scale`` times as fast, through ``replicas`` simulated
-    replicas of ``config`` behind the gateway's router."""
+    replicas of ``config`` behind the gateway's router; with ``queue_timeout_s`` (the
+    gateway's ``TAILSCOPE_QUEUE_TIMEOUT_S``) a request still queued that long ends TIMED_OUT,
+    on the virtual clock, as the engine ends it."""
     if not rate_scale > 0:
         raise ValueError("the rate scale must be > 0")
-    arrivals = [replace(a, at_ms=a.at_ms / rate_scale) for a in w.arrivals]
+    arrivals = [replace(a, at_ms=a.at_ms / rate_scale, queue_timeout_s=queue_timeout_s)
+                for a in w.arrivals]
     sims, reps = simulate(arrivals, config, w.cost, STAND_IN, replicas,
                           _route(config, max_inflight) if replicas > 1 else None)
     return Prediction(config, replicas, rate_scale, sims,
@@ -281,7 +286,8 @@ def recorded(w: Window, slo: Slo | None) -> dict:
 
 def compare(w: Window, cand: EngineConfig, replicas: int | None = None,
             scales: list[float] | tuple[float, ...] = (1.0,), slo: Slo | None = None,
-            max_inflight: int | None = None) -> tuple[dict, dict]:
+            max_inflight: int | None = None, queue_timeout_s: float | None = None
+            ) -> tuple[dict, dict]:
     """The recorded config (on the recorded replica count) and the candidate (on ``replicas``,
     default the same) at each rate scale, with the recorded figures at scale 1: (params,
     results) as ``whatif_runs`` keeps them."""
@@ -291,15 +297,17 @@ def compare(w: Window, cand: EngineConfig, replicas: int | None = None,
     points = []
     for scale in scales:
         point = {"rate_scale": scale, "offered_rps": w.rate_rps * scale,
-                 "recorded_config": predict(w, w.base, n_rec, scale, max_inflight).summary(slo),
-                 "candidate": predict(w, cand, n_cand, scale, max_inflight).summary(slo)}
+                 "recorded_config": predict(w, w.base, n_rec, scale, max_inflight,
+                                            queue_timeout_s).summary(slo),
+                 "candidate": predict(w, cand, n_cand, scale, max_inflight,
+                                      queue_timeout_s).summary(slo)}
         if scale == 1.0 and w.requests is not None:
             point["recorded"] = recorded(w, slo)
         points.append(point)
     params = {"candidate_changes": changed, "replicas_recorded": n_rec,
               "replicas_candidate": n_cand, "rate_scales": list(scales),
               "slo": None if slo is None else {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
-              "max_inflight": max_inflight}
+              "max_inflight": max_inflight, "queue_timeout_s": queue_timeout_s}
     results = {"requests": len(w.requests) if w.requests is not None else len(w.arrivals),
                "sequences": len(w.arrivals),
                "recorded_rate_rps": w.rate_rps, "overhead_ms": w.overhead_ms,

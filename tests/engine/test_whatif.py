@@ -4,6 +4,7 @@ scheduling (the same steps as a real engine given the same arrivals and step cos
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -109,3 +110,28 @@ def test_loop_times_count_the_gap_to_a_step_that_followed_at_once():
     from engine.whatif import loop_times
 
     assert [s["duration_ms"] for s in loop_times(steps)] == [4.5, 3.0, 2.0]  # idle after #2
+
+
+def test_queue_timeouts_fire_on_the_virtual_clock(tiny49k):
+    """The same burst, one sequence per step, the gateway's queue timeout at 60 ms of virtual
+    time: the requests that reach a step before it finish, the rest end TIMED_OUT at the
+    timeout (on the virtual clock, though the simulation takes far less real time), and a
+    later arrival is still served."""
+    rng = random.Random(3)
+    burst = [Arrival(f"q{i}", 0.0, [rng.randrange(5, 500) for _ in range(40)], 20,
+                     queue_timeout_s=0.06) for i in range(12)]
+    late = Arrival("late", 5000.0, [7] * 40, 5, queue_timeout_s=0.06)
+    cfg = EngineConfig(num_kv_blocks=256, block_size=16, max_num_seqs=1)
+    sims, _ = simulate([*burst, late], cfg, StepCost(TRUE), tiny49k.config)
+    by = {s.request_id: s for s in sims}
+    done = [s for s in sims if s.state == "FINISHED"]
+    out = [s for s in sims if s.state == "TIMED_OUT"]
+    assert len(done) + len(out) == 13 and 1 <= len(out) <= 11 and by["late"] in done
+    assert all(s.first_scheduled_ms is not None and s.first_scheduled_ms <= 60.0 + 1e-6
+               for s in done if s is not by["late"])
+    # ended at the timeout, give or take the step that was running when it came due
+    step = max(StepCost(TRUE).predict(40, 1, 1, 256), 1.0)
+    assert all(60.0 <= s.end_ms <= 60.0 + step and s.first_token_ms is None for s in out)
+    untimed, _ = simulate([replace(a, queue_timeout_s=None) for a in burst], cfg,
+                          StepCost(TRUE), tiny49k.config)
+    assert {s.state for s in untimed} == {"FINISHED"}

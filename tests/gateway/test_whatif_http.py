@@ -61,7 +61,16 @@ def test_whatif_replays_the_recorded_window_and_a_candidate_config(bundled_path)
             one["recorded_config"]["table"]["queue_ms"]["p90"]  # twice as fast: more queueing
         assert one["candidate"]["slo"]["attainment"] < one["recorded_config"]["slo"]["attainment"]
         assert "recorded" not in two and 0 <= one["recorded"]["slo"]["attainment"] <= 1
-        # both runs are kept in whatif_runs, with their step-cost model
+        # the gateway's queue timeout, simulated: the narrow config at twice the rate sheds
+        # its queue as TIMED_OUT instead of queueing for ever
+        assert two["candidate"]["timed_out"] == 0
+        timed = whatif("--set", "max_num_seqs=1", "--rate-scale", "2", "--queue-timeout",
+                       "0.05", "--no-store")
+        (t2,) = timed["points"]
+        assert t2["candidate"]["timed_out"] > 0 and timed["queue_timeout_s"] == 0.05
+        assert t2["candidate"]["table"]["queue_ms"]["p99"] < \
+            two["candidate"]["table"]["queue_ms"]["p99"]
+        # both stored runs are kept in whatif_runs, with their step-cost model
         body = {"sql": "SELECT run_id, kind, step_cost, params FROM tailscope.whatif_runs "
                        "ORDER BY ts", "params": {}}
         rows = httpx.post(f"{server.url}/debug/query", json=body, timeout=30).json()["rows"]
