@@ -218,7 +218,9 @@ def test_a_request_that_arrives_during_a_step_waits_for_it_in_its_record():
         for r in (short, long_):
             ev = {e["state"]: e["ts_us"] for e in r["events"]}
             assert ev["ROUTED"] <= ev["QUEUED"] <= ev["DECODING"] <= ev["FIRST_FLUSH"]
-            # the first token left the engine at DECODING: the client had it within 100 ms
-            assert ev["FIRST_FLUSH"] - ev["DECODING"] < 100_000, r["events"]
+            # the first token left the engine at DECODING: the client had it soon after (41-84
+            # ms measured alone, 107 ms once in a full CI run; before the fix the short
+            # request's gap was the rest of the long step, ~350 ms)
+            assert ev["FIRST_FLUSH"] - ev["DECODING"] < 200_000, r["events"]
     finally:
         stop_server(s)
