@@ -154,14 +154,11 @@ class StoreProcess:
 
     def close(self) -> None:
         """After the writer has drained into it: stop the child."""
+        from tracing.client import stop_process
+
         self._stop.set()
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, 20)
 
 
 def default_spool_dir(dsn: str) -> Path:

@@ -121,6 +121,17 @@ def remote_replicas(items: list[str]) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+def _query_limits(s: Settings):
+    """The ``TAILSCOPE_QUERY_*`` limits of every store read (the gateway's and a store
+    process's)."""
+    from tracing.store import QueryLimits
+
+    return QueryLimits(max_execution_s=s.query_max_execution_s,
+                       max_result_rows=s.query_max_result_rows,
+                       max_rows_to_read=s.query_max_rows_to_read,
+                       max_memory_mb=s.query_max_memory_mb)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
@@ -128,7 +139,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from gateway.app import GatewayConfig, create_app
     from gateway.limits import RequestLimits
-    from tracing.store import QueryLimits
 
     os.umask(0o077)  # the store, spool, records and key-id secret are readable by us alone
     s = Settings.from_env()
@@ -203,11 +213,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                            max_stop_token_ids=s.max_stop_token_ids,
                                            max_json_depth=s.max_json_depth,
                                            max_schema_bytes=s.max_schema_bytes),
-                                       query_limits=QueryLimits(
-                                           max_execution_s=s.query_max_execution_s,
-                                           max_result_rows=s.query_max_result_rows,
-                                           max_rows_to_read=s.query_max_rows_to_read,
-                                           max_memory_mb=s.query_max_memory_mb),
+                                       query_limits=_query_limits(s),
                                        request_timeout_s=s.request_timeout_s or None,
                                        heartbeat_timeout_s=s.heartbeat_timeout_s,
                                        max_queue_mb=s.store_max_queue_mb,
@@ -317,7 +323,6 @@ def _store_init(args: argparse.Namespace, s: Settings) -> int:
 def cmd_store(args: argparse.Namespace) -> int:
     import httpx
 
-    from tracing.store import QueryLimits
 
     s = Settings.from_env()
     if args.store_command == "serve":
@@ -338,11 +343,8 @@ def cmd_store(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
         try:
-            serve(dsn, args.host, args.port, s.store_key or None, args.parent_pid, QueryLimits(
-                max_execution_s=s.query_max_execution_s,
-                max_result_rows=s.query_max_result_rows,
-                max_rows_to_read=s.query_max_rows_to_read,
-                max_memory_mb=s.query_max_memory_mb))
+            serve(dsn, args.host, args.port, s.store_key or None, args.parent_pid,
+                  _query_limits(s))
         except StoreError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1

@@ -17,6 +17,18 @@ import time
 from pathlib import Path
 
 
+def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM (a gateway or store process then drains), SIGKILL if it is still there after
+    ``timeout_s``; returns once it has exited."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -69,13 +81,8 @@ class GatewayProcess:
         raise GatewayStartError(f"the gateway was not ready in {self.ready_timeout_s:.0f} s")
 
     def stop(self, timeout_s: float = 60.0) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, timeout_s)
 
     def __enter__(self) -> GatewayProcess:
         return self.start()

@@ -206,11 +206,7 @@ class RemoteStore:
                    content=_arrow_bytes(data),
                    headers={"content-type": "application/vnd.apache.arrow.stream"})
 
-    def insert_rows(self, table: str, rows: list, token: str | None = None) -> None:
-        from tracing.store import to_arrow
-
-        if rows:
-            self.insert(table, to_arrow(TABLES[table], rows), token)
+    insert_rows = Store.insert_rows  # rows to Arrow here, then ``insert``
 
     def select(self, sql: str, parameters: dict | None = None, query_id: str | None = None
                ) -> tuple[list[str], list[tuple]]:

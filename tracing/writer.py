@@ -284,11 +284,6 @@ class RecordWriter:
         except Exception:
             return False
 
-    def _flush(self, items) -> None:
-        prepared = self._prepare(items)
-        if prepared is not None:
-            self._deliver(*prepared)
-
     def _prepare(self, items) -> tuple[str, dict[str, pa.Table]] | None:
         """A batch as Arrow tables under its insert token (None: nothing could be converted;
         its rows are in the dead-letter file)."""

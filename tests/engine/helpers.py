@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gguf
 import torch
 
 from engine import Engine, Request, SamplingParams
@@ -35,3 +36,24 @@ def run_staggered(engine: Engine, prompts: list[list[int]], params: SamplingPara
         engine.step()
         tick += 1
     return reqs, waited_for_kv
+
+
+def gguf_writer(path, arch: str, *, layers: int, context: int, hidden: int, ffn: int,
+                heads: int, kv_heads: int, rope_theta: float, eps: float, vocab: int,
+                head_dim: int | None = None) -> gguf.GGUFWriter:
+    """A GGUF writer with a Llama-family model's hyperparameters set (llama.cpp's keys);
+    ``head_dim`` as ``attention.key_length``/``value_length`` when given."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(layers)
+    w.add_context_length(context)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    if head_dim is not None:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_rope_freq_base(rope_theta)
+    w.add_layer_norm_rms_eps(eps)
+    w.add_vocab_size(vocab)
+    return w

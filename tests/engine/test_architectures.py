@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import gguf
 import httpx
 import numpy as np
 import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams, UnsupportedModelError, load_model
+from tests.engine.helpers import gguf_writer
 
 IDS = [3, 17, 255, 42, 99, 1, 0, 299, 150]
 
@@ -60,18 +60,12 @@ def write_gguf(model, arch: str, path: Path) -> None:
     """The model as llama.cpp's converter lays it out for ``arch`` (qwen2 / qwen3: HF's Q/K
     row order kept; Qwen3's head size as ``attention.key_length``)."""
     c = model.config
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(head_dim(c))
-    w.add_value_length(head_dim(c))
-    w.add_rope_freq_base(getattr(c, "rope_theta", None) or c.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(c.vocab_size)
+    w = gguf_writer(path, arch, layers=c.num_hidden_layers, context=c.max_position_embeddings,
+                    hidden=c.hidden_size, ffn=c.intermediate_size,
+                    heads=c.num_attention_heads, kv_heads=c.num_key_value_heads,
+                    rope_theta=getattr(c, "rope_theta", None)
+                    or c.rope_parameters["rope_theta"],
+                    eps=c.rms_norm_eps, vocab=c.vocab_size, head_dim=head_dim(c))
     for name, t in model.state_dict().items():
         arr = t.float().numpy()
         if name == "model.embed_tokens.weight":

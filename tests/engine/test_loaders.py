@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType as Q
 
 from engine import UnsupportedModelError, load_model
 from engine.loader.tiny import TINY_CONFIG, tiny_llama
+from tests.engine.helpers import gguf_writer
 
 _GGUF_NAMES = {"attn_norm": "attn_norm", "q": "attn_q", "k": "attn_k", "v": "attn_v",
                "o": "attn_output", "ffn_norm": "ffn_norm", "gate": "ffn_gate", "up": "ffn_up",
@@ -27,16 +28,10 @@ def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 def write_tiny_gguf(path: Path, qtype: Q = Q.F32, arch: str = "llama",
                     raw_override: dict[str, tuple[np.ndarray, Q]] | None = None) -> dict:
     c, weights = tiny_llama()
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_heads)
-    w.add_head_count_kv(c.num_kv_heads)
-    w.add_rope_freq_base(c.rope_theta)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(c.vocab_size)
+    w = gguf_writer(path, arch, layers=c.num_layers, context=c.max_position_embeddings,
+                    hidden=c.hidden_size, ffn=c.intermediate_size, heads=c.num_heads,
+                    kv_heads=c.num_kv_heads, rope_theta=c.rope_theta, eps=c.rms_norm_eps,
+                    vocab=c.vocab_size)
     w.add_eos_token_id(c.eos_token_id)
     tensors = {"token_embd.weight": weights["embed"], "output.weight": weights["lm_head"],
                "output_norm.weight": weights["final_norm"]}

@@ -8,7 +8,12 @@ from dataclasses import dataclass
 
 import pytest
 
-from tracing.client import GatewayProcess, GatewayStartError, free_port  # noqa: F401
+from tracing.client import (  # noqa: F401
+    GatewayProcess,
+    GatewayStartError,
+    free_port,
+    stop_process,
+)
 
 
 @contextmanager
@@ -59,12 +64,7 @@ def start_server(*args: str, timeout_s: float = 240.0, env: dict[str, str] | Non
 
 
 def stop_server(server: Server) -> None:
-    server.proc.terminate()
-    try:
-        server.proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        server.proc.kill()
-        server.proc.wait()
+    stop_process(server.proc, 20)
 
 
 @pytest.fixture(scope="session")
