@@ -38,13 +38,12 @@ def read_config(path: Path) -> ModelConfig:
             f"{path}: architecture {archs[0]!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
-    for rope in (cfg.get("rope_scaling") or {}, cfg.get("rope_parameters") or {}):
+    ropes = (cfg.get("rope_scaling") or {}, cfg.get("rope_parameters") or {})
+    for rope in ropes:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise UnsupportedModelError(f"{path}: rope scaling {rope_type!r} is not supported")
-        if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise UnsupportedModelError(f"{path}: partial rotary embeddings are not supported")
-    if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+    if any(float(d.get("partial_rotary_factor", 1.0)) != 1.0 for d in (cfg, *ropes)):
         raise UnsupportedModelError(f"{path}: partial rotary embeddings are not supported")
     arch = archs[0]
     # Qwen2 always has Q/K/V biases (and no output bias); elsewhere attention_bias would add
