@@ -13,7 +13,9 @@ writer's ingest rate into embedded ClickHouse (chDB).
    (``TAILSCOPE_STORE_PROCESS=1``). Printed: requests/s, output tokens/s, the loss in percent,
    and each gateway's peak RSS (the store child's apart). The writer's batch age is the
    gateway's ``TAILSCOPE_STORE_FLUSH_S`` (5 s unless set in the environment).
-2. The writer alone, in this process: ``--records`` records with 256 token ids each (and 12
+2. The writer's conversion of 10,000 records to Arrow, its columnar one against the plain
+   per-column one it replaced, side by side (best of 3 each).
+3. The writer alone, in this process: ``--records`` records with 256 token ids each (and 12
    events) emitted as fast as possible into a fresh chDB store; records/s from the first emit to
    the end of the drain (every row inserted), and the bytes per request on disk (requests and
    request_events, compressed); once with every record's full detail, once with tail-based
@@ -25,6 +27,7 @@ No pass/fail here.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import secrets
 import subprocess
@@ -117,9 +120,68 @@ def throughput(seconds: float, concurrency: int, rounds: int) -> dict:
     return {m: (*max(v), *rss[m]) for m, v in results.items()}
 
 
+def make_records(n: int) -> list:
+    """``n`` records with 256 token ids, 127 ITLs and 12 events each."""
+    from tracing.record import RecordEvent, RequestRecord
+
+    rng = random.Random(0)
+    # every record its own ids (drawn from a pool larger than the compressor's window), so the
+    # bytes on disk are those of real, varied token ids
+    pool = [rng.randrange(0, 49152) for _ in range(1 << 20)]
+    starts = [rng.randrange(0, len(pool) - 256) for _ in range(n)]
+    now = time.time_ns() // 1000
+    events = [RecordEvent(now + i, s) for i, s in enumerate(
+        ["RECEIVED", "ADMITTED", "TOKENIZED", "ROUTED", "QUEUED", "RUNNABLE", "PREFILLING",
+         "DECODING", "FINISHED", "FIRST_FLUSH", "END", "END"])]
+    return [RequestRecord(trace_id=secrets.token_hex(16), span_id="0" * 16,
+                          request_id=f"r{i}", arrival_ts_us=now, final_state="FINISHED",
+                          finish_reason="length", model="m", replica="r0",
+                          input_token_ids=pool[starts[i]:starts[i] + 128],
+                          output_token_ids=pool[starts[i] + 128:starts[i] + 256],
+                          itl_ms=[1.0] * 127, ttft_ms=5.0,
+                          e2e_ms=rng.lognormvariate(5.3, 0.5), events=events)
+                   for i in range(n)]
+
+
+def conversion(n: int, rounds: int = 3) -> tuple[float, float]:
+    """Microseconds per record to turn ``n`` records into the requests and request_events
+    Arrow tables: the writer's columnar conversion (``records_to_arrow``: row chunks, typed
+    buffers, event columns taken from their request's) against the plain one it replaced (one
+    ``pa.array`` per column over the whole batch, events built row by row); best of rounds,
+    each on records made just before."""
+    import operator
+
+    import pyarrow as pa
+
+    from tracing.schema import TABLES
+    from tracing.store import arrow_type, records_to_arrow
+
+    def plain(records):
+        def table(name, rows):
+            return pa.table({c: pa.array(list(map(operator.attrgetter(f), rows)),
+                                         type=arrow_type(t)) for c, t, f in TABLES[name].columns})
+        events = [(r.trace_id, e.ts_us, e.state, e.detail, i, r.ttl_days, r.tenant, r.instance)
+                  for r in records for i, e in enumerate(r.events)]
+        cols = dict(zip(("trace_id", "ts", "state", "detail", "seq", "ttl_days", "tenant",
+                         "instance"), zip(*events, strict=True), strict=True))
+        return table("requests", records), pa.table(
+            {c: pa.array(cols[c], type=arrow_type(t))
+             for c, t, _ in TABLES["request_events"].columns})
+
+    best = {"columnar": float("inf"), "plain": float("inf")}
+    for _ in range(rounds):
+        for name, convert in (("columnar", records_to_arrow), ("plain", plain)):
+            records = make_records(n)
+            gc.freeze()  # as in ingest(): the heap of records made up front is not walked
+            t = time.perf_counter()
+            convert(records)
+            best[name] = min(best[name], (time.perf_counter() - t) / n * 1e6)
+            gc.unfreeze()
+    return best["columnar"], best["plain"]
+
+
 def ingest(n: int, detail_sample: float = 1.0) -> tuple[float, dict]:
     from tracing import queries as Q
-    from tracing.record import RecordEvent, RequestRecord
     from tracing.retention import TailRetention
     from tracing.store import Store
     from tracing.writer import RecordWriter
@@ -130,24 +192,11 @@ def ingest(n: int, detail_sample: float = 1.0) -> tuple[float, dict]:
     # the bounds are lifted: this measures how fast the writer drains a flood, not its limits
     writer = RecordWriter(store, d / "spool", batch_size=10_000, max_queue=n + 1,
                           max_queue_bytes=1 << 40)
-    rng = random.Random(0)
-    # every record its own ids (drawn from a pool larger than the compressor's window), so the
-    # bytes on disk are those of real, varied token ids
-    pool = [rng.randrange(0, 49152) for _ in range(1 << 20)]
-    starts = [rng.randrange(0, len(pool) - 256) for _ in range(n)]
-    now = time.time_ns() // 1000
-    events = [RecordEvent(now + i, s) for i, s in enumerate(
-        ["RECEIVED", "ADMITTED", "TOKENIZED", "ROUTED", "QUEUED", "RUNNABLE", "PREFILLING",
-         "DECODING", "FINISHED", "FIRST_FLUSH", "END", "END"])]
-    records = [RequestRecord(trace_id=secrets.token_hex(16), span_id="0" * 16,
-                             request_id=f"r{i}", arrival_ts_us=now, final_state="FINISHED",
-                             finish_reason="length", model="m", replica="r0",
-                             input_token_ids=pool[starts[i]:starts[i] + 128],
-                             output_token_ids=pool[starts[i] + 128:starts[i] + 256],
-                             itl_ms=[1.0] * 127, ttft_ms=5.0,
-                             e2e_ms=rng.lognormvariate(5.3, 0.5), events=events)
-               for i in range(n)]
+    records = make_records(n)
     retention = TailRetention(detail_sample, warmup=0, seed=0)
+    # the records made up front are not the writer's to pay for: a gateway emits each record as
+    # it finishes, not from a heap of n of them that every collection of the cyclic GC walks
+    gc.freeze()
     t0 = time.monotonic()
     for r in records:
         retention.decide(r)  # on the request path, as in the gateway
@@ -155,6 +204,7 @@ def ingest(n: int, detail_sample: float = 1.0) -> tuple[float, dict]:
     emit_s = time.monotonic() - t0
     writer.close(timeout_s=600)
     total_s = time.monotonic() - t0
+    gc.unfreeze()
     count = store.select(Q.REQUEST_COUNT)[1][0][0]
     assert count == n, (count, n)
     _, rows = store.select("SELECT sum(bytes_on_disk) FROM system.parts WHERE active AND "
@@ -176,6 +226,10 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:
         args.seconds, args.rounds, args.records = 5.0, 1, 20_000
+    if not args.skip_ingest:
+        col, plain = conversion(10_000)
+        print(f"conversion to Arrow (requests + request_events), 10,000 records: columnar "
+              f"{col:.1f} us/record, plain per-column {plain:.1f} us/record: {plain / col:.2f}x")
     for sample in () if args.skip_ingest else (1.0, args.detail_sample):
         rate, stats = ingest(args.records, sample)
         what = "full detail" if sample >= 1 else (

@@ -28,9 +28,8 @@ def seed(dsn: str) -> str:
     code = f"""
 import datetime as dt, sys
 sys.path.insert(0, {str(ROOT)!r})
-from tracing.store import Store
+from tracing.store import Store, records_to_arrow
 from tracing.seed import synthetic_records, synthetic_steps
-from tracing.writer import RecordWriter
 s = Store({dsn!r}); s.migrate()
 now = dt.datetime.now(dt.UTC)
 us = lambda t: int(t.timestamp() * 1e6)
@@ -40,7 +39,7 @@ sus = synthetic_records(3000, us(now - dt.timedelta(hours=1)), us(now), seed=5, 
                         slow_replica="r1", slow_fraction=0.06, slow_queue_ms=200.0)
 s.insert_rows("requests", base + sus)
 top = max(sus, key=lambda r: r.e2e_ms)
-s.insert("request_events", RecordWriter._events_table([top]))  # its timeline: the waterfall
+s.insert("request_events", records_to_arrow([top])[1])  # its timeline: the waterfall
 steps = synthetic_steps(us(now - dt.timedelta(hours=2)), us(now))
 decode_from = top.arrival_ts_us + (top.e2e_ms - top.decode_ms - top.tail_ms) * 1000
 for st in steps:  # the steps it decoded in, a neighbour's prefill in some of them

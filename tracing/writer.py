@@ -48,7 +48,7 @@ import pyarrow.ipc as ipc
 
 from tracing.record import RequestRecord
 from tracing.schema import TABLES, EngineStepRow
-from tracing.store import Store, StoreError, arrow_type, to_arrow
+from tracing.store import Store, StoreError, records_to_arrow, to_arrow
 
 DEAD_LETTER = "dead-letter.jsonl"
 QUARANTINE = "quarantine"
@@ -204,31 +204,30 @@ class RecordWriter:
     def _tables(self, items) -> dict[str, pa.Table]:
         records = [it for kind, it, *_ in items if kind == "requests"]
         steps = [it for kind, it, *_ in items if kind == "engine_steps"]
-        out, dead = {}, set()
-        for name, rows in (("requests", records), ("engine_steps", steps)):
-            if rows:
-                out[name] = self._convert(name, rows, dead)
-        records = [r for r in records if id(r) not in dead]  # their events stay out too
-        if any(r.events for r in records):
-            out["request_events"] = self._events_table(records)
+        out = {}
+        if records:  # a record whose row cannot be converted keeps its events out too
+            out["requests"], out["request_events"] = self._convert(
+                "requests", records, records_to_arrow)
+        if steps:
+            out["engine_steps"], = self._convert(
+                "engine_steps", steps, lambda rows: (to_arrow(TABLES["engine_steps"], rows),))
         return {name: data for name, data in out.items() if data.num_rows}
 
-    def _convert(self, name: str, rows: list, dead: set[int]) -> pa.Table:
-        """The rows as Arrow; when that fails, row by row: the ones that cannot be converted
-        go to the dead-letter file and the rest are kept."""
+    def _convert(self, name: str, rows: list, convert: Callable[[list], tuple]) -> tuple:
+        """``convert(rows)``; when that fails, row by row: the ones that cannot be converted go
+        to the dead-letter file and the rest are converted together."""
         try:
-            return to_arrow(TABLES[name], rows)
+            return convert(rows)
         except Exception:
             pass
         good = []
         for row in rows:
             try:
-                to_arrow(TABLES[name], [row])
+                convert([row])
                 good.append(row)
             except Exception as exc:
-                dead.add(id(row))
                 self._dead_letter(name, row, exc)
-        return to_arrow(TABLES[name], good)
+        return convert(good)
 
     def _dead_letter(self, name: str, row, exc: Exception) -> None:
         trace_id = getattr(row, "trace_id", "")
@@ -242,23 +241,6 @@ class RecordWriter:
                 f.write(line + "\n")
         except Exception:
             log.exception("could not write the dead-letter file")
-
-    @staticmethod
-    def _events_table(records: list[RequestRecord]) -> pa.Table:
-        """Column by column (no per-event row objects: a request has a dozen events)."""
-        cols: dict[str, list] = {c: [] for c, _, _ in TABLES["request_events"].columns}
-        for r in records:
-            n = len(r.events)
-            cols["trace_id"] += [r.trace_id] * n
-            cols["ts"] += [e.ts_us for e in r.events]
-            cols["state"] += [e.state for e in r.events]
-            cols["detail"] += [e.detail for e in r.events]
-            cols["seq"] += range(n)
-            cols["ttl_days"] += [r.ttl_days] * n
-            cols["tenant"] += [r.tenant] * n
-            cols["instance"] += [r.instance] * n
-        return pa.table({c: pa.array(cols[c], type=arrow_type(t))
-                         for c, t, _ in TABLES["request_events"].columns})
 
     def _store_or_raise(self) -> Store:
         if self.fault_file and os.path.exists(self.fault_file):

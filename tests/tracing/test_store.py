@@ -233,6 +233,55 @@ def test_a_row_that_cannot_be_stored_is_set_aside_and_the_rest_of_its_batch_land
     assert json.loads(lines[0])["row"]["seed"] == 1 << 63  # nothing lost
 
 
+def test_columnar_conversion_matches_a_plain_row_by_row_one():
+    """records_to_arrow (row chunks, typed buffers for ids and ITLs, event columns taken from
+    their request's) against the obvious conversion: one pa.array per column over all rows,
+    events as one row object each. Over several chunks, with records of no events, no ids and
+    odd lengths."""
+    import pyarrow as pa
+
+    from tracing.schema import EventRow
+    from tracing.store import ARROW_CHUNK_ROWS, arrow_type, records_to_arrow, to_arrow
+
+    recs = []
+    for i in range(2 * ARROW_CHUNK_ROWS + 37):
+        r = make_record(tenant=f"t{i % 3}", instance=f"gw{i % 2}", ttl_days=1 + i % 5,
+                        input_token_ids=list(range(i % 7, i % 7 + i % 11)),
+                        output_token_ids=[(i * 7919) % 49152] * (i % 5),
+                        itl_ms=[i / 3] * (i % 4), seed=i if i % 2 else None,
+                        events=[RecordEvent(1000 + j, f"S{j}", f"d{i}") for j in range(i % 4)])
+        recs.append(r)
+
+    def plain(table, rows):
+        return pa.table({c: pa.array([getattr(r, f) for r in rows], type=arrow_type(t))
+                         for c, t, f in TABLES[table].columns})
+
+    requests, events = records_to_arrow(recs)
+    assert requests.equals(plain("requests", recs))
+    assert to_arrow(TABLES["requests"], recs).equals(requests)
+    rows = [EventRow(r.trace_id, e.ts_us, e.state, e.detail, seq, r.ttl_days, r.tenant,
+                     r.instance) for r in recs for seq, e in enumerate(r.events)]
+    assert events.num_rows == len(rows) > 0 and events.equals(plain("request_events", rows))
+    empty_req, empty_ev = records_to_arrow([])
+    assert empty_req.num_rows == empty_ev.num_rows == 0
+    assert empty_req.schema.equals(requests.schema)
+
+
+@pytest.mark.parametrize("field,value", [("input_token_ids", [1, -2]),
+                                         ("output_token_ids", [1, None]),
+                                         ("itl_ms", ["x"]), ("input_token_ids", [1 << 32])])
+def test_an_array_value_its_column_cannot_hold_is_dead_lettered(store, tmp_path, field, value):
+    good, bad = make_record(), make_record(**{field: value})
+    w = RecordWriter(store, tmp_path / "spool", batch_size=100, max_age_s=0.1)
+    w.emit(good)
+    w.emit(bad)
+    w.close()
+    assert w.stats["dead_lettered"] == 1 and w.stats["written"] == 1
+    found = store.select("SELECT trace_id FROM tailscope.requests WHERE trace_id IN "
+                         "({a:String}, {b:String})", {"a": good.trace_id, "b": bad.trace_id})[1]
+    assert found == [(good.trace_id,)]
+
+
 def test_writer_keeps_going_after_an_unexpected_error(store, tmp_path):
     w = RecordWriter(store, tmp_path / "spool", batch_size=100, max_age_s=0.05,
                      replay_interval_s=0.05)
