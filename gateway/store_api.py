@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import datetime as dt
 import io
 import json
 import logging
@@ -46,6 +45,7 @@ from tracing.store import (
     StoreError,
     connect,
     is_embedded,
+    jsonable,
     normalise_dsn,
 )
 from tracing.writer import RecordWriter
@@ -232,18 +232,6 @@ def step_row(replica: str, incarnation: int, msg, ttl_days: int,
                          instance=instance)
 
 
-def _jsonable(v):
-    if isinstance(v, dt.datetime):
-        if v.tzinfo is None:
-            v = v.replace(tzinfo=dt.UTC)
-        return v.isoformat()
-    if isinstance(v, list | tuple):
-        return [_jsonable(x) for x in v]
-    if isinstance(v, dict):
-        return {k: _jsonable(x) for k, x in v.items()}
-    return v
-
-
 def register(app: FastAPI, handle: StoreHandle | None, memory, require_admin,
              writer: RecordWriter | None = None, config_id: str = "",
              served_model: str = "") -> None:
@@ -313,7 +301,7 @@ def register(app: FastAPI, handle: StoreHandle | None, memory, require_admin,
             return Response(sink.getvalue(), media_type="application/vnd.apache.arrow.stream")
         cols, rows = await read_until_gone(
             request, lambda qid: handle.get().select(body["sql"], params, qid))
-        return JSONResponse({"columns": cols, "rows": _jsonable([list(r) for r in rows])})
+        return JSONResponse({"columns": cols, "rows": jsonable([list(r) for r in rows])})
 
     def _lookup(trace_id: str) -> dict:
         store = handle.get()
@@ -359,7 +347,7 @@ def register(app: FastAPI, handle: StoreHandle | None, memory, require_admin,
                                                  max(1, min(top, 100)))
                 out["why"] = {"sentence": sentence, "gaps": json.loads(
                     gaps.drop(columns=["neighbours"]).to_json(orient="records"))}
-        return _jsonable(out)
+        return jsonable(out)
 
     @app.post("/debug/replay")
     async def debug_replay(request: Request) -> dict:
@@ -402,7 +390,7 @@ def register(app: FastAPI, handle: StoreHandle | None, memory, require_admin,
             raise APIError(502, f"the replay could not reach {request.base_url}: {exc!r}",
                            "server_error", code="replay_failed") from None
         report["replayed_on_config_id"] = config_id
-        return _jsonable(report)
+        return jsonable(report)
 
     @app.post("/debug/bench-runs")
     async def record_bench_run(request: Request) -> dict:

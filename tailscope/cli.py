@@ -481,6 +481,9 @@ def _print_window(w) -> None:
     if w.stand_ins:
         print(f"note: {w.stand_ins} requests kept counts, not token ids: stand-in prompts, no "
               "prefix-cache hits for them")
+    if w.estimated:
+        print(f"note: {w.estimated} requests timed out before their first token: their output "
+              "lengths are estimated (their tenant's median, capped at their max_tokens)")
 
 
 def _iso(us: int) -> str:

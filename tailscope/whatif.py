@@ -72,6 +72,7 @@ class Window:
     base: EngineConfig  # the recorded engine config, KV pinned to what the replicas had
     overhead_ms: float  # median client TTFT - engine TTFT: the gateway's share
     stand_ins: int = 0  # requests whose token ids were not kept (counts only)
+    estimated: int = 0  # requests that timed out before a token: output length estimated
     arrivals: list[Arrival] = field(default_factory=list)
     step_rows: list[dict] = field(default_factory=list)  # what the cost was fitted on
 
@@ -138,24 +139,41 @@ def load(source, start_us: int, end_us: int, replica: str | None = None) -> Wind
     overhead = (reqs["ttft_ms"] - engine_ttft).dropna()
     w = Window(start_us, end_us, replicas, reqs, cost, config_id, bool(rows), base,
                float(overhead.median()) if len(overhead) else 0.0, step_rows=busy)
-    w.arrivals, w.stand_ins = _arrivals(reqs, start_us)
+    w.arrivals, w.stand_ins, w.estimated = _arrivals(reqs, start_us)
     return w
 
 
-def _arrivals(reqs: pd.DataFrame, start_us: int) -> tuple[list[Arrival], int]:
-    """One arrival per sequence (an ``n``-sample request is n sequences with its prompt)."""
-    out, stand_ins = [], 0
+def _arrivals(reqs: pd.DataFrame, start_us: int) -> tuple[list[Arrival], int, int]:
+    """One arrival per sequence (an ``n``-sample request is n sequences with its prompt), and
+    how many requests had stand-in prompts and estimated lengths. A request that timed out
+    before its first token (in the queue, or past its deadline) generated nothing, so how long
+    it would have run is unknown: under another config it may be served, so it is an arrival
+    with the median per-sequence output of the window's requests of its tenant that did
+    generate (of all of them when its tenant has none), capped at its ``max_tokens``."""
+    out, stand_ins, estimated = [], 0, 0
+    ran = reqs[reqs["generated_tokens"] > 0]
+    per_seq = ran["generated_tokens"] / ran["n"].clip(lower=1)
+    typical = per_seq.groupby(ran["tenant"]).median().to_dict()
+    overall = float(per_seq.median()) if len(per_seq) else 16.0
     for r in reqs.itertuples(index=False):
         ids = [int(x) for x in (r.input_token_ids if r.input_token_ids is not None else [])]
         if not ids:  # counts-only capture: distinct stand-in ids (no prefix-cache hits)
             stand_ins += 1
             ids = [1000 + (hash((r.trace_id, k)) % 40000) for k in range(int(r.prompt_tokens))]
         n = max(1, int(r.n))
+        if int(r.generated_tokens) > 0:
+            out_tokens = max(1, int(r.generated_tokens) // n)
+        else:
+            estimated += 1
+            out_tokens = round(typical.get(r.tenant, overall))
+            if r.max_tokens == r.max_tokens and r.max_tokens is not None:  # not NaN / NULL
+                out_tokens = min(out_tokens, int(r.max_tokens))
+            out_tokens = max(1, out_tokens)
         for c in range(n):
             out.append(Arrival(f"{r.trace_id}-{c}", (int(r.arrival_us) - start_us) / 1e3, ids,
-                               max(1, int(r.generated_tokens) // n), tenant=str(r.tenant),
-                               priority=int(r.priority), cache_salt=f"tenant:{r.tenant}"))
-    return out, stand_ins
+                               out_tokens, tenant=str(r.tenant), priority=int(r.priority),
+                               cache_salt=f"tenant:{r.tenant}"))
+    return out, stand_ins, estimated
 
 
 def candidate(base: EngineConfig, engine_settings: dict | None = None,
@@ -275,7 +293,8 @@ def recorded(w: Window, slo: Slo | None) -> dict:
              "itl_ms": pct(itl), "e2e_ms": pct(r["e2e_ms"].tolist()),
              "queue_ms": pct(r["engine_queue_ms"].tolist())}
     out = {"replicas": len(w.replicas), "rate_scale": 1.0, "table": table,
-           "preemptions": int(r["preemptions"].sum()), "steps": w.steps, "shed": 0}
+           "preemptions": int(r["preemptions"].sum()), "steps": w.steps, "shed": 0,
+           "timed_out": int((r["final_state"] == "TIMED_OUT").sum())}
     if slo is not None:
         good = sum(slo.met(x.final_state == "FINISHED", x.ttft_ms,
                            None if x.tpot_ms != x.tpot_ms else x.tpot_ms)
@@ -312,6 +331,7 @@ def compare(w: Window, cand: EngineConfig, replicas: int | None = None,
                "sequences": len(w.arrivals),
                "recorded_rate_rps": w.rate_rps, "overhead_ms": w.overhead_ms,
                "config_known": w.config_known, "stand_in_prompts": w.stand_ins,
+               "estimated_lengths": w.estimated,
                "steps": w.steps, "points": points}
     return params, results
 

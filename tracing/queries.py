@@ -427,8 +427,9 @@ WHATIF_REQUESTS = (
     "SELECT trace_id, replica, toUnixTimestamp64Micro(arrival_ts) AS arrival_us, "
     "input_token_ids, prompt_tokens, generated_tokens, n, tenant, priority, config_id, "
     "final_state, ttft_ms, e2e_ms, tpot_ms, itl_ms, engine_queue_ms, prefill_ms, decode_ms, "
-    "preempted_ms, preemptions FROM tailscope.requests WHERE replica IN {rs:Array(String)} AND "
-    + _WINDOW + " AND generated_tokens > 0 ORDER BY arrival_ts")
+    "preempted_ms, preemptions, max_tokens FROM tailscope.requests WHERE replica IN "
+    "{rs:Array(String)} AND " + _WINDOW + " AND (generated_tokens > 0 OR final_state = "
+    "'TIMED_OUT') ORDER BY arrival_ts")
 WHATIF_STEPS = (
     "SELECT replica, toUnixTimestamp64Micro(ts) AS ts_us, duration_ms, prefill_tokens, "
     "decode_tokens, num_seqs, kv_blocks_used, kv_blocks_total FROM tailscope.engine_steps WHERE "

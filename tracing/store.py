@@ -23,6 +23,7 @@ construction rather than by pattern matching:
 
 from __future__ import annotations
 
+import datetime as dt
 import itertools
 import operator
 import threading
@@ -239,6 +240,21 @@ def records_to_arrow(records: list) -> tuple[pa.Table, pa.Table]:
             pa.array(own[f], type=arrow_type(t)) if f in own else arrays[index[f]].take(rows)
             for _, t, f in ev.columns])
     return _table(req, req_chunks), _table(ev, ev_chunks)
+
+
+def jsonable(v):
+    """A row value (or a dict/list of them) as JSON can carry it: datetimes as ISO 8601 (UTC
+    when naive), NaN as null (JSON has no NaN; ClickHouse gives it for an empty quantile or a
+    0/0). The JSON answers of the gateway's debug endpoints and of the store process."""
+    if isinstance(v, dt.datetime):
+        return (v if v.tzinfo else v.replace(tzinfo=dt.UTC)).isoformat()
+    if isinstance(v, float) and v != v:
+        return None
+    if isinstance(v, list | tuple):
+        return [jsonable(x) for x in v]
+    if isinstance(v, dict):
+        return {k: jsonable(x) for k, x in v.items()}
+    return v
 
 
 class Store:

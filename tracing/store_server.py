@@ -26,7 +26,6 @@ loopback clients only otherwise):
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import hmac
 import io
 import logging
@@ -39,7 +38,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tracing.schema import TABLES
-from tracing.store import QueryLimits, QueryRefused, Store, StoreError
+from tracing.store import QueryLimits, QueryRefused, Store, StoreError, jsonable
 
 log = logging.getLogger("tailscope.store")
 LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
@@ -51,18 +50,6 @@ def _arrow_bytes(table: pa.Table) -> bytes:
     with ipc.new_stream(sink, table.schema) as w:
         w.write_table(table)
     return sink.getvalue()
-
-
-def _jsonable(v):
-    """A row value as JSON (the JSON form is for people and scripts; ``RemoteStore`` reads
-    Arrow)."""
-    if isinstance(v, dt.datetime):
-        return (v if v.tzinfo else v.replace(tzinfo=dt.UTC)).isoformat()
-    if isinstance(v, float) and v != v:
-        return None
-    if isinstance(v, list | tuple):
-        return [_jsonable(x) for x in v]
-    return v
 
 
 def create_app(store: Store, key: str | None = None):
@@ -139,7 +126,7 @@ def create_app(store: Store, key: str | None = None):
         if isinstance(out, Response):
             return out
         cols, rows = out
-        return JSONResponse({"columns": cols, "rows": _jsonable([list(r) for r in rows])})
+        return JSONResponse({"columns": cols, "rows": jsonable([list(r) for r in rows])})
 
     @app.post("/v1/cancel")
     async def cancel(request: Request):

@@ -78,6 +78,14 @@ def test_debug_query_cannot_write_read_files_or_run_unbounded(hard_server, sql, 
     assert stored(hard_server, ["pwn"]) == 0
 
 
+def test_nan_in_a_debug_answer_is_null_not_a_500(hard_server):
+    """JSON has no NaN: an empty quantile or a 0/0 comes back as null (it was a 500)."""
+    r = debug_query(hard_server, "SELECT nan AS x, [1.5, nan] AS y, 0 / 0 AS z, "
+                                 "toDateTime64('2026-01-02 03:04:05', 6, 'UTC') AS t")
+    assert r.status_code == 200, r.text
+    assert r.json()["rows"] == [[None, [1.5, None], None, "2026-01-02T03:04:05+00:00"]]
+
+
 def test_debug_query_takes_json_only(hard_server):
     body = json.dumps({"sql": "SELECT 1"})
     for ctype in ("text/plain", "application/x-www-form-urlencoded", ""):

@@ -150,6 +150,10 @@ def test_the_store_process_keeps_its_read_path_and_its_key(fleet):
                        headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["code"] == "bad_body", r.text
     assert stored(store, "SELECT count() AS n FROM tailscope.requests")[0]["n"] >= 0
+    r = httpx.post(f"http://127.0.0.1:{fleet['port']}/v1/select", timeout=10,
+                   json={"sql": "SELECT nan AS x, [nan] AS y"},
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200 and r.json()["rows"] == [[None, [None]]], r.text
 
 
 def test_records_sent_while_the_store_process_is_down_arrive_when_it_is_back(fleet):

@@ -79,3 +79,41 @@ def test_whatif_replays_the_recorded_window_and_a_candidate_config(bundled_path)
         assert json.loads(rows[1][3])["rate_scales"] == [1.0, 2.0]
     finally:
         stop_server(server)
+
+
+def test_requests_that_timed_out_in_the_queue_are_replayed_with_estimated_lengths(
+        bundled_path):
+    """One sequence at a time and a 0.3 s queue timeout: most of a burst ends 504 before its
+    first token. Those requests are arrivals too (a candidate with room serves them), with
+    their tenant's median output length; the recorded config, given the same timeout, times
+    out requests as the recorded run did, and a wider candidate times out fewer."""
+    server = start_server("--model", "tiny:49152", "--tokenizer", str(bundled_path),
+                          "--max-inflight", "1000", "--queue-timeout", "0.3",
+                          env={"TAILSCOPE_MAX_NUM_SEQS": "1"})
+    try:
+        start = time.time() - 1
+        items = workload(40, Dist("uniform", 40, 120), Dist("fixed", 32), seed=7)
+        samples, _ = asyncio.run(run_open_loop(Target(server.url), items,
+                                               arrival_times(40, 30.0, seed=7)))
+        # streamed: the 504 comes as the stream's error event
+        timed_out = [s for s in samples if "queue timeout" in s.error and not s.output_tokens]
+        served = [s for s in samples if s.ok]
+        assert len(timed_out) >= 10 and len(served) >= 2 and \
+            len(timed_out) + len(served) == 40, [(s.status, s.error) for s in samples]
+        time.sleep(1.5)  # the store's flush
+        proc = subprocess.run(
+            [sys.executable, "-m", "tailscope.cli", "whatif", "--url", server.url, "--window",
+             f"{start}..{time.time() + 1}", "--json", "--no-store", "--queue-timeout", "0.3",
+             "--set", "max_num_seqs=16"], capture_output=True, text=True, timeout=300,
+            env={**os.environ, "TAILSCOPE_GATEWAY_URL": server.url})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        got = json.loads(proc.stdout)
+        assert got["requests"] == 40 and got["estimated_lengths"] == len(timed_out)
+        (point,) = got["points"]
+        assert point["recorded"]["timed_out"] == len(timed_out)
+        # the recorded config under the recorded timeout times most of them out again
+        assert point["recorded_config"]["timed_out"] >= len(timed_out) // 2, point
+        # room for 16 sequences: the same arrivals are served, the estimated ones included
+        assert point["candidate"]["timed_out"] < point["recorded_config"]["timed_out"]
+    finally:
+        stop_server(server)
