@@ -2,9 +2,10 @@
 writer's ingest rate into embedded ClickHouse (chDB).
 
     python bench/trace_overhead.py [--seconds 15] [--concurrency 16] [--records 100000] [--quick]
-                                   [--detail-sample 0.1] [--skip-ingest]
+                                   [--detail-sample 0.1] [--skip-ingest] [--model tiny|bundled]
 
-1. Two gateways on the tiny model (vocabulary of the bundled tokenizer), one replica each, run
+1. Two gateways on the tiny model (vocabulary of the bundled tokenizer; ``--model bundled``: the
+   bundled SmolLM2, where the engine, not the gateway, is the bottleneck), one replica each, run
    one after the other under the same closed-loop load (``--concurrency`` streams of short
    completions): ``capture on`` writes every record, its events and every engine step to chDB;
    ``capture off`` has no store (records still go to the in-memory sink and ``/metrics``). The
@@ -40,12 +41,19 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def start_gateway(store: str | None, child: bool = False) -> tuple[subprocess.Popen, str]:
+# per --model: the gateway's arguments, and about how many requests/s it serves here (to size a
+# closed-loop run of --seconds; the run is timed, not assumed)
+MODELS = {"tiny": (["--model", "tiny:49152", "--tokenizer", "bundled"], 150),
+          "bundled": ([], 12)}
+
+
+def start_gateway(store: str | None, child: bool = False, model: str = "tiny"
+                  ) -> tuple[subprocess.Popen, str]:
     from engine.loader.paths import resolve_model_path
     from tracing.client import GatewayProcess
 
-    gw = GatewayProcess(["--model", "tiny:49152", "--tokenizer",
-                         str(resolve_model_path("bundled"))], cwd=ROOT, quiet=True,
+    args = [str(resolve_model_path(a)) if a == "bundled" else a for a in MODELS[model][0]]
+    gw = GatewayProcess(args, cwd=ROOT, quiet=True,
                         env={"TAILSCOPE_KV_CACHE_MB": "64", "TAILSCOPE_STORE_DSN": store or "none",
                              "TAILSCOPE_STORE_PROCESS": "1" if child else "0"},
                         ready_timeout_s=180).start()
@@ -83,12 +91,13 @@ class PeakRss:
         return self
 
 
-def closed_loop(url: str, seconds: float, concurrency: int) -> tuple[float, float]:
+def closed_loop(url: str, seconds: float, concurrency: int, model: str = "tiny"
+                ) -> tuple[float, float]:
     """(requests/s, output tokens/s) of ``concurrency`` streams for about ``seconds``, with the
     load generator's closed mode (bench/loadgen.py)."""
     from bench import loadgen as L
 
-    n = max(concurrency, int(seconds * 150))  # about the tiny model's rate here; timed below
+    n = max(concurrency, int(seconds * MODELS[model][1]))
     items = L.workload(n, L.Dist.parse("uniform:8:63"), L.Dist.parse("fixed:16"), seed=n)
     rep = L.run(L.Target(url), "closed", items, concurrency=concurrency, warmup=0)
     return rep["request_throughput_rps"], rep["output_token_throughput_tps"]
@@ -98,7 +107,7 @@ MODES = {"on": "capture on (store in the gateway)", "child": "capture on (store 
          "off": "capture off"}
 
 
-def throughput(seconds: float, concurrency: int, rounds: int) -> dict:
+def throughput(seconds: float, concurrency: int, rounds: int, model: str = "tiny") -> dict:
     """Per mode: the best (requests/s, output tokens/s) of the rounds, and the highest peak
     RSS of the gateway and of its store child."""
     results: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
@@ -107,11 +116,11 @@ def throughput(seconds: float, concurrency: int, rounds: int) -> dict:
         for mode in MODES:
             store = f"chdb://{tempfile.mkdtemp(prefix='tailscope-bench-')}/store" \
                 if mode != "off" else None
-            proc, url = start_gateway(store, child=mode == "child")
+            proc, url = start_gateway(store, child=mode == "child", model=model)
             peak = PeakRss(proc.pid)
             try:
-                closed_loop(url, 2.0, concurrency)  # warm-up
-                results[mode].append(closed_loop(url, seconds, concurrency))
+                closed_loop(url, 2.0, concurrency, model)  # warm-up
+                results[mode].append(closed_loop(url, seconds, concurrency, model))
             finally:
                 peak.stop()
                 rss[mode] = [max(rss[mode][0], peak.gateway_mb), max(rss[mode][1], peak.store_mb)]
@@ -223,6 +232,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--detail-sample", type=float, default=0.1)
     ap.add_argument("--skip-ingest", action="store_true", help="only the gateway runs")
+    ap.add_argument("--model", choices=list(MODELS), default="tiny",
+                    help="the gateways' model: tiny (the gateway's own cost dominates) or the "
+                         "bundled SmolLM2 (the engine's does)")
     args = ap.parse_args()
     if args.quick:
         args.seconds, args.rounds, args.records = 5.0, 1, 20_000
@@ -239,7 +251,7 @@ def main() -> int:
               f"with 256 token ids and 12 events each; emit {stats['emit_us_per_record']:.2f} "
               f"us/record on the request path; written {stats['written']:,}, dropped "
               f"{stats['dropped']})")
-    tp = throughput(args.seconds, args.concurrency, args.rounds)
+    tp = throughput(args.seconds, args.concurrency, args.rounds, args.model)
     print()
     for mode, label in MODES.items():
         rps, tps, gw_mb, store_mb = tp[mode]
@@ -249,7 +261,8 @@ def main() -> int:
     off = tp["off"][0]
     for mode in ("on", "child"):
         print(f"throughput loss, {MODES[mode]}: {100 * (1 - tp[mode][0] / off):+.1f}%")
-    print(f"(best of {args.rounds} alternating runs of {args.seconds:g} s, {args.concurrency} "
+    print(f"({args.model} model; best of {args.rounds} alternating runs of {args.seconds:g} s, "
+          f"{args.concurrency} "
           "streams, 16 output tokens; peak RSS the highest over the runs)")
     return 0
 

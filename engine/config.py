@@ -25,12 +25,29 @@ class ModelConfig:
     tie_word_embeddings: bool
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # more ids that end a sequence as EOS does (HF configs list several: Gemma 3's
+    # <end_of_turn>, Qwen2.5's <|im_end|> besides <|endoftext|>)
+    extra_eos_token_ids: tuple[int, ...] = ()
     name: str = "unknown"
     revision: str = "unknown"
     qkv_bias: bool = False  # Q/K/V projections have biases (Qwen2)
-    qk_norm: bool = False  # per-head RMSNorm of Q and K before RoPE (Qwen3)
+    qk_norm: bool = False  # per-head RMSNorm of Q and K before RoPE (Qwen3, Gemma 3)
+    # Gemma 3: the embedding output times sqrt(hidden) (the output matrix, tied, is not scaled),
+    # a norm after attention and after the MLP besides the two before them, GELU (tanh) gating,
+    # softmax scale query_pre_attn_scalar**-0.5, and RoPE bases per layer (local / global)
+    embed_scale: float = 1.0
+    post_norms: bool = False
+    hidden_act: str = "silu"  # silu | gelu_tanh
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    layer_rope_theta: tuple[float, ...] = ()  # per layer; empty: rope_theta everywhere
+    layer_rope_scale: tuple[float, ...] = ()  # per layer linear position scaling; empty: 1
 
     def __post_init__(self) -> None:
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"hidden_act {self.hidden_act!r}: silu or gelu_tanh")
+        for name in ("layer_rope_theta", "layer_rope_scale"):
+            if getattr(self, name) and len(getattr(self, name)) != self.num_layers:
+                raise ValueError(f"{name} needs one value per layer ({self.num_layers})")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "

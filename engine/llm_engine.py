@@ -381,8 +381,8 @@ class Engine:
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         p = req.params
-        eos = self.model.config.eos_token_id
-        if not p.ignore_eos and token == eos:
+        c = self.model.config
+        if not p.ignore_eos and (token == c.eos_token_id or token in c.extra_eos_token_ids):
             return "stop"
         if token in p.stop_token_ids:
             req.stop_reason = token

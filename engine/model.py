@@ -60,8 +60,10 @@ class LayerWeights:
     gate_up: Linear | InvariantLinear  # [2 * ffn, hidden]
     down: Linear | InvariantLinear
     qkv_bias: torch.Tensor | None = None  # [(H + 2*Hk) * D] (Qwen2)
-    q_norm: torch.Tensor | None = None  # [D] (Qwen3)
+    q_norm: torch.Tensor | None = None  # [D] (Qwen3, Gemma 3)
     k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None  # on the attention output (Gemma 3)
+    post_ffn_norm: torch.Tensor | None = None  # on the MLP output (Gemma 3)
 
 
 class LlamaModel:
@@ -78,10 +80,17 @@ class LlamaModel:
         self.config = config
         self.dtype = dtype
         self.batch_invariant = batch_invariant
+        c = config
+        # Gemma 3's extra norms, GELU and per-layer RoPE run on the plain torch path (the fused
+        # Triton norm / activation / rotary kernels and the batch-invariant ones are Llama's)
+        self.torch_only = (c.post_norms or c.hidden_act != "silu"
+                           or len(set(c.layer_rope_theta)) > 1 or len(set(c.layer_rope_scale)) > 1)
+        if batch_invariant and self.torch_only:
+            raise ValueError("batch_invariant supports Llama-style layers only, not this "
+                             "model's (post-norms, GELU or per-layer RoPE)")
         if batch_invariant and kernels.kernel_backend() == "triton":
             raise ValueError("batch_invariant runs on the CPU kernels (kernels.invariant); "
                              "unset TAILSCOPE_KERNELS=triton or turn the mode off")
-        c = config
 
         def linear(w: torch.Tensor) -> Linear | InvariantLinear:
             if batch_invariant:
@@ -107,22 +116,33 @@ class LlamaModel:
                 else None,
                 q_norm=take(f"{i}.q_norm") if c.qk_norm else None,
                 k_norm=take(f"{i}.k_norm") if c.qk_norm else None,
+                post_attn_norm=take(f"{i}.post_attn_norm") if c.post_norms else None,
+                post_ffn_norm=take(f"{i}.post_ffn_norm") if c.post_norms else None,
             )
             for i in range(c.num_layers)
         ]
-        self.scale = c.head_dim ** -0.5
+        self.scale = c.attn_scale if c.attn_scale is not None else c.head_dim ** -0.5
+        # one RoPE table per (base, linear scale) the layers use; each layer keeps its key
+        self.layer_rope = list(zip(c.layer_rope_theta or [c.rope_theta] * c.num_layers,
+                                   c.layer_rope_scale or [1.0] * c.num_layers, strict=True))
+        self.rope = {key: self._rope(*key) for key in dict.fromkeys(self.layer_rope)}
+        self.cos, self.sin_signed, self.cos_half, self.sin_half = self.rope[self.layer_rope[0]]
+
+    def _rope(self, theta: float, scale: float) -> tuple[torch.Tensor, ...]:
+        """cos and sign-folded sin ``[max_pos, D]``, and the ``[max_pos, D/2]`` cos and sin
+        tables of kernels.rotary (the Triton path), for base ``theta``; ``scale`` divides the
+        positions (linear RoPE scaling)."""
+        c, dtype = self.config, self.dtype
         inv_freq = 1.0 / (
-            c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim)
-        )
+            theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim)
+        ) / scale
         t = torch.arange(c.max_position_embeddings, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = emb.cos().to(dtype)
         half = c.head_dim // 2
-        self.sin_signed = torch.cat([-emb[:, :half].sin(), emb[:, half:].sin()], -1).to(dtype)
-        # [max_pos, D/2] tables for kernels.rotary (the Triton path)
-        self.cos_half = freqs.cos().to(dtype).contiguous()
-        self.sin_half = freqs.sin().to(dtype).contiguous()
+        return (emb.cos().to(dtype),
+                torch.cat([-emb[:, :half].sin(), emb[:, half:].sin()], -1).to(dtype),
+                freqs.cos().to(dtype).contiguous(), freqs.sin().to(dtype).contiguous())
 
     @property
     def num_parameters(self) -> int:
@@ -132,7 +152,8 @@ class LlamaModel:
         for lw in self.layers:
             n += lw.attn_norm.numel() + lw.ffn_norm.numel()
             n += lw.qkv.numel + lw.o.numel + lw.gate_up.numel + lw.down.numel
-            n += sum(t.numel() for t in (lw.qkv_bias, lw.q_norm, lw.k_norm) if t is not None)
+            n += sum(t.numel() for t in (lw.qkv_bias, lw.q_norm, lw.k_norm, lw.post_attn_norm,
+                                         lw.post_ffn_norm) if t is not None)
         return n
 
     @property
@@ -140,10 +161,19 @@ class LlamaModel:
         """Bytes one decode step must read: every weight once (the tied output matrix once)."""
         return self.num_parameters * self.embed.element_size()
 
-    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin for this step's positions, shared by every layer:
-        ``rope(x) = x * cos + roll(x, half) * sin_signed`` equals HF's rotate_half form."""
-        return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
+    def _rope_tables(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, cos and sign-folded sin for this step's positions (gathered once per
+        table, shared by the layers that use it): ``rope(x) = x * cos + roll(x, half) *
+        sin_signed`` equals HF's rotate_half form."""
+        gathered = {key: (cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+                    for key, (cos, sin, _, _) in self.rope.items()}
+        return [gathered[key] for key in self.layer_rope]
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed[input_ids]
+        if self.config.embed_scale != 1.0:  # Gemma: in the weights' dtype, as HF multiplies
+            h = h * torch.tensor(self.config.embed_scale, dtype=h.dtype)
+        return h
 
     def _qkv(self, lw: LayerWeights, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
              positions: torch.Tensor, triton: bool):
@@ -174,6 +204,8 @@ class LlamaModel:
     def _mlp_residual(self, lw: LayerWeights, h: torch.Tensor, attn: torch.Tensor,
                       triton: bool) -> torch.Tensor:
         c = self.config
+        if self.torch_only:
+            return self._mlp_residual_post_norms(lw, h, attn)
         if triton:
             x, h = kernels.add_rms_norm(lw.o(attn.reshape(attn.shape[0], -1)), h, lw.ffn_norm,
                                         c.rms_norm_eps)
@@ -185,6 +217,22 @@ class LlamaModel:
         if self.batch_invariant:
             return h + lw.down(invariant.silu_and_mul(gate, up))
         return h + lw.down(F.silu(gate) * up)
+
+    def _mlp_residual_post_norms(self, lw: LayerWeights, h: torch.Tensor, attn: torch.Tensor
+                                 ) -> torch.Tensor:
+        """Gemma 3's layer: each sub-layer's output normed before it joins the residual,
+        GELU (tanh) or SiLU gating."""
+        c, d = self.config, (self.config.hidden_size,)
+        o = lw.o(attn.reshape(attn.shape[0], -1))
+        if lw.post_attn_norm is not None:
+            o = F.rms_norm(o, d, lw.post_attn_norm, c.rms_norm_eps)
+        h = h + o
+        gate, up = lw.gate_up(F.rms_norm(h, d, lw.ffn_norm, c.rms_norm_eps)).chunk(2, dim=-1)
+        act = F.gelu(gate, approximate="tanh") if c.hidden_act == "gelu_tanh" else F.silu(gate)
+        y = lw.down(act * up)
+        if lw.post_ffn_norm is not None:
+            y = F.rms_norm(y, d, lw.post_ffn_norm, c.rms_norm_eps)
+        return h + y
 
     def _logits(self, h: torch.Tensor, triton: bool) -> torch.Tensor:
         c = self.config
@@ -200,13 +248,14 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Run one step over the flattened tokens; returns float32 logits only at
         ``logits_indices`` (the positions that sample a token this step)."""
-        h = self.embed[input_ids]
+        h = self._embed(input_ids)
         nd = meta.num_decodes
-        rope = self._rope_tables(positions)
-        triton = kernels.use_triton(h)
+        ropes = self._rope_tables(positions)
+        triton = kernels.use_triton(h) and not self.torch_only
         if self.batch_invariant:
-            return self._forward_invariant(h, positions, rope, meta, kv_caches, logits_indices)
-        for lw, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            return self._forward_invariant(h, positions, ropes[0], meta, kv_caches,
+                                           logits_indices)
+        for lw, rope, (k_cache, v_cache) in zip(self.layers, ropes, kv_caches, strict=True):
             q, k, v = self._qkv(lw, h, rope, positions, triton)
             kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = torch.empty_like(q)
@@ -258,10 +307,10 @@ class LlamaModel:
     def dense_forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """No cache, full recompute: logits ``[n, vocab]`` for every position of one sequence."""
         positions = torch.arange(input_ids.shape[0])
-        rope = self._rope_tables(positions)
-        h = self.embed[input_ids]
-        triton = kernels.use_triton(h)
-        for lw in self.layers:
+        ropes = self._rope_tables(positions)
+        h = self._embed(input_ids)
+        triton = kernels.use_triton(h) and not self.torch_only
+        for lw, rope in zip(self.layers, ropes, strict=True):
             q, k, v = self._qkv(lw, h, rope, positions, triton)
             h = self._mlp_residual(lw, h, kernels.causal_attention(q, k, v, self.scale),
                                    triton)

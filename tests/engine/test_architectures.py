@@ -1,9 +1,9 @@
-"""More architectures, verified without any download: tiny random Qwen2, Qwen3, Mistral and Phi-3
-models
-built with transformers' own config and modeling classes, saved as HF directories and written
-as GGUF with the ``gguf`` writer (llama.cpp's tensor names; no Q/K permutation for qwen), loaded
-by the engine: logits against transformers' forward, greedy tokens against its generate, and
-(Qwen3) served through the gateway with the chat template of its ``tokenizer_config.json``."""
+"""More architectures, verified without any download: tiny random Qwen2, Qwen3, Mistral, Phi-3
+and Gemma 3 models built with transformers' own config and modeling classes, saved as HF
+directories and written as GGUF with the ``gguf`` writer (llama.cpp's tensor names; no Q/K
+permutation for qwen), loaded by the engine: logits against transformers' forward, greedy
+tokens against its forward's argmax, and (Qwen3, Gemma 3) served through the gateway with the
+chat template of its ``tokenizer_config.json``."""
 
 from __future__ import annotations
 
@@ -31,16 +31,26 @@ def tiny(arch: str, vocab: int = 300, **extra):
     cfg_cls, model_cls = {"qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM),
                           "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM),
                           "mistral": (T.MistralConfig, T.MistralForCausalLM),
-                          "phi3": (T.Phi3Config, T.Phi3ForCausalLM)}[arch]
+                          "phi3": (T.Phi3Config, T.Phi3ForCausalLM),
+                          "gemma3": (T.Gemma3TextConfig, T.Gemma3ForCausalLM)}[arch]
     if arch == "phi3":
         common.update(pad_token_id=0, eos_token_id=2, bos_token_id=1)
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma3"):
         common["head_dim"] = 16  # not hidden / heads (8): Qwen3 sets it on its own
+    if arch == "gemma3":  # a local and a global layer, each with its own RoPE (one scaled)
+        del common["rope_theta"]
+        common.update(
+            layer_types=["sliding_attention", "full_attention"], sliding_window=256,
+            query_pre_attn_scalar=24, rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                   "rope_theta": 5000.0}})
     torch.manual_seed(0)
     model = model_cls(cfg_cls(**{**common, **extra})).eval()
     with torch.no_grad():  # random biases and norm weights, so a loader that drops them fails
         for name, p in model.named_parameters():
-            if name.endswith("bias") or "q_norm" in name or "k_norm" in name:
+            if name.endswith("bias") or "q_norm" in name or "k_norm" in name or (
+                    arch == "gemma3" and "norm" in name):
                 p.copy_(torch.randn_like(p) * 0.5 + (1.0 if "norm" in name else 0.0))
     return model
 
@@ -97,7 +107,8 @@ def greedy(model, ids: list[int], n: int) -> list[int]:
 
 # (a Mistral GGUF is a 'llama' one to llama.cpp: the llama GGUF tests cover it)
 @pytest.mark.parametrize("arch,fmt", [("qwen2", "hf"), ("qwen3", "hf"), ("mistral", "hf"),
-                                      ("phi3", "hf"), ("qwen2", "gguf"), ("qwen3", "gguf")])
+                                      ("phi3", "hf"), ("gemma3", "hf"), ("qwen2", "gguf"),
+                                      ("qwen3", "gguf")])
 def test_the_engine_matches_transformers(tmp_path, arch, fmt):
     ref = tiny(arch)
     if fmt == "hf":
@@ -107,7 +118,7 @@ def test_the_engine_matches_transformers(tmp_path, arch, fmt):
         write_gguf(ref, arch, tmp_path / "m.gguf")
         ours = load_model(tmp_path / "m.gguf")
     assert ours.config.qkv_bias is (arch == "qwen2")
-    assert ours.config.qk_norm is (arch == "qwen3")
+    assert ours.config.qk_norm is (arch in ("qwen3", "gemma3"))
     assert ours.config.head_dim == head_dim(ref.config)
     with torch.no_grad():
         theirs = ref(torch.tensor([IDS])).logits[0]
@@ -121,7 +132,7 @@ def test_the_engine_matches_transformers(tmp_path, arch, fmt):
     assert [o.output_token_ids for o in outs] == [greedy(ref, p, 10) for p in prompts]
 
 
-def test_mistral_sliding_window_bounds_the_context_and_partial_windows_are_refused(tmp_path):
+def test_sliding_windows_bound_the_context_and_partial_windows_are_refused(tmp_path):
     """Within its window full attention is sliding-window attention: the context is capped
     there (a longer prompt is refused as too long, never silently mis-attended)."""
     ref = tiny("mistral", sliding_window=64)
@@ -131,6 +142,42 @@ def test_mistral_sliding_window_bounds_the_context_and_partial_windows_are_refus
     q.save_pretrained(tmp_path / "q")
     with pytest.raises(UnsupportedModelError, match="max_window_layers"):
         load_model(tmp_path / "q")
+    # Gemma 3: local layers slide, global ones do not; capped at the window, both are exact
+    g = tiny("gemma3", sliding_window=64)
+    g.save_pretrained(tmp_path / "g")
+    gm = load_model(tmp_path / "g")
+    assert gm.config.max_position_embeddings == 64
+    with torch.no_grad():
+        torch.testing.assert_close(gm.dense_forward(torch.tensor(IDS * 7)),
+                                   g(torch.tensor([IDS * 7])).logits[0], rtol=0, atol=1e-4)
+    with pytest.raises(ValueError, match="batch_invariant"):
+        load_model(tmp_path / "g", batch_invariant=True)
+    cfg = json.loads((tmp_path / "g" / "config.json").read_text())
+    (tmp_path / "g" / "config.json").write_text(json.dumps({**cfg,
+                                                            "attn_logit_softcapping": 50.0}))
+    with pytest.raises(UnsupportedModelError, match="attn_logit_softcapping"):
+        load_model(tmp_path / "g")
+
+
+def test_every_eos_id_of_the_config_and_generation_config_ends_a_sequence(tmp_path):
+    """HF configs list several EOS ids (Gemma 3: <eos> and <end_of_turn>): the first is the
+    EOS, the others end a sequence just the same."""
+    ref = tiny("gemma3")
+    ref.save_pretrained(tmp_path)
+    greedy_ids = Engine(load_model(tmp_path), EngineConfig(num_kv_blocks=64)).generate(
+        [IDS], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0]
+    seq = greedy_ids.output_token_ids
+    first = next(i for i in range(300) if i not in seq[:4])
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "eos_token_id": first}))
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [first, seq[3]]}))
+    model = load_model(tmp_path)
+    assert (model.config.eos_token_id, model.config.extra_eos_token_ids) == (first, (seq[3],))
+    out = Engine(model, EngineConfig(num_kv_blocks=64)).generate(
+        [IDS], SamplingParams(max_tokens=10, temperature=0.0))[0]
+    k = seq.index(seq[3])
+    assert out.output_token_ids == seq[:k + 1] and out.finish_reason == "stop"
 
 
 def test_unsupported_architectures_and_weights_are_named(tmp_path):
@@ -161,16 +208,17 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content']
 
 
 @pytest.mark.bundled
-def test_a_qwen3_directory_is_served_with_its_own_chat_template(tmp_path, bundled_path):
-    """A tiny Qwen3 with the bundled tokenizer's vocabulary, its tokenizer files beside it and
-    a chat template of its own in tokenizer_config.json: served by the gateway, the prompt the
-    engine got is that template's."""
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_a_model_directory_is_served_with_its_own_chat_template(tmp_path, bundled_path, arch):
+    """A tiny Qwen3 / Gemma 3 with the bundled tokenizer's vocabulary, its tokenizer files
+    beside it and a chat template of its own in tokenizer_config.json: served by the gateway,
+    the prompt the engine got is that template's."""
     from transformers import AutoTokenizer
 
     from engine.text import load_tokenizer
     from tests.gateway.conftest import start_server, stop_server
 
-    ref = tiny("qwen3", vocab=49152)
+    ref = tiny(arch, vocab=49152)
     ref.config.eos_token_id = 2
     ref.save_pretrained(tmp_path)
     AutoTokenizer.from_pretrained(str(bundled_path.parent),
@@ -179,10 +227,10 @@ def test_a_qwen3_directory_is_served_with_its_own_chat_template(tmp_path, bundle
     cfg["chat_template"] = TEMPLATE
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
     (tmp_path / "chat_template.jinja").unlink(missing_ok=True)  # one template: the config's
-    server = start_server("--model", str(tmp_path), "--served-model-name", "tiny-qwen3")
+    server = start_server("--model", str(tmp_path), "--served-model-name", f"tiny-{arch}")
     try:
         r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
-            "model": "tiny-qwen3", "max_tokens": 6, "temperature": 0,
+            "model": f"tiny-{arch}", "max_tokens": 6, "temperature": 0,
             "messages": [{"role": "user", "content": "Hi there"}]})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] >= 1
