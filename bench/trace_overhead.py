@@ -11,9 +11,11 @@ writer's ingest rate into embedded ClickHouse (chDB).
    ``capture off`` has no store (records still go to the in-memory sink and ``/metrics``). The
    runs alternate on/off/on/off and the best of each is compared, to damp drift on a shared
    machine. A third gateway runs the store in a supervised child process
-   (``TAILSCOPE_STORE_PROCESS=1``). Printed: requests/s, output tokens/s, the loss in percent,
-   and each gateway's peak RSS (the store child's apart). The writer's batch age is the
-   gateway's ``TAILSCOPE_STORE_FLUSH_S`` (5 s unless set in the environment).
+   (``TAILSCOPE_STORE_PROCESS=1``). Printed: requests/s, output tokens/s, each gateway's peak
+   RSS (the store child's apart), and the CPU milliseconds a request costs the gateway (with
+   its store child) and the replica, read after the writer has flushed (``FLUSH_S``, 1 s);
+   capture's cost as the throughput loss and as the extra CPU per request over the CPU a
+   request costs without it (the steadier figure: throughput drifts between runs here).
 2. The writer's conversion of 10,000 records to Arrow, its columnar one against the plain
    per-column one it replaced, side by side (best of 3 each).
 3. The writer alone, in this process: ``--records`` records with 256 token ids each (and 12
@@ -55,6 +57,7 @@ def start_gateway(store: str | None, child: bool = False, model: str = "tiny"
     args = [str(resolve_model_path(a)) if a == "bundled" else a for a in MODELS[model][0]]
     gw = GatewayProcess(args, cwd=ROOT, quiet=True,
                         env={"TAILSCOPE_KV_CACHE_MB": "64", "TAILSCOPE_STORE_DSN": store or "none",
+                             "TAILSCOPE_STORE_FLUSH_S": str(FLUSH_S),
                              "TAILSCOPE_STORE_PROCESS": "1" if child else "0"},
                         ready_timeout_s=180).start()
     return gw.proc, gw.url
@@ -92,25 +95,49 @@ class PeakRss:
 
 
 def closed_loop(url: str, seconds: float, concurrency: int, model: str = "tiny"
-                ) -> tuple[float, float]:
-    """(requests/s, output tokens/s) of ``concurrency`` streams for about ``seconds``, with the
-    load generator's closed mode (bench/loadgen.py)."""
+                ) -> tuple[float, float, int]:
+    """(requests/s, output tokens/s, requests) of ``concurrency`` streams for about
+    ``seconds``, with the load generator's closed mode (bench/loadgen.py)."""
     from bench import loadgen as L
 
     n = max(concurrency, int(seconds * MODELS[model][1]))
     items = L.workload(n, L.Dist.parse("uniform:8:63"), L.Dist.parse("fixed:16"), seed=n)
     rep = L.run(L.Target(url), "closed", items, concurrency=concurrency, warmup=0)
-    return rep["request_throughput_rps"], rep["output_token_throughput_tps"]
+    return rep["request_throughput_rps"], rep["output_token_throughput_tps"], n
 
 
+def cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of the gateway process, its store child and its
+    replica(s)."""
+    import psutil
+
+    gw = psutil.Process(pid)
+    out = {"gateway": 0.0, "store": 0.0, "replica": 0.0}
+    for p in [gw, *gw.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            kind = "gateway" if p.pid == pid else "store" if "store" in p.cmdline() else \
+                "replica"
+            out[kind] += t.user + t.system
+        except psutil.Error:
+            pass
+    return out
+
+
+FLUSH_S = 1.0  # the gateways' TAILSCOPE_STORE_FLUSH_S here
 MODES = {"on": "capture on (store in the gateway)", "child": "capture on (store child)",
          "off": "capture off"}
 
 
 def throughput(seconds: float, concurrency: int, rounds: int, model: str = "tiny") -> dict:
-    """Per mode: the best (requests/s, output tokens/s) of the rounds, and the highest peak
-    RSS of the gateway and of its store child."""
+    """Per mode: the best (requests/s, output tokens/s) of the rounds, the highest peak RSS of
+    the gateway and of its store child, and the least CPU milliseconds per request of the
+    gateway (+ its store child) and of the replica. CPU per request is the steadier measure on
+    a shared 2-core machine: throughput drifts with the machine between runs, the CPU a
+    request costs much less. The CPU is read after the writer's flush interval has passed, so
+    the records' conversion and inserts are in it."""
     results: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
+    cpu: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
     rss: dict[str, list[float]] = {m: [0.0, 0.0] for m in MODES}
     for _ in range(rounds):
         for mode in MODES:
@@ -120,13 +147,20 @@ def throughput(seconds: float, concurrency: int, rounds: int, model: str = "tiny
             peak = PeakRss(proc.pid)
             try:
                 closed_loop(url, 2.0, concurrency, model)  # warm-up
-                results[mode].append(closed_loop(url, seconds, concurrency, model))
+                time.sleep(FLUSH_S + 1)  # the warm-up's records written
+                before = cpu_seconds(proc.pid)
+                rps, tps, n = closed_loop(url, seconds, concurrency, model)
+                time.sleep(FLUSH_S + 1)  # this run's records written (their CPU counted)
+                after = cpu_seconds(proc.pid)
+                results[mode].append((rps, tps))
+                d = {k: (after[k] - before[k]) * 1000 / n for k in after}
+                cpu[mode].append((d["gateway"] + d["store"], d["replica"]))
             finally:
                 peak.stop()
                 rss[mode] = [max(rss[mode][0], peak.gateway_mb), max(rss[mode][1], peak.store_mb)]
                 proc.terminate()
                 proc.wait(60)
-    return {m: (*max(v), *rss[m]) for m, v in results.items()}
+    return {m: (*max(v), *rss[m], *min(cpu[m])) for m, v in results.items()}
 
 
 def make_records(n: int) -> list:
@@ -254,13 +288,17 @@ def main() -> int:
     tp = throughput(args.seconds, args.concurrency, args.rounds, args.model)
     print()
     for mode, label in MODES.items():
-        rps, tps, gw_mb, store_mb = tp[mode]
+        rps, tps, gw_mb, store_mb, gw_cpu, rep_cpu = tp[mode]
         child = f" + store child {store_mb:.0f} MB" if mode == "child" else ""
         print(f"{label:34}: {rps:7.1f} req/s {tps:8.1f} output tok/s   gateway peak RSS "
-              f"{gw_mb:.0f} MB{child}")
-    off = tp["off"][0]
+              f"{gw_mb:.0f} MB{child}; CPU per request: gateway{' + store' if child else ''} "
+              f"{gw_cpu:.2f} ms, replica {rep_cpu:.2f} ms")
+    off = tp["off"]
     for mode in ("on", "child"):
-        print(f"throughput loss, {MODES[mode]}: {100 * (1 - tp[mode][0] / off):+.1f}%")
+        extra = tp[mode][4] - off[4]
+        print(f"capture cost, {MODES[mode]}: throughput {100 * (1 - tp[mode][0] / off[0]):+.1f}%"
+              f"; CPU {extra:+.2f} ms per request = {100 * extra / (off[4] + off[5]):+.1f}% of "
+              "the CPU a request costs without capture (gateway + replica)")
     print(f"({args.model} model; best of {args.rounds} alternating runs of {args.seconds:g} s, "
           f"{args.concurrency} "
           "streams, 16 output tokens; peak RSS the highest over the runs)")
