@@ -18,8 +18,11 @@ from engine.config import ModelConfig
 from engine.loader.errors import UnsupportedModelError
 from engine.loader.gguf_read import GGUFFile
 
-# llama.cpp's names; its converter permutes Q/K rows for llama only (qwen2/qwen3 keep HF's)
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# llama.cpp's names; its converter permutes Q/K rows for llama only (qwen2/qwen3/phi3 keep HF's:
+# their RoPE is the NEOX / rotate_half kind). phi3 keeps HF's fused matrices: attn_qkv holds
+# [q; k; v] rows and ffn_up [gate; up] rows (llama.cpp's SWIGLU takes the first half as the
+# gate: src/models/phi3.cpp, build_ffn with LLM_FFN_SWIGLU on ffn_up alone); split on load.
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
 SUPPORTED_TYPES = frozenset({
     Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
     Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
@@ -74,6 +77,13 @@ def read_config(reader: GGUFFile, path: Path) -> ModelConfig:
     hidden = int(field_value(reader, f"{arch}.embedding_length"))
     tokens = field_value(reader, "tokenizer.ggml.tokens")
     names = {t.name for t in reader.tensors}
+    if any(".rope_factors_" in n for n in names):  # Phi-3's 128k models (longrope)
+        raise UnsupportedModelError(f"{path.name}: rope scaling factors (longrope) are not "
+                                    "supported")
+    context = int(field_value(reader, f"{arch}.context_length", 2048))
+    window = field_value(reader, f"{arch}.attention.sliding_window")
+    if window and int(window) < context:  # within the window, full attention is exact
+        context = int(window)
     eos = field_value(reader, "tokenizer.ggml.eos_token_id")
     bos = field_value(reader, "tokenizer.ggml.bos_token_id")
     return ModelConfig(
@@ -88,7 +98,7 @@ def read_config(reader: GGUFFile, path: Path) -> ModelConfig:
             reader, f"{arch}.rope.dimension_count", hidden // n_head)),
         rope_theta=float(field_value(reader, f"{arch}.rope.freq_base", 10000.0)),
         rms_norm_eps=float(field_value(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=int(field_value(reader, f"{arch}.context_length", 2048)),
+        max_position_embeddings=context,
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=None if bos is None else int(bos),
         eos_token_id=None if eos is None else int(eos),
@@ -133,6 +143,13 @@ def load_gguf(path: str | Path
             key = "final_norm"
         elif name.startswith("blk."):
             _, idx, kind, suffix = name.split(".", 3)
+            if config.architecture == "phi3" and (kind, suffix) in _PHI3_FUSED:
+                whole = functools.cache(functools.partial(_tensor, t))  # one dequantization
+                parts, start = _PHI3_FUSED[kind, suffix], 0
+                for part, rows in zip(parts, _phi3_rows(config, kind), strict=True):
+                    weights[f"{idx}.{part}"] = functools.partial(_rows, whole, start, rows)
+                    start += rows
+                continue
             if kind not in _LAYER_TENSORS:
                 continue  # e.g. rope_freqs: not used by the supported architectures
             key = f"{idx}.{_LAYER_TENSORS[kind]}" + ("_bias" if suffix == "bias" else "")
@@ -145,6 +162,25 @@ def load_gguf(path: str | Path
             key.rsplit(".", 1)[-1]) if config.architecture == "llama" else None
         weights[key] = functools.partial(_load_tensor, t, n_head)
     return config, weights
+
+
+_PHI3_FUSED = {("attn_qkv", "weight"): ("q", "k", "v"), ("ffn_up", "weight"): ("gate", "up")}
+
+
+def _phi3_rows(c: ModelConfig, kind: str) -> tuple[int, ...]:
+    if kind == "attn_qkv":
+        return (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
+                c.num_kv_heads * c.head_dim)
+    return (c.intermediate_size, c.intermediate_size)
+
+
+def _rows(whole: Callable[[], torch.Tensor], start: int, n: int) -> torch.Tensor:
+    """Rows [start, start + n) of a fused tensor (dequantized once for all its parts)."""
+    w = whole()
+    if start + n > w.shape[0]:
+        raise UnsupportedModelError(f"a fused tensor has {w.shape[0]} rows, fewer than the "
+                                    f"{start + n} the model's config implies")
+    return w[start:start + n]
 
 
 def _load_tensor(t, unpermute_heads: int | None) -> torch.Tensor:

@@ -59,16 +59,18 @@ _GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.
          "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
          "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
          "post_attention_layernorm": "ffn_norm", "self_attn.q_norm": "attn_q_norm",
-         "self_attn.k_norm": "attn_k_norm"}
+         "self_attn.k_norm": "attn_k_norm", "self_attn.qkv_proj": "attn_qkv",
+         "mlp.gate_up_proj": "ffn_up"}
 
 
 def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def write_gguf(model, arch: str, path: Path) -> None:
-    """The model as llama.cpp's converter lays it out for ``arch`` (qwen2 / qwen3: HF's Q/K
-    row order kept; Qwen3's head size as ``attention.key_length``)."""
+def write_gguf(model, arch: str, path: Path, extra: dict | None = None) -> None:
+    """The model as llama.cpp's converter lays it out for ``arch`` (qwen2 / qwen3 / phi3: HF's
+    Q/K row order kept; Qwen3's head size as ``attention.key_length``; Phi-3's fused qkv_proj
+    and gate_up_proj as attn_qkv and ffn_up)."""
     c = model.config
     w = gguf_writer(path, arch, layers=c.num_hidden_layers, context=c.max_position_embeddings,
                     hidden=c.hidden_size, ffn=c.intermediate_size,
@@ -89,6 +91,8 @@ def write_gguf(model, arch: str, path: Path) -> None:
             module, kind = rest.rsplit(".", 1)
             out = f"blk.{idx}.{_GGUF[module]}.{kind}"
         w.add_tensor(out, np.ascontiguousarray(arr))
+    for name, arr in (extra or {}).items():
+        w.add_tensor(name, arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -108,7 +112,7 @@ def greedy(model, ids: list[int], n: int) -> list[int]:
 # (a Mistral GGUF is a 'llama' one to llama.cpp: the llama GGUF tests cover it)
 @pytest.mark.parametrize("arch,fmt", [("qwen2", "hf"), ("qwen3", "hf"), ("mistral", "hf"),
                                       ("phi3", "hf"), ("gemma3", "hf"), ("qwen2", "gguf"),
-                                      ("qwen3", "gguf")])
+                                      ("qwen3", "gguf"), ("phi3", "gguf")])
 def test_the_engine_matches_transformers(tmp_path, arch, fmt):
     ref = tiny(arch)
     if fmt == "hf":
@@ -200,6 +204,22 @@ def test_unsupported_architectures_and_weights_are_named(tmp_path):
     write_gguf(ref, "qwen3", tmp_path / "q3.gguf")
     with pytest.raises(UnsupportedModelError, match="attn_output.bias"):
         load_model(tmp_path / "q3.gguf")
+    # a Phi-3 128k GGUF carries longrope factors: refused, not run with plain RoPE
+    write_gguf(phi, "phi3", tmp_path / "phi.gguf",
+               extra={"blk.0.rope_factors_long.weight": np.ones(8, np.float32)})
+    with pytest.raises(UnsupportedModelError, match="longrope"):
+        load_model(tmp_path / "phi.gguf")
+    import gguf  # a Gemma GGUF: refused by its architecture's name
+
+    gw = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma3")
+    gw.add_block_count(1)
+    gw.add_tensor("token_embd.weight", np.ones((4, 8), np.float32))
+    gw.write_header_to_file()
+    gw.write_kv_data_to_file()
+    gw.write_tensors_to_file()
+    gw.close()
+    with pytest.raises(UnsupportedModelError, match="gemma3.*not supported"):
+        load_model(tmp_path / "g.gguf")
 
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
