@@ -22,7 +22,13 @@ from engine.loader.gguf_read import GGUFFile
 # their RoPE is the NEOX / rotate_half kind). phi3 keeps HF's fused matrices: attn_qkv holds
 # [q; k; v] rows and ffn_up [gate; up] rows (llama.cpp's SWIGLU takes the first half as the
 # gate: src/models/phi3.cpp, build_ffn with LLM_FFN_SWIGLU on ffn_up alone); split on load.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+# gemma3 as llama.cpp reads it (src/models/gemma3.cpp): norms stored as 1 + w already (its
+# converter's norm_shift), scaled embeddings, norms after attention and MLP, GELU-tanh gating,
+# sliding-window layers by attention.sliding_window_pattern (default every 6th global) with
+# rope.freq_base_swa (default 10000) and no scaling, the global ones rope.freq_base with the
+# file's linear scaling, softmax scale head_dim ** -0.5 (the 62-layer 27B:
+# (hidden / heads) ** -0.5).
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
 SUPPORTED_TYPES = frozenset({
     Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
     Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
@@ -32,6 +38,7 @@ _LAYER_TENSORS = {
     "attn_norm": "attn_norm", "attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o",
     "ffn_norm": "ffn_norm", "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down",
     "attn_q_norm": "q_norm", "attn_k_norm": "k_norm",
+    "attn_post_norm": "post_attn_norm", "ffn_post_norm": "post_ffn_norm",
 }
 
 
@@ -71,7 +78,7 @@ def read_config(reader: GGUFFile, path: Path) -> ModelConfig:
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
     scaling = field_value(reader, f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
+    if scaling not in (None, "none") and not (arch == "gemma3" and scaling == "linear"):
         raise UnsupportedModelError(f"{path.name}: rope scaling {scaling!r} is not supported")
     n_head = int(field_value(reader, f"{arch}.attention.head_count"))
     hidden = int(field_value(reader, f"{arch}.embedding_length"))
@@ -86,12 +93,18 @@ def read_config(reader: GGUFFile, path: Path) -> ModelConfig:
         context = int(window)
     eos = field_value(reader, "tokenizer.ggml.eos_token_id")
     bos = field_value(reader, "tokenizer.ggml.bos_token_id")
+    # end-of-turn / end-of-message ids end a sequence as EOS does (llama.cpp's EOG set)
+    extra_eos = tuple(dict.fromkeys(
+        int(v) for k in ("eot", "eom") if (v := field_value(reader, f"tokenizer.ggml.{k}_token_id"))
+        is not None and int(v) != eos))
+    n_layers = int(field_value(reader, f"{arch}.block_count"))
+    gemma = _gemma3_fields(reader, path, n_layers, hidden, n_head) if arch == "gemma3" else {}
     return ModelConfig(
         architecture=arch,
         vocab_size=int(field_value(reader, f"{arch}.vocab_size", len(tokens) if tokens else 0)),
         hidden_size=hidden,
         intermediate_size=int(field_value(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(field_value(reader, f"{arch}.block_count")),
+        num_layers=n_layers,
         num_heads=n_head,
         num_kv_heads=int(field_value(reader, f"{arch}.attention.head_count_kv", n_head)),
         head_dim=int(field_value(reader, f"{arch}.attention.key_length") or field_value(
@@ -104,9 +117,32 @@ def read_config(reader: GGUFFile, path: Path) -> ModelConfig:
         eos_token_id=None if eos is None else int(eos),
         name=str(field_value(reader, "general.name", path.stem)),
         revision=file_revision(path),
+        extra_eos_token_ids=extra_eos,
         qkv_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
+        **gemma,
     )
+
+
+def _gemma3_fields(reader: GGUFFile, path: Path, n_layers: int, hidden: int, n_head: int
+                   ) -> dict:
+    if field_value(reader, "gemma3.final_logit_softcapping"):
+        raise UnsupportedModelError(f"{path.name}: final_logit_softcapping is not supported")
+    head_dim = int(field_value(reader, "gemma3.attention.key_length") or hidden // n_head)
+    swa = []
+    if field_value(reader, "gemma3.attention.sliding_window"):
+        pattern = field_value(reader, "gemma3.attention.sliding_window_pattern", 6)
+        swa = [bool(x) for x in pattern] if isinstance(pattern, list) else [
+            int(pattern) == 0 or i % int(pattern) < int(pattern) - 1 for i in range(n_layers)]
+    swa += [False] * (n_layers - len(swa))
+    base = float(field_value(reader, "gemma3.rope.freq_base", 1e6))
+    base_swa = float(field_value(reader, "gemma3.rope.freq_base_swa", 1e4))
+    scale = float(field_value(reader, "gemma3.rope.scaling.factor", 1.0) or 1.0) \
+        if field_value(reader, "gemma3.rope.scaling.type") == "linear" else 1.0
+    return {"embed_scale": hidden ** 0.5, "post_norms": True, "hidden_act": "gelu_tanh",
+            "attn_scale": (hidden / n_head if n_layers == 62 else head_dim) ** -0.5,
+            "layer_rope_theta": tuple(base_swa if s else base for s in swa),
+            "layer_rope_scale": tuple(1.0 if s else scale for s in swa)}
 
 
 def _tensor(t) -> torch.Tensor:

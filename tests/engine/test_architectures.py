@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gguf
 import httpx
 import numpy as np
 import pytest
@@ -67,7 +68,8 @@ def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def write_gguf(model, arch: str, path: Path, extra: dict | None = None) -> None:
+def write_gguf(model, arch: str, path: Path, extra: dict | None = None,
+               eos_eot: tuple[int, int] | None = None) -> None:
     """The model as llama.cpp's converter lays it out for ``arch`` (qwen2 / qwen3 / phi3: HF's
     Q/K row order kept; Qwen3's head size as ``attention.key_length``; Phi-3's fused qkv_proj
     and gate_up_proj as attn_qkv and ffn_up)."""
@@ -93,6 +95,49 @@ def write_gguf(model, arch: str, path: Path, extra: dict | None = None) -> None:
         w.add_tensor(out, np.ascontiguousarray(arr))
     for name, arr in (extra or {}).items():
         w.add_tensor(name, arr)
+    if eos_eot is not None:
+        w.add_eos_token_id(eos_eot[0])
+        w.add_eot_token_id(eos_eot[1])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+_GEMMA3_GGUF = {**_GGUF, "post_attention_layernorm": "attn_post_norm",
+                "pre_feedforward_layernorm": "ffn_norm",
+                "post_feedforward_layernorm": "ffn_post_norm"}
+
+
+def write_gemma3_gguf(model, path: Path) -> None:
+    """A Gemma 3 as llama.cpp's converter writes it (conversion/gemma.py): every norm stored as
+    1 + w, the global layers' RoPE base as rope.freq_base with their linear scaling, the local
+    ones' as rope.freq_base_swa, the window and its per-layer pattern."""
+    c = model.config
+    rp = c.rope_parameters
+    w = gguf_writer(path, "gemma3", layers=c.num_hidden_layers,
+                    context=c.max_position_embeddings, hidden=c.hidden_size,
+                    ffn=c.intermediate_size, heads=c.num_attention_heads,
+                    kv_heads=c.num_key_value_heads, rope_theta=rp["full_attention"]["rope_theta"],
+                    eps=c.rms_norm_eps, vocab=c.vocab_size, head_dim=head_dim(c))
+    w.add_rope_freq_base_swa(rp["sliding_attention"]["rope_theta"])
+    w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    w.add_rope_scaling_factor(rp["full_attention"]["factor"])
+    w.add_sliding_window(c.sliding_window)
+    w.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
+    for name, t in model.state_dict().items():
+        arr = t.float().numpy() + (1.0 if name.endswith("norm.weight") else 0.0)
+        if name == "model.embed_tokens.weight":
+            out = "token_embd.weight"
+        elif name == "lm_head.weight":
+            out = "output.weight"
+        elif name == "model.norm.weight":
+            out = "output_norm.weight"
+        else:
+            _, _, idx, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            out = f"blk.{idx}.{_GEMMA3_GGUF[module]}.{kind}"
+        w.add_tensor(out, np.ascontiguousarray(arr.astype(np.float32)))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -112,12 +157,19 @@ def greedy(model, ids: list[int], n: int) -> list[int]:
 # (a Mistral GGUF is a 'llama' one to llama.cpp: the llama GGUF tests cover it)
 @pytest.mark.parametrize("arch,fmt", [("qwen2", "hf"), ("qwen3", "hf"), ("mistral", "hf"),
                                       ("phi3", "hf"), ("gemma3", "hf"), ("qwen2", "gguf"),
-                                      ("qwen3", "gguf"), ("phi3", "gguf")])
+                                      ("qwen3", "gguf"), ("phi3", "gguf"),
+                                      ("gemma3", "gguf")])
 def test_the_engine_matches_transformers(tmp_path, arch, fmt):
-    ref = tiny(arch)
+    # llama.cpp's Gemma 3 takes its softmax scale from the head size (no GGUF key for
+    # query_pre_attn_scalar), as every released Gemma 3 but the 27B has it
+    ref = tiny(arch, **({"query_pre_attn_scalar": 16} if (arch, fmt) == ("gemma3", "gguf")
+                        else {}))
     if fmt == "hf":
         ref.save_pretrained(tmp_path)
         ours = load_model(tmp_path)
+    elif arch == "gemma3":
+        write_gemma3_gguf(ref, tmp_path / "m.gguf")
+        ours = load_model(tmp_path / "m.gguf")
     else:
         write_gguf(ref, arch, tmp_path / "m.gguf")
         ours = load_model(tmp_path / "m.gguf")
@@ -182,6 +234,11 @@ def test_every_eos_id_of_the_config_and_generation_config_ends_a_sequence(tmp_pa
         [IDS], SamplingParams(max_tokens=10, temperature=0.0))[0]
     k = seq.index(seq[3])
     assert out.output_token_ids == seq[:k + 1] and out.finish_reason == "stop"
+    # GGUF: llama.cpp's end-of-turn id beside the EOS
+    q = tiny("qwen3")
+    write_gguf(q, "qwen3", tmp_path / "q.gguf", eos_eot=(2, 7))
+    c = load_model(tmp_path / "q.gguf").config
+    assert (c.eos_token_id, c.extra_eos_token_ids) == (2, (7,))
 
 
 def test_unsupported_architectures_and_weights_are_named(tmp_path):
@@ -209,16 +266,14 @@ def test_unsupported_architectures_and_weights_are_named(tmp_path):
                extra={"blk.0.rope_factors_long.weight": np.ones(8, np.float32)})
     with pytest.raises(UnsupportedModelError, match="longrope"):
         load_model(tmp_path / "phi.gguf")
-    import gguf  # a Gemma GGUF: refused by its architecture's name
-
-    gw = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma3")
+    gw = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma2")  # refused by its name
     gw.add_block_count(1)
     gw.add_tensor("token_embd.weight", np.ones((4, 8), np.float32))
     gw.write_header_to_file()
     gw.write_kv_data_to_file()
     gw.write_tensors_to_file()
     gw.close()
-    with pytest.raises(UnsupportedModelError, match="gemma3.*not supported"):
+    with pytest.raises(UnsupportedModelError, match="gemma2.*not supported"):
         load_model(tmp_path / "g.gguf")
 
 
