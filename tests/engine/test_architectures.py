@@ -80,8 +80,19 @@ def write_gguf(model, arch: str, path: Path, extra: dict | None = None,
                     rope_theta=getattr(c, "rope_theta", None)
                     or c.rope_parameters["rope_theta"],
                     eps=c.rms_norm_eps, vocab=c.vocab_size, head_dim=head_dim(c))
+    for name, arr in (extra or {}).items():
+        w.add_tensor(name, arr)
+    if eos_eot is not None:
+        w.add_eos_token_id(eos_eot[0])
+        w.add_eot_token_id(eos_eot[1])
+    _write_tensors(w, model, _GGUF)
+
+
+def _write_tensors(w, model, modules: dict[str, str], norm_shift: float = 0.0) -> None:
+    """The model's tensors under llama.cpp's names (``modules``: HF module -> GGUF tensor),
+    each norm weight plus ``norm_shift``; then the file is written."""
     for name, t in model.state_dict().items():
-        arr = t.float().numpy()
+        arr = t.float().numpy() + (norm_shift if name.endswith("norm.weight") else 0.0)
         if name == "model.embed_tokens.weight":
             out = "token_embd.weight"
         elif name == "lm_head.weight":
@@ -91,13 +102,8 @@ def write_gguf(model, arch: str, path: Path, extra: dict | None = None,
         else:
             _, _, idx, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
-            out = f"blk.{idx}.{_GGUF[module]}.{kind}"
-        w.add_tensor(out, np.ascontiguousarray(arr))
-    for name, arr in (extra or {}).items():
-        w.add_tensor(name, arr)
-    if eos_eot is not None:
-        w.add_eos_token_id(eos_eot[0])
-        w.add_eot_token_id(eos_eot[1])
+            out = f"blk.{idx}.{modules[module]}.{kind}"
+        w.add_tensor(out, np.ascontiguousarray(arr.astype(np.float32)))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -125,23 +131,7 @@ def write_gemma3_gguf(model, path: Path) -> None:
     w.add_rope_scaling_factor(rp["full_attention"]["factor"])
     w.add_sliding_window(c.sliding_window)
     w.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
-    for name, t in model.state_dict().items():
-        arr = t.float().numpy() + (1.0 if name.endswith("norm.weight") else 0.0)
-        if name == "model.embed_tokens.weight":
-            out = "token_embd.weight"
-        elif name == "lm_head.weight":
-            out = "output.weight"
-        elif name == "model.norm.weight":
-            out = "output_norm.weight"
-        else:
-            _, _, idx, rest = name.split(".", 3)
-            module, kind = rest.rsplit(".", 1)
-            out = f"blk.{idx}.{_GEMMA3_GGUF[module]}.{kind}"
-        w.add_tensor(out, np.ascontiguousarray(arr.astype(np.float32)))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _write_tensors(w, model, _GEMMA3_GGUF, norm_shift=1.0)
 
 
 def greedy(model, ids: list[int], n: int) -> list[int]:
