@@ -75,29 +75,32 @@ def read_config(path: Path) -> ModelConfig:
                 f"{cfg['max_window_layers']} of {cfg['num_hidden_layers']}) is not supported")
         # full attention equals sliding-window attention up to the window: serve that much
         max_pos = int(window)
-    n_head = cfg["num_attention_heads"]
     rope_theta = cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 1e4))
     return ModelConfig(
+        **_shared(path, cfg, eps=1e-5, tied=False),
         architecture="llama",
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"],
-        num_heads=n_head,
-        num_kv_heads=cfg.get("num_key_value_heads", n_head),
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_head,
         rope_theta=float(rope_theta),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
         max_position_embeddings=max_pos,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_id=eos_ids(path, cfg)[0],
-        extra_eos_token_ids=eos_ids(path, cfg)[1],
-        name=cfg.get("_name_or_path") or path.name,
-        revision=hashlib.sha256((path / "config.json").read_bytes()).hexdigest()[:12],
         qkv_bias=arch == "Qwen2ForCausalLM",
         qk_norm=arch == "Qwen3ForCausalLM",
     )
+
+
+def _shared(path: Path, cfg: dict, eps: float, tied: bool) -> dict:
+    """The ModelConfig fields every architecture reads the same way (``eps`` and ``tied``: the
+    architecture's defaults for rms_norm_eps and tie_word_embeddings)."""
+    n_head = cfg["num_attention_heads"]
+    eos, extra_eos = eos_ids(path, cfg)
+    return dict(
+        vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
+        num_heads=n_head, num_kv_heads=cfg.get("num_key_value_heads", n_head),
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_head,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", eps)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", tied)),
+        bos_token_id=cfg.get("bos_token_id"), eos_token_id=eos, extra_eos_token_ids=extra_eos,
+        name=cfg.get("_name_or_path") or path.name,
+        revision=hashlib.sha256((path / "config.json").read_bytes()).hexdigest()[:12])
 
 
 def eos_ids(path: Path, cfg: dict) -> tuple[int | None, tuple[int, ...]]:
@@ -149,31 +152,17 @@ def _gemma3_config(path: Path, cfg: dict) -> ModelConfig:
     window = cfg.get("sliding_window")
     if "sliding_attention" in types and window is not None and window < max_pos:
         max_pos = int(window)  # within the window, sliding attention is full attention
-    n_head = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
+    shared = _shared(path, cfg, eps=1e-6, tied=True)
     return ModelConfig(
+        **shared,
         architecture="gemma3",
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_layers=n_layers,
-        num_heads=n_head,
-        num_kv_heads=cfg.get("num_key_value_heads", n_head),
-        head_dim=head_dim,
         rope_theta=theta[0],
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=max_pos,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_id=eos_ids(path, cfg)[0],
-        extra_eos_token_ids=eos_ids(path, cfg)[1],
-        name=cfg.get("_name_or_path") or path.name,
-        revision=hashlib.sha256((path / "config.json").read_bytes()).hexdigest()[:12],
         qk_norm=True,
         embed_scale=cfg["hidden_size"] ** 0.5,
         post_norms=True,
         hidden_act="gelu_tanh",
-        attn_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+        attn_scale=float(cfg.get("query_pre_attn_scalar", shared["head_dim"])) ** -0.5,
         layer_rope_theta=tuple(theta),
         layer_rope_scale=tuple(scale),
     )
