@@ -56,6 +56,11 @@ class FitError:
     p95_rel: float
     n_train: int
     n_test: int
+    # the same median for a constant: every held-out step priced at the training steps' mean
+    # duration (what a model without the step's features would say). Step times jitter with
+    # the machine and both figures carry that jitter: a fit no better than the constant says
+    # the window's steps differ less than the machine's noise.
+    baseline_median_rel: float = float("nan")
 
 
 @dataclass(frozen=True)
@@ -89,8 +94,9 @@ class StepCost:
             coef = coef * float(y[~test].sum()) / busy
         pred = np.maximum(x[test] @ coef, 0.0)
         rel = np.abs(pred - y[test]) / np.maximum(y[test], 1e-9)
+        flat = np.abs(float(y[~test].mean()) - y[test]) / np.maximum(y[test], 1e-9)
         error = FitError(float(np.median(rel)), float(np.percentile(rel, 95)),
-                         int((~test).sum()), int(test.sum()))
+                         int((~test).sum()), int(test.sum()), float(np.median(flat)))
         return cls(tuple(float(c) for c in coef), error)
 
     def as_dict(self) -> dict:

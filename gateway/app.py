@@ -194,8 +194,11 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         await pool.start()
+        # the stored config also says how this gateway admitted requests (not part of the
+        # config_id: that hashes resolved_config alone; the first gateway to store it wins)
         config_row = None if handle is None else asyncio.create_task(store_api.store_config(
-            handle, versions["config_id"], config.config_name, resolved_config(config)))
+            handle, versions["config_id"], config.config_name,
+            {**resolved_config(config), "admission": {"queue_timeout_s": config.queue_timeout_s}}))
         if upstreams is not None:
             await upstreams.start()  # health probes
         # Everything loaded so far (modules, the tokenizer, the store client) lives as long as

@@ -475,7 +475,7 @@ def _print_window(w) -> None:
                                           zip(w.cost.coef, w.cost.as_dict()["features"],
                                               strict=True))
           + f"; held-out error median {e.median_rel:.1%}, p95 {e.p95_rel:.1%} "
-          f"({e.n_test} steps)")
+          f"({e.n_test} steps; a constant cost per step: median {e.baseline_median_rel:.1%})")
     print(f"gateway share of TTFT (recorded median): {w.overhead_ms:.1f} ms, added to the "
           "predicted TTFT and E2E")
     if w.stand_ins:
@@ -548,8 +548,11 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    # the recorded gateway's queue timeout unless --queue-timeout says otherwise (0: none)
+    queue_timeout = (args.queue_timeout if args.queue_timeout is not None
+                     else w.queue_timeout_s) or None
     params, results = W.compare(w, cand, args.replicas, scales, slo, args.max_inflight,
-                                args.queue_timeout)
+                                queue_timeout)
     changed, points = params["candidate_changes"], results["points"]
     n_rec, n_cand = params["replicas_recorded"], params["replicas_candidate"]
     stored = _keep_run(args, s, target, "whatif", w, params, results)
@@ -564,7 +567,10 @@ def cmd_whatif(args: argparse.Namespace) -> int:
         return 0
     _print_window(w)
     print(f"candidate: {changed or 'the recorded config'}"
-          + (f"; replicas {n_rec} -> {n_cand}" if n_cand != n_rec else ""))
+          + (f"; replicas {n_rec} -> {n_cand}" if n_cand != n_rec else "")
+          + f"; engine queue timeout {f'{queue_timeout:g} s' if queue_timeout else 'none'}"
+          + (" (the recorded gateway's)" if args.queue_timeout is None and queue_timeout
+             else ""))
     for p in points:
         title = "ms" if p["rate_scale"] == 1.0 else \
             f"x{p['rate_scale']:g} ({p['offered_rps']:.2f}/s)"
@@ -950,8 +956,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "recorded)")
     wi.add_argument("--queue-timeout", type=float, metavar="S",
                     help="end a request still queued after S seconds (TIMED_OUT), as the "
-                         "gateway's TAILSCOPE_QUEUE_TIMEOUT_S does (default: none; the records "
-                         "do not say what the recorded gateway used)")
+                         "gateway's TAILSCOPE_QUEUE_TIMEOUT_S does (default: the recorded "
+                         "gateway's, from the configs table; 0: no limit)")
     wi.add_argument("--rate-scale", default="1", metavar="X[,X...]",
                     help="arrivals this many times as fast; several: a sweep (see --plot)")
     wi.add_argument("--slo", metavar="ttft_ms=N,tpot_ms=N", help="also report SLO attainment "

@@ -73,6 +73,8 @@ class Window:
     overhead_ms: float  # median client TTFT - engine TTFT: the gateway's share
     stand_ins: int = 0  # requests whose token ids were not kept (counts only)
     estimated: int = 0  # requests that timed out before a token: output length estimated
+    # the recorded gateway's engine queue timeout (configs table; None: none, or not stored)
+    queue_timeout_s: float | None = None
     arrivals: list[Arrival] = field(default_factory=list)
     step_rows: list[dict] = field(default_factory=list)  # what the cost was fitted on
 
@@ -133,12 +135,14 @@ def load(source, start_us: int, end_us: int, replica: str | None = None) -> Wind
         raise WhatIfError(str(exc)) from None
     config_id = str(reqs["config_id"].mode().iloc[0])
     _, rows = source.select(Q.CONFIG_OF, {"c": config_id})
-    recorded = json.loads(rows[0][1]).get("engine", {}) if rows else {}
+    stored = json.loads(rows[0][1]) if rows else {}
+    recorded = stored.get("engine", {})
     base = EngineConfig(**{**recorded, "num_kv_blocks": int(steps["kv_blocks_total"].max())})
     engine_ttft = reqs["engine_queue_ms"] + reqs["prefill_ms"]
     overhead = (reqs["ttft_ms"] - engine_ttft).dropna()
     w = Window(start_us, end_us, replicas, reqs, cost, config_id, bool(rows), base,
-               float(overhead.median()) if len(overhead) else 0.0, step_rows=busy)
+               float(overhead.median()) if len(overhead) else 0.0, step_rows=busy,
+               queue_timeout_s=(stored.get("admission") or {}).get("queue_timeout_s"))
     w.arrivals, w.stand_ins, w.estimated = _arrivals(reqs, start_us)
     return w
 

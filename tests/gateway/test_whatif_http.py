@@ -43,7 +43,10 @@ def test_whatif_replays_the_recorded_window_and_a_candidate_config(bundled_path)
         assert same["requests"] == 60 and same["config_known"] and same["replicas"] == ["r0"]
         assert same["candidate_changes"] == {} and same["run_id"]
         err = same["step_cost"]["error"]
-        assert err["n_test"] >= 10 and err["median_rel"] < 0.5
+        # (on this 2-core VM the same work's decode steps have taken 7 ms at p50 and 19 at
+        # p90 in a noisy hour, and this median 0.7-1.4; quiet, it is 0.2-0.4)
+        assert err["n_test"] >= 10 and err["median_rel"] < 0.5, err
+        assert 0 < err["baseline_median_rel"] < 10  # a constant per step, for comparison
         (point,) = same["points"]
         recorded = point["recorded"]["table"]["ttft_ms"]
         predicted = point["recorded_config"]["table"]["ttft_ms"]
@@ -85,8 +88,9 @@ def test_requests_that_timed_out_in_the_queue_are_replayed_with_estimated_length
         bundled_path):
     """One sequence at a time and a 0.3 s queue timeout: most of a burst ends 504 before its
     first token. Those requests are arrivals too (a candidate with room serves them), with
-    their tenant's median output length; the recorded config, given the same timeout, times
-    out requests as the recorded run did, and a wider candidate times out fewer."""
+    their tenant's median output length; the recorded config, under the recorded gateway's
+    timeout (read from the configs table), times out requests as the recorded run did, and a
+    wider candidate times out fewer."""
     server = start_server("--model", "tiny:49152", "--tokenizer", str(bundled_path),
                           "--max-inflight", "1000", "--queue-timeout", "0.3",
                           env={"TAILSCOPE_MAX_NUM_SEQS": "1"})
@@ -101,13 +105,20 @@ def test_requests_that_timed_out_in_the_queue_are_replayed_with_estimated_length
         assert len(timed_out) >= 10 and len(served) >= 2 and \
             len(timed_out) + len(served) == 40, [(s.status, s.error) for s in samples]
         time.sleep(1.5)  # the store's flush
-        proc = subprocess.run(
-            [sys.executable, "-m", "tailscope.cli", "whatif", "--url", server.url, "--window",
-             f"{start}..{time.time() + 1}", "--json", "--no-store", "--queue-timeout", "0.3",
-             "--set", "max_num_seqs=16"], capture_output=True, text=True, timeout=300,
-            env={**os.environ, "TAILSCOPE_GATEWAY_URL": server.url})
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        got = json.loads(proc.stdout)
+
+        def whatif(*extra: str) -> dict:
+            proc = subprocess.run(
+                [sys.executable, "-m", "tailscope.cli", "whatif", "--url", server.url,
+                 "--window", f"{start}..{time.time() + 1}", "--json", "--no-store", "--set",
+                 "max_num_seqs=16", *extra], capture_output=True, text=True, timeout=300,
+                env={**os.environ, "TAILSCOPE_GATEWAY_URL": server.url})
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            return json.loads(proc.stdout)
+
+        # no --queue-timeout: the recorded gateway's, from the configs table
+        got = whatif()
+        assert got["queue_timeout_s"] == 0.3
+        assert whatif("--queue-timeout", "0")["queue_timeout_s"] is None  # 0: no limit
         assert got["requests"] == 40 and got["estimated_lengths"] == len(timed_out)
         (point,) = got["points"]
         assert point["recorded"]["timed_out"] == len(timed_out)
