@@ -43,9 +43,11 @@ def test_whatif_replays_the_recorded_window_and_a_candidate_config(bundled_path)
         assert same["requests"] == 60 and same["config_known"] and same["replicas"] == ["r0"]
         assert same["candidate_changes"] == {} and same["run_id"]
         err = same["step_cost"]["error"]
-        # (on this 2-core VM the same work's decode steps have taken 7 ms at p50 and 19 at
-        # p90 in a noisy hour, and this median 0.7-1.4; quiet, it is 0.2-0.4)
-        assert err["n_test"] >= 10 and err["median_rel"] < 0.5, err
+        # a sanity bound: on this 2-core VM the same work's decode steps have taken 7 ms at
+        # p50 and 19 at p90 in a noisy hour, and this median 0.7-1.4 (quiet: 0.2-0.4); the
+        # fit itself is checked exactly in tests/engine/test_whatif.py, and a wrong one fails
+        # the fidelity bound below
+        assert err["n_test"] >= 10 and err["median_rel"] < 2.0, err
         assert 0 < err["baseline_median_rel"] < 10  # a constant per step, for comparison
         (point,) = same["points"]
         recorded = point["recorded"]["table"]["ttft_ms"]
