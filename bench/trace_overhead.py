@@ -64,13 +64,14 @@ def start_gateway(store: str | None, child: bool = False, model: str = "tiny"
 
 
 class PeakRss:
-    """Peak RSS of the gateway process and, apart, of its store child (if any), sampled every
-    50 ms from a thread (the replica, also a child, is left out)."""
+    """Peak RSS of a process (``gateway_mb``), apart of its store child if any (``store_mb``),
+    and of the process with all its descendants summed (``tree_mb``: a gateway with its
+    replica and store, or a server alone), sampled every 50 ms from a thread."""
 
     def __init__(self, pid: int) -> None:
         import threading
 
-        self.pid, self.gateway_mb, self.store_mb = pid, 0.0, 0.0
+        self.pid, self.gateway_mb, self.store_mb, self.tree_mb = pid, 0.0, 0.0, 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -81,10 +82,15 @@ class PeakRss:
         gw = psutil.Process(self.pid)
         while not self._stop.wait(0.05):
             try:
-                self.gateway_mb = max(self.gateway_mb, gw.memory_info().rss / 2**20)
-                for c in gw.children():
+                own = gw.memory_info().rss / 2**20
+                self.gateway_mb = max(self.gateway_mb, own)
+                tree = own
+                for c in gw.children(recursive=True):
+                    mb = c.memory_info().rss / 2**20
+                    tree += mb
                     if "store" in c.cmdline():
-                        self.store_mb = max(self.store_mb, c.memory_info().rss / 2**20)
+                        self.store_mb = max(self.store_mb, mb)
+                self.tree_mb = max(self.tree_mb, tree)
             except psutil.Error:
                 pass
 

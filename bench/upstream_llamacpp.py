@@ -67,21 +67,17 @@ def _runs(exe: Path) -> bool:
     """``llama-server`` starts and completes one token of the bundled model (a SIGILL shows
     up at the first matmul); the answer is kept beside the binary."""
     from bench.upstream_overhead import _wait_http
-    from engine.loader.paths import default_model_path
-    from tracing.client import free_port, stop_process
+    from tracing.client import stop_process
 
     probe = exe.parent / ".runs"
     if probe.exists():
         return probe.read_text() == "yes"
     import httpx
 
-    port = free_port()
-    proc = subprocess.Popen([str(exe), "-m", str(default_model_path()), "--port", str(port),
-                             "-t", "1", "-np", "1", "-c", "256", "--no-webui"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc, url = start_llama_server(exe, threads=1, slots=1, ctx=256)
     try:
-        _wait_http(f"http://127.0.0.1:{port}/health", 120, proc)
-        ok = httpx.post(f"http://127.0.0.1:{port}/completion", timeout=60,
+        _wait_http(f"{url}/health", 120, proc)
+        ok = httpx.post(f"{url}/completion", timeout=60,
                         json={"prompt": "Hi", "n_predict": 1}).status_code == 200
     except (RuntimeError, httpx.HTTPError):
         ok = False
@@ -90,6 +86,22 @@ def _runs(exe: Path) -> bool:
     ok = ok and proc.returncode not in (-4, 132)
     probe.write_text("yes" if ok else "no")
     return ok
+
+
+def start_llama_server(exe: Path, threads: int, slots: int, ctx: int
+                       ) -> tuple[subprocess.Popen, str]:
+    """``llama-server`` on the bundled model's GGUF on a free port, ``threads`` for generation
+    and batches, ``slots`` parallel sequences sharing ``ctx`` tokens of context; its log goes
+    to ``$LLAMA_LOG`` (default nowhere). Not waited for: (process, base URL)."""
+    from engine.loader.paths import default_model_path
+    from tracing.client import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([str(exe), "-m", str(default_model_path()), "--port", str(port),
+                             "-t", str(threads), "-tb", str(threads), "-np", str(slots),
+                             "-c", str(ctx), "--no-webui"], stdout=subprocess.DEVNULL,
+                            stderr=open(os.environ.get("LLAMA_LOG", os.devnull), "w"))
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def _build(version: str, name: str, flags: list[str]) -> Path:
@@ -209,17 +221,9 @@ def main() -> int:
     if args.build_only:
         print(exe)
         return 0
-    from engine.loader.paths import default_model_path
-    from tracing.client import free_port
-
     levels = [int(c) for c in args.concurrency.split(",")]
-    port = free_port()
-    server = subprocess.Popen([str(exe), "-m", str(default_model_path()), "--port", str(port),
-                               "-t", str(args.threads), "-tb", str(args.threads),
-                               "-np", str(max(levels)), "-c", str(1024 * max(levels)),
-                               "--no-webui"], stdout=subprocess.DEVNULL,
-                              stderr=open(os.environ.get("LLAMA_LOG", os.devnull), "w"))
-    llama = f"http://127.0.0.1:{port}"
+    server, llama = start_llama_server(exe, args.threads, slots=max(levels),
+                                       ctx=1024 * max(levels))
     gw = None
     try:
         from bench.upstream_overhead import _wait_http, proxy_gateway

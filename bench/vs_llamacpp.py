@@ -32,43 +32,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-
-
-class TreeRss:
-    """Peak RSS of a process and its children together, sampled every 50 ms."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid, self.peak_mb = pid, 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        import psutil
-
-        root = psutil.Process(self.pid)
-        while not self._stop.wait(0.05):
-            try:
-                procs = [root, *root.children(recursive=True)]
-                self.peak_mb = max(self.peak_mb, sum(p.memory_info().rss for p in procs) / 2**20)
-            except psutil.Error:
-                pass
-
-    def stop(self) -> float:
-        self._stop.set()
-        self._thread.join()
-        return self.peak_mb
 
 
 async def _one(http, url: str, model: str, prompt: list[int], max_tokens: int,
@@ -142,44 +113,42 @@ def measure(url: str, model: str, w: dict, extra: dict) -> dict:
 
 
 def run_llama(exe: Path, threads: int, w: dict) -> dict:
+    from bench.trace_overhead import PeakRss
+    from bench.upstream_llamacpp import start_llama_server
     from bench.upstream_overhead import _wait_http
-    from engine.loader.paths import default_model_path
-    from tracing.client import free_port, stop_process
+    from tracing.client import stop_process
 
-    port = free_port()
     slots = max(len(w["mixed"]), len(w["streams"]))
-    ctx = 1024 * slots  # per slot: the longest prompt (512) and its output fit
-    proc = subprocess.Popen([str(exe), "-m", str(default_model_path()), "--port", str(port),
-                             "-t", str(threads), "-tb", str(threads), "-np", str(slots),
-                             "-c", str(ctx), "--no-webui"], stdout=subprocess.DEVNULL,
-                            stderr=open(os.environ.get("LLAMA_LOG", os.devnull), "w"))
-    rss = TreeRss(proc.pid)
+    # per slot 1024 tokens: the longest prompt (512) and its output fit
+    proc, url = start_llama_server(exe, threads, slots, ctx=1024 * slots)
+    rss = PeakRss(proc.pid)
     try:
-        _wait_http(f"http://127.0.0.1:{port}/health", 120, proc)
-        got = measure(f"http://127.0.0.1:{port}", "x", w, {"cache_prompt": False})
+        _wait_http(f"{url}/health", 120, proc)
+        got = measure(url, "x", w, {"cache_prompt": False})
     finally:
-        got_rss = rss.stop()
+        rss.stop()
         stop_process(proc, 30)
-    return {**got, "rss_mb": got_rss}
+    return {**got, "rss_mb": rss.tree_mb}
 
 
 def run_tailscope(dtype: str, threads: int, w: dict) -> dict:
+    from bench.trace_overhead import PeakRss
     from tracing.client import GatewayProcess
 
     store = tempfile.mkdtemp(prefix="tailscope-vs-llamacpp-")
     gw = GatewayProcess(["--dtype", dtype], cwd=ROOT, quiet=True, ready_timeout_s=300,
                         env={"TAILSCOPE_THREADS": str(threads),
                              "TAILSCOPE_STORE_DSN": f"chdb://{store}/store"}).start()
-    rss = TreeRss(gw.proc.pid)
+    rss = PeakRss(gw.proc.pid)
     try:
         import httpx
 
         model = httpx.get(f"{gw.url}/v1/models").json()["data"][0]["id"]
         got = measure(gw.url, model, w, {})
     finally:
-        got_rss = rss.stop()
+        rss.stop()
         gw.stop()
-    return {**got, "rss_mb": got_rss}
+    return {**got, "rss_mb": rss.tree_mb}
 
 
 ROWS = [("batch1_tok_s", "batch 1 output tok/s", True),
