@@ -297,8 +297,7 @@ class Engine:
                 continue
             if req.deadline_ns is not None and now >= req.deadline_ns:
                 self._end(req, S.TIMED_OUT, "timeout", error="request deadline exceeded")
-            elif (req.queue_deadline_ns is not None and now >= req.queue_deadline_ns
-                  and req.state in (S.QUEUED, S.DEGRADED)):
+            elif (due := req.pending_queue_deadline_ns) is not None and now >= due:
                 self._end(req, S.TIMED_OUT, "timeout",
                           error="waited in the engine queue past its queue timeout")
 

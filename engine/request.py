@@ -143,6 +143,14 @@ class Request:
     def is_finished(self) -> bool:
         return self.state is not None and self.state.is_terminal
 
+    @property
+    def pending_queue_deadline_ns(self) -> int | None:
+        """Its queue timeout's deadline while it still waits to be admitted (QUEUED or
+        DEGRADED); None once admitted, or without a queue timeout."""
+        if self.state in (RequestState.QUEUED, RequestState.DEGRADED):
+            return self.queue_deadline_ns
+        return None
+
     def transition(self, new: RequestState, detail: str = "", ts_ns: int | None = None) -> None:
         if new not in TRANSITIONS[self.state]:
             old = "NEW" if self.state is None else self.state.name

@@ -42,7 +42,6 @@ import numpy as np
 
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_manager import KVCacheManager
-from engine.request import RequestState
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
 
@@ -300,9 +299,8 @@ def simulate(arrivals: Sequence[Arrival], config: EngineConfig, cost: StepCost,
             # nothing could run (e.g. waiting on KV no running request will free): it waits
             # for the next arrival or the next queue timeout; with neither, its run is over
             now = rep.runner.now_ms
-            due = [r.queue_deadline_ns / 1e6 for r in rep.engine.scheduler.waiting
-                   if r.queue_deadline_ns is not None and r.queue_deadline_ns / 1e6 > now
-                   and r.state in (RequestState.QUEUED, RequestState.DEGRADED)]
+            due = [d / 1e6 for r in rep.engine.scheduler.waiting
+                   if (d := r.pending_queue_deadline_ns) is not None and d / 1e6 > now]
             if i < len(pending) and pending[i].at_ms <= now:
                 continue  # the next arrival joins first (it may be the one that unblocks it)
             wake = min([*due, *([pending[i].at_ms] if i < len(pending) else [])],
