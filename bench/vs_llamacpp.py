@@ -1,15 +1,17 @@
 """Tailscope against llama.cpp's ``llama-server``, side by side in one run, through both
 servers' OpenAI endpoints.
 
-    python bench/vs_llamacpp.py [--dtypes float32,bfloat16] [--threads 2] [--quick]
+    python bench/vs_llamacpp.py [--dtypes float32,bfloat16,bfloat16+int4] [--threads 2]
+        [--quick]
 
 ``llama-server`` is built natively from the ``llama-cpp-python`` source distribution on PyPI
 (``--llama-cpp-python``, default 0.3.36; ``bench/upstream_llamacpp.build_llama_server``: about
 10 minutes on 2 cores, once, cached under ``~/.cache/tailscope-bench``). It serves the bundled
 model's own GGUF (Q4_1) with ``-t/-tb <threads>`` and 32 slots; Tailscope serves the same file
 (``tailscope serve``, one replica with ``TAILSCOPE_THREADS=<threads>``, a fresh embedded store
-with full capture) once per ``--dtypes`` entry. The servers run one after the other, never at
-the same time, each warmed up with one request first.
+with full capture) once per ``--dtypes`` entry (``DTYPE+int4``: with ``--weights int4``, the
+GGUF's Q4_1 blocks kept packed for small decode steps). The servers run one after the other,
+never at the same time, each warmed up with one request first.
 
 The workload is ``bench/engine_throughput.workload`` (random token-id prompts, fixed seed),
 sent as token-id prompts to ``/v1/completions`` so both servers see the same tokens, greedy,
@@ -131,12 +133,15 @@ def run_llama(exe: Path, threads: int, w: dict) -> dict:
     return {**got, "rss_mb": rss.tree_mb}
 
 
-def run_tailscope(dtype: str, threads: int, w: dict) -> dict:
+def run_tailscope(spec: str, threads: int, w: dict) -> dict:
+    """``spec``: an engine dtype, or ``DTYPE+WEIGHTS`` (``bfloat16+int4``)."""
     from bench.trace_overhead import PeakRss
     from tracing.client import GatewayProcess
 
+    dtype, _, weights = spec.partition("+")
     store = tempfile.mkdtemp(prefix="tailscope-vs-llamacpp-")
-    gw = GatewayProcess(["--dtype", dtype], cwd=ROOT, quiet=True, ready_timeout_s=300,
+    gw = GatewayProcess(["--dtype", dtype, "--weights", weights or "native"], cwd=ROOT,
+                        quiet=True, ready_timeout_s=300,
                         env={"TAILSCOPE_THREADS": str(threads),
                              "TAILSCOPE_STORE_DSN": f"chdb://{store}/store"}).start()
     rss = PeakRss(gw.proc.pid)
@@ -192,8 +197,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-cpp-python", default="0.3.36", help="sdist version to build from")
-    ap.add_argument("--dtypes", default="float32,bfloat16",
-                    help="Tailscope runs, one per engine dtype (comma-separated)")
+    ap.add_argument("--dtypes", default="float32,bfloat16,bfloat16+int4",
+                    help="Tailscope runs, one per engine dtype, DTYPE+int4 for 4-bit weights "
+                         "(comma-separated)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="8 mixed requests of 32 tokens")
     ap.add_argument("--json", help="also write the figures here")
@@ -201,8 +207,8 @@ def main() -> int:
     exe = build_llama_server(args.llama_cpp_python)
     w = workload(args.quick)
     results = {"llama.cpp": run_llama(exe, args.threads, w)}
-    for dtype in args.dtypes.split(","):
-        results[f"tailscope {dtype}"] = run_tailscope(dtype, args.threads, w)
+    for spec in args.dtypes.split(","):
+        results[f"tailscope {spec}"] = run_tailscope(spec, args.threads, w)
     print(f"# vs_llamacpp  llama-server {exe.parent.parent.parent.name}/{exe.parent.parent.name}, "
           f"threads={args.threads}, "
           f"bundled Q4_1 GGUF; {len(w['mixed'])} mixed requests, "

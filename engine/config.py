@@ -65,6 +65,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 PREEMPTION_MODES = ("recompute", "swap", "auto", "off")
 SCHEDULING_POLICIES = ("fcfs", "priority", "sjf", "fair")  # engine.policy.POLICIES (torch-free)
 BUDGET_SPLITS = ("decode_first", "prefill_first", "decode_reserve")
+WEIGHT_FORMATS = ("native", "int4")
 
 
 def _setting(default, help: str):
@@ -107,6 +108,11 @@ class EngineConfig:
                           + ", or auto (bfloat16 where the CPU multiplies bf16 natively, else "
                           "float32: engine.config.auto_dtype), resolved when the config is "
                           "made")
+    weights: str = _setting("native", "how the linear layers' weights are held: native (in "
+                            "dtype) or int4 (4-bit codes with a scale and zero per 32 inputs: "
+                            "GGUF Q4_0 / Q4_1 / Q4_K tensors kept as stored, others quantized; "
+                            "decode steps of up to 4 rows run a packed int4 kernel, larger "
+                            "steps a dense copy of the same values: engine.quant)")
     kv_cache_mb: int = _setting(512, "paged KV-cache budget in MiB; the block count derives "
                                      "from it")
     num_kv_blocks: int | None = _setting(None, "pins the number of KV blocks (tests use tiny "
@@ -154,6 +160,11 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got "
                              f"{self.scheduling_policy!r}")
+        if self.weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {self.weights!r}")
+        if self.weights == "int4" and self.batch_invariant:
+            raise ValueError("weights: int4 cannot run batch_invariant: its two kernels (by a "
+                             "step's row count) round differently")
         if self.preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got "
                              f"{self.preemption!r}")

@@ -18,9 +18,10 @@ import torch.nn.functional as F
 
 import kernels
 from engine.config import ModelConfig
+from engine.quant import GROUP, Int4Weight, quantize_int4
 from kernels import invariant
 from kernels.invariant import InvariantLinear
-from kernels.linear import Linear
+from kernels.linear import Int4Linear, Linear
 
 WeightSource = torch.Tensor | Callable[[], torch.Tensor]
 
@@ -54,11 +55,11 @@ class AttentionMetadata:
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor
-    qkv: Linear | InvariantLinear  # [(H + 2*Hk) * D, hidden]
-    o: Linear | InvariantLinear
+    qkv: Linear | InvariantLinear | Int4Linear  # [(H + 2*Hk) * D, hidden]
+    o: Linear | InvariantLinear | Int4Linear
     ffn_norm: torch.Tensor
-    gate_up: Linear | InvariantLinear  # [2 * ffn, hidden]
-    down: Linear | InvariantLinear
+    gate_up: Linear | InvariantLinear | Int4Linear  # [2 * ffn, hidden]
+    down: Linear | InvariantLinear | Int4Linear
     qkv_bias: torch.Tensor | None = None  # [(H + 2*Hk) * D] (Qwen2)
     q_norm: torch.Tensor | None = None  # [D] (Qwen3, Gemma 3)
     k_norm: torch.Tensor | None = None
@@ -71,15 +72,25 @@ class LlamaModel:
     ``dense_forward`` is the no-cache full-recompute reference used by tests.
 
     ``batch_invariant``: every kernel gives a token's row bitwise what it gives that row in any
-    other batch, chunking or cache state (``kernels.invariant``); slower, CPU kernels only."""
+    other batch, chunking or cache state (``kernels.invariant``); slower, CPU kernels only.
+
+    ``weight_format`` ``int4``: the decoder layers' projections hold 4-bit weights
+    (``engine.quant``; a GGUF's Q4 tensors as stored, anything else quantized) and run
+    ``kernels.linear.Int4Linear``; norms, embeddings and the output matrix stay in ``dtype``."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, WeightSource],
-                 dtype: torch.dtype = torch.float32, batch_invariant: bool = False) -> None:
+                 dtype: torch.dtype = torch.float32, batch_invariant: bool = False,
+                 weight_format: str = "native") -> None:
         """Consumes ``weights`` (entries are popped as they are converted and fused; callables
         are materialised only then), so peak load memory stays near one copy of the model."""
         self.config = config
         self.dtype = dtype
         self.batch_invariant = batch_invariant
+        self.weight_format = weight_format
+        if weight_format not in ("native", "int4"):
+            raise ValueError(f"weight_format must be native or int4, got {weight_format!r}")
+        if weight_format == "int4" and batch_invariant:
+            raise ValueError("weights: int4 cannot run batch_invariant")
         c = config
         # Gemma 3's extra norms, GELU and per-layer RoPE run on the plain torch path (the fused
         # Triton norm / activation / rotary kernels and the batch-invariant ones are Llama's)
@@ -101,17 +112,28 @@ class LlamaModel:
             parts = [_materialise(weights.pop(n)).to(dtype) for n in names]
             return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
 
+        def int4(name: str) -> Int4Weight:
+            src = weights.pop(name)
+            exact = src.int4() if hasattr(src, "int4") else None  # a GGUF Q4 tensor's codes
+            return exact if exact is not None else quantize_int4(_materialise(src))
+
+        def proj(*names: str) -> Linear | InvariantLinear | Int4Linear:
+            if weight_format == "native":
+                return linear(take(*names))
+            q = Int4Weight.cat([int4(n) for n in names])
+            return Int4Linear(q.codes, q.scale, q.zero, dtype, GROUP)
+
         self.embed = take("embed")
         self.lm_head = linear(self.embed if c.tie_word_embeddings else take("lm_head"))
         self.final_norm = take("final_norm")
         self.layers = [
             LayerWeights(
                 attn_norm=take(f"{i}.attn_norm"),
-                qkv=linear(take(f"{i}.q", f"{i}.k", f"{i}.v")),
-                o=linear(take(f"{i}.o")),
+                qkv=proj(f"{i}.q", f"{i}.k", f"{i}.v"),
+                o=proj(f"{i}.o"),
                 ffn_norm=take(f"{i}.ffn_norm"),
-                gate_up=linear(take(f"{i}.gate", f"{i}.up")),
-                down=linear(take(f"{i}.down")),
+                gate_up=proj(f"{i}.gate", f"{i}.up"),
+                down=proj(f"{i}.down"),
                 qkv_bias=take(f"{i}.q_bias", f"{i}.k_bias", f"{i}.v_bias") if c.qkv_bias
                 else None,
                 q_norm=take(f"{i}.q_norm") if c.qk_norm else None,
@@ -158,8 +180,12 @@ class LlamaModel:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes one decode step must read: every weight once (the tied output matrix once)."""
-        return self.num_parameters * self.embed.element_size()
+        """Bytes one decode step must read: every weight once (the tied output matrix once), the
+        4-bit ones as their packed codes, scales and zeros."""
+        packed = [m for lw in self.layers for m in (lw.qkv, lw.o, lw.gate_up, lw.down)
+                  if isinstance(m, Int4Linear)]
+        rest = self.num_parameters - sum(m.numel for m in packed)
+        return rest * self.embed.element_size() + sum(m.nbytes for m in packed)
 
     def _rope_tables(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, cos and sign-folded sin for this step's positions (gathered once per

@@ -59,7 +59,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    model = load_model(path, config.dtype, batch_invariant=config.batch_invariant)
+    model = load_model(path, config.dtype, batch_invariant=config.batch_invariant,
+                       weights=config.weights)
     tokenizer = load_tokenizer(path)
     structured = None
     if args.json_schema is not None:

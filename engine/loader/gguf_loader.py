@@ -17,6 +17,7 @@ from gguf.quants import dequantize
 from engine.config import ModelConfig
 from engine.loader.errors import UnsupportedModelError
 from engine.loader.gguf_read import GGUFFile
+from engine.quant import Int4Weight, from_gguf
 
 # llama.cpp's names; its converter permutes Q/K rows for llama only (qwen2/qwen3/phi3 keep HF's:
 # their RoPE is the NEOX / rotate_half kind). phi3 keeps HF's fused matrices: attn_qkv holds
@@ -180,10 +181,10 @@ def load_gguf(path: str | Path
         elif name.startswith("blk."):
             _, idx, kind, suffix = name.split(".", 3)
             if config.architecture == "phi3" and (kind, suffix) in _PHI3_FUSED:
-                whole = functools.cache(functools.partial(_tensor, t))  # one dequantization
+                whole = _Tensor(t, None)
                 parts, start = _PHI3_FUSED[kind, suffix], 0
                 for part, rows in zip(parts, _phi3_rows(config, kind), strict=True):
-                    weights[f"{idx}.{part}"] = functools.partial(_rows, whole, start, rows)
+                    weights[f"{idx}.{part}"] = _Rows(whole, start, rows)
                     start += rows
                 continue
             if kind not in _LAYER_TENSORS:
@@ -196,7 +197,7 @@ def load_gguf(path: str | Path
             continue
         n_head = {"q": config.num_heads, "k": config.num_kv_heads}.get(
             key.rsplit(".", 1)[-1]) if config.architecture == "llama" else None
-        weights[key] = functools.partial(_load_tensor, t, n_head)
+        weights[key] = _Tensor(t, n_head)
     return config, weights
 
 
@@ -210,15 +211,52 @@ def _phi3_rows(c: ModelConfig, kind: str) -> tuple[int, ...]:
     return (c.intermediate_size, c.intermediate_size)
 
 
-def _rows(whole: Callable[[], torch.Tensor], start: int, n: int) -> torch.Tensor:
-    """Rows [start, start + n) of a fused tensor (dequantized once for all its parts)."""
-    w = whole()
-    if start + n > w.shape[0]:
-        raise UnsupportedModelError(f"a fused tensor has {w.shape[0]} rows, fewer than the "
-                                    f"{start + n} the model's config implies")
-    return w[start:start + n]
+class _Tensor:
+    """A lazy weight: called, the tensor dequantized to float32; ``int4()``, a 4-bit tensor's
+    codes, scales and zeros as stored (``engine.quant``), None for other types. Llama's Q/K rows
+    are un-permuted either way. Each form is made once (a fused Phi-3 tensor feeds several
+    parts) and only when asked for."""
+
+    def __init__(self, t, unpermute_heads: int | None) -> None:
+        self.t = t
+        self.heads = unpermute_heads
+
+    @functools.cached_property
+    def _float(self) -> torch.Tensor:
+        w = _tensor(self.t)
+        return w if self.heads is None else unpermute_qk(w, self.heads)
+
+    @functools.cached_property
+    def _int4(self) -> Int4Weight | None:
+        q = from_gguf(self.t.data, Q(self.t.tensor_type),
+                      tuple(int(x) for x in reversed(self.t.shape)))
+        if q is None or self.heads is None:
+            return q
+        return q.map_rows(functools.partial(unpermute_qk, n_head=self.heads))
+
+    def __call__(self) -> torch.Tensor:
+        return self._float
+
+    def int4(self) -> Int4Weight | None:
+        return self._int4
 
 
-def _load_tensor(t, unpermute_heads: int | None) -> torch.Tensor:
-    w = _tensor(t)
-    return w if unpermute_heads is None else unpermute_qk(w, unpermute_heads)
+class _Rows:
+    """Rows [start, start + n) of a fused tensor (read once for all its parts)."""
+
+    def __init__(self, whole: _Tensor, start: int, n: int) -> None:
+        self.whole, self.start, self.n = whole, start, n
+
+    def _slice(self, rows: int):
+        if self.start + self.n > rows:
+            raise UnsupportedModelError(f"a fused tensor has {rows} rows, fewer than the "
+                                        f"{self.start + self.n} the model's config implies")
+        return slice(self.start, self.start + self.n)
+
+    def __call__(self) -> torch.Tensor:
+        w = self.whole()
+        return w[self._slice(w.shape[0])]
+
+    def int4(self) -> Int4Weight | None:
+        q = self.whole.int4()
+        return None if q is None else q.map_rows(lambda a: a[self._slice(a.shape[0])])

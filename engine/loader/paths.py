@@ -64,10 +64,12 @@ def load_weights(model: str | Path | None) -> tuple[ModelConfig, dict[str, Weigh
 
 
 def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "float32",
-               batch_invariant: bool = False) -> LlamaModel:
-    """``batch_invariant``: run on the batch-invariant kernels (``engine.batch_invariant``)."""
+               batch_invariant: bool = False, weights: str = "native") -> LlamaModel:
+    """``batch_invariant``: run on the batch-invariant kernels (``engine.batch_invariant``);
+    ``weights``: ``native`` or ``int4`` (``EngineConfig.weights``)."""
     from engine.dtypes import parse_dtype
     from engine.model import LlamaModel
 
-    config, weights = load_weights(model)
-    return LlamaModel(config, weights, parse_dtype(dtype), batch_invariant=batch_invariant)
+    config, tensors = load_weights(model)
+    return LlamaModel(config, tensors, parse_dtype(dtype), batch_invariant=batch_invariant,
+                      weight_format=weights)

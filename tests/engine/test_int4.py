@@ -1,0 +1,138 @@
+"""``weights: int4``: GGUF's 4-bit blocks kept as codes, scales and zeros (no float on the way),
+float weights quantized per group of 32, and the model on torch's packed int4 kernel for small
+steps and a dense copy of the same values for large ones."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from engine import Engine, EngineConfig, SamplingParams, load_model
+from engine.quant import GROUP, from_gguf, quantize_int4
+from kernels.linear import INT4_MAX_ROWS, Int4Linear, Linear
+from tests.engine.helpers import reference_greedy
+from tests.engine.test_loaders import write_tiny_gguf
+
+# Steps of up to INT4_MAX_ROWS rows run the int4 kernel on bfloat16 activations, so a float32
+# model's logits move by bf16 rounding: measured 0.34-0.38 at most on the bundled model's
+# logits (spread ~25-30), 0.0 on steps past INT4_MAX_ROWS rows (the dense copy holds the same
+# values as the dequantized model).
+DECODE_LOGIT_ATOL = 0.75
+
+
+def _random_q4k_blocks(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
+    """Q4_K super-blocks (144 bytes per 256 values) with random codes and 6-bit scales and
+    sane float16 d / dmin: gguf can decode Q4_K but not quantize to it."""
+    nb = rows * cols // 256
+    raw = rng.integers(0, 256, (nb, 144), dtype=np.uint8)
+    for col in (0, 2):
+        raw[:, col:col + 2] = np.frombuffer(
+            rng.uniform(1e-3, 1e-2, nb).astype(np.float16).tobytes(), np.uint8).reshape(nb, 2)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K])
+def test_4bit_blocks_decode_to_exactly_what_gguf_dequantizes(qtype):
+    rng = np.random.default_rng(int(qtype))
+    rows, cols = 24, 512
+    if qtype == Q.Q4_K:
+        blocks = _random_q4k_blocks(rng, rows, cols)
+    else:
+        blocks = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32),
+                                      qtype)
+    ref = gguf.quants.dequantize(blocks, qtype).reshape(rows, cols)
+    got = from_gguf(blocks, qtype, (rows, cols))
+    assert got.codes.dtype == torch.uint8 and int(got.codes.max()) <= 15
+    assert got.scale.shape == (rows, cols // GROUP)
+    np.testing.assert_array_equal(got.dequantize().numpy(), ref)
+    assert from_gguf(blocks, Q.Q8_0, (rows, cols)) is None or qtype == Q.Q8_0
+
+
+def test_float_weights_are_quantized_per_group_of_32_within_half_a_step():
+    w = torch.randn(96, 256) * 0.05
+    q = quantize_int4(w)
+    err = (q.dequantize() - w).abs().view(96, 256 // GROUP, GROUP)
+    # half a step, and the float16 rounding of Q4_1's stored scale and minimum
+    assert torch.all(err <= 0.55 * q.scale.unsqueeze(-1))
+    with pytest.raises(ValueError, match="divisible by 32"):
+        quantize_int4(torch.randn(8, 40))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_linear_runs_small_steps_packed_and_large_ones_dense(dtype):
+    q = quantize_int4(torch.randn(192, 256) * 0.05)
+    lin = Int4Linear(q.codes, q.scale, q.zero, dtype, GROUP)
+    dense = Linear(q.dequantize().to(dtype))
+    big = torch.randn(INT4_MAX_ROWS + 1, 256, dtype=dtype)
+    assert torch.equal(lin(big), dense(big))  # the dense copy: the same values
+    small = torch.randn(INT4_MAX_ROWS, 256, dtype=dtype)
+    got, want = lin(small), dense(small)
+    assert got.dtype == dtype and got.shape == (INT4_MAX_ROWS, 192)
+    assert (got.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max()
+    assert lin.nbytes < 0.7 * 192 * 256  # ~0.6 bytes a weight: codes, scales, zeros
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+def test_a_q4_gguf_is_loaded_from_its_codes_as_stored(tmp_path, qtype):
+    """Every projection's values are the file's, exactly (Q/K un-permuted like the float
+    path); Q4_0 proves no float round trip: re-quantizing its values by the float rule (min /
+    max per group) would give other ones."""
+    path = tmp_path / f"tiny-{qtype.name}.gguf"
+    write_tiny_gguf(path, qtype)
+    native, packed = load_model(path), load_model(path, weights="int4")
+    for a, b in zip(native.layers, packed.layers, strict=True):
+        for name in ("qkv", "o", "gate_up", "down"):
+            lin = getattr(b, name)
+            assert isinstance(lin, Int4Linear), name
+            assert torch.equal(lin.dense.weight, getattr(a, name).weight), name
+    ids = torch.tensor([5, 17, 300, 42, 9, 88, 123])
+    assert torch.equal(packed.dense_forward(ids), native.dense_forward(ids))  # 7 rows: dense
+    one = packed.dense_forward(ids[:1]) - native.dense_forward(ids[:1])  # 1 row: packed
+    assert 0 < one.abs().max() < 0.05 * native.dense_forward(ids[:1]).abs().max()
+    if qtype == Q.Q4_0:
+        requantized = quantize_int4(native.layers[0].o.weight).dequantize()
+        assert not torch.equal(requantized, native.layers[0].o.weight)
+
+
+def test_the_bundled_model_on_its_own_q4_1_weights(bundled_model, bundled_tokenizer,
+                                                   bundled_path):
+    """Greedy tokens through the paged engine (decode steps of up to 4 rows on the packed
+    kernel) equal the dequantized float32 model's, except where that model itself is within
+    the stated tolerance of a tie, and nowhere before it."""
+    model = load_model(bundled_path, "float32", weights="int4")
+    assert model.weight_bytes < 0.45 * bundled_model.weight_bytes
+    texts = ["Once upon a time", "The capital of France is", "def fibonacci(n):\n    ",
+             "Water boils at a temperature of", "List three colours: red,",
+             "In 1969, the first humans landed on the Moon. The mission was called",
+             "Translate to French: 'Good morning, my friend.' ->",
+             "The quick brown fox jumps over the lazy dog. " * 6 + "Summary:"]
+    prompts = [bundled_tokenizer.encode(t) for t in texts]
+    n = 16
+    engine = Engine(model, EngineConfig(weights="int4", num_kv_blocks=256, max_num_seqs=4))
+    reqs = engine.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
+    same = 0
+    for req, prompt in zip(reqs, prompts, strict=True):
+        ref = reference_greedy(bundled_model, prompt, n)
+        got = req.output_token_ids
+        at = next((i for i, (a, b) in enumerate(zip(got, ref, strict=True)) if a != b), None)
+        if at is None:
+            same += 1
+            continue
+        logits = bundled_model.dense_forward(torch.tensor(prompt + ref[:at]))[-1]
+        top2 = logits.topk(2).values
+        assert top2[0] - top2[1] < 2 * DECODE_LOGIT_ATOL, (req.request_id, at)
+    assert same >= len(prompts) // 2
+    ids = torch.tensor(prompts[5])
+    step = model.dense_forward(ids[:1]) - bundled_model.dense_forward(ids[:1])
+    assert step.abs().max() < DECODE_LOGIT_ATOL
+
+
+def test_the_weights_setting_is_checked():
+    # (an env var, a flag, a YAML key and part of config_id: tests/test_engine_settings.py)
+    with pytest.raises(ValueError, match="weights must be one of"):
+        EngineConfig(weights="int3")
+    with pytest.raises(ValueError, match="batch_invariant"):
+        EngineConfig(weights="int4", batch_invariant=True)
