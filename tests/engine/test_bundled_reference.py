@@ -84,8 +84,9 @@ def test_token_ids_equal_transformers_tokenizer(bundled_path, bundled_tokenizer)
         messages, tokenize=False, add_generation_prompt=True)
 
 
-def test_cli_generate_chat_answers_paris():
-    env = {**os.environ, "TAILSCOPE_KV_CACHE_MB": "64"}
+@pytest.mark.parametrize("weights", ["native", "int4"])
+def test_cli_generate_chat_answers_paris(weights):
+    env = {**os.environ, "TAILSCOPE_KV_CACHE_MB": "64", "TAILSCOPE_WEIGHTS": weights}
     out = subprocess.run(
         [sys.executable, "-m", "tailscope.cli", "generate", "--chat",
          "What is the capital of France?", "--max-tokens", "24"],
