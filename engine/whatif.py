@@ -118,6 +118,53 @@ def loop_times(steps: Sequence[dict], max_gap_ms: float = 5.0) -> list[dict]:
     return out
 
 
+def overlaps(steps: Sequence[dict]) -> list[int]:
+    """For each step (``replica``, ``ts_us``, ``duration_ms``), how many other replicas had a
+    step running at its start: the ``b`` of ``fit_contention`` and ``simulate``."""
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for s in steps:
+        start = float(s["ts_us"])
+        spans.setdefault(str(s["replica"]), []).append((start, start + s["duration_ms"] * 1e3))
+    for v in spans.values():
+        v.sort()
+    starts = {r: np.array([a for a, _ in v]) for r, v in spans.items()}
+    ends = {r: np.array([b for _, b in v]) for r, v in spans.items()}
+    out = []
+    for s in steps:
+        t, me = float(s["ts_us"]), str(s["replica"])
+        b = 0
+        for r in spans:
+            if r == me:
+                continue
+            k = int(np.searchsorted(starts[r], t, side="right")) - 1  # last step begun by t
+            b += int(k >= 0 and ends[r][k] > t)
+        out.append(b)
+    return out
+
+
+def fit_contention(steps: Sequence[dict], cost: StepCost, min_steps: int = 10
+                   ) -> float | None:
+    """beta in ``duration = cost(step) * (1 + beta * b)``, ``b`` each step's ``overlaps``:
+    how much replicas sharing a host slow each other's steps. Fitted on totals, as
+    ``StepCost.fit`` keeps the busy time: the time the steps that ran beside another took
+    beyond their model cost (``cost``, fitted on the ones that ran alone), over their
+    ``b``-weighted model cost. Not least squares on relative error: step times under
+    contention are skewed (a tiny-model window, 2 replicas on 2 cores: median 1.03x the
+    alone cost, mean 1.21x), and that fit came out at 0 where the busy time was 21% longer.
+    None with fewer than ``min_steps`` steps beside another: a window of one replica cannot
+    show it."""
+    b = np.array(overlaps(steps), dtype=np.float64)
+    mask = b > 0
+    if int(mask.sum()) < min_steps:
+        return None
+    sel = [s for s, m in zip(steps, mask, strict=True) if m]
+    base = np.array([cost.predict(s["prefill_tokens"], s["decode_tokens"], s["num_seqs"],
+                                  s["kv_blocks_used"]) for s in sel])
+    y = np.array([s["duration_ms"] for s in sel], dtype=np.float64)
+    weighted = float((b[mask] * base).sum())
+    return max(0.0, float((y - base).sum()) / weighted) if weighted > 0 else None
+
+
 @dataclass(frozen=True)
 class Arrival:
     request_id: str
@@ -180,10 +227,14 @@ class CostRunner:
     virtual clock (``now_ms``), and every request whose prompt is computed samples a
     placeholder token."""
 
-    def __init__(self, cost: StepCost, sims: dict[str, SimRequest]) -> None:
+    def __init__(self, cost: StepCost, sims: dict[str, SimRequest],
+                 contention: float = 0.0, others_busy: Callable[[], int] | None = None) -> None:
         self.cost = cost
         self.sims = sims
         self.now_ms = 0.0
+        self.step_start_ms = 0.0  # when the last step began (it ends at now_ms)
+        self.contention = contention
+        self.others_busy = others_busy  # other replicas on the host mid-step at this instant
         self.sampler = _NoSampler()
         self.steps: list[list[tuple[str, int]]] = []  # each step's (request, tokens)
 
@@ -195,6 +246,9 @@ class CostRunner:
         usage = kv.usage()
         ms = self.cost.predict(sched.num_prefill_tokens, len(sched.decodes), len(sched.all),
                                usage.blocks_used)
+        if self.contention and self.others_busy is not None:
+            ms *= 1.0 + self.contention * self.others_busy()
+        self.step_start_ms = start
         self.now_ms += ms
         self.steps.append([(s.request.request_id, s.num_new_tokens) for s in sched.all])
         sampled = []
@@ -220,11 +274,12 @@ class SimReplica:
     ready = True
 
     def __init__(self, replica_id: str, config: EngineConfig, cost: StepCost,
-                 model_config: ModelConfig, sims: dict[str, SimRequest]) -> None:
+                 model_config: ModelConfig, sims: dict[str, SimRequest],
+                 contention: float = 0.0, others_busy: Callable[[], int] | None = None) -> None:
         from engine.llm_engine import Engine
 
         self.id = replica_id
-        self.runner = CostRunner(cost, sims)
+        self.runner = CostRunner(cost, sims, contention, others_busy)
         # deadlines run on the virtual clock, like the steps
         self.engine = Engine(_SimModel(model_config), config, runner=self.runner,
                              clock=lambda: int(self.runner.now_ms * 1e6))
@@ -248,23 +303,40 @@ Route = Callable[[Sequence[SimReplica], "Arrival"], "SimReplica | None"]
 
 
 def simulate(arrivals: Sequence[Arrival], config: EngineConfig, cost: StepCost,
-             model_config: ModelConfig, replicas: int = 1, route: Route | None = None
-             ) -> tuple[list[SimRequest], list[SimReplica]]:
+             model_config: ModelConfig, replicas: int = 1, route: Route | None = None,
+             contention: float = 0.0) -> tuple[list[SimRequest], list[SimReplica]]:
     """Run ``arrivals`` through ``replicas`` engines of ``config`` on a virtual clock: each
     replica's clock advances by the cost of each of its steps, and an arrival joins its
     replica before the first step that starts at or after its time. ``route`` picks the
     replica of each arrival (``tailscope.whatif`` passes the gateway's router; ``None`` from it
     means shed, as the gateway sheds with 429); with one replica it may be omitted. Returns one
-    ``SimRequest`` per arrival and the replicas (each ``runner.steps``: what each step ran)."""
+    ``SimRequest`` per arrival and the replicas (each ``runner.steps``: what each step ran).
+
+    ``contention`` (beta, ``fit_contention``): the replicas share one host, and a step that
+    starts while ``b`` other replicas are mid-step costs ``1 + beta * b`` times its model cost.
+    Other replicas only ever step at or before the earliest clock, so "mid-step at t" is
+    exact on the virtual clock: a step that began at or before t and ends after it, or one
+    about to begin at t."""
     if replicas < 1:
         raise ValueError("replicas must be at least 1")
+    if contention < 0:
+        raise ValueError("contention must be >= 0")
     if replicas > 1 and route is None:
         raise ValueError("more than one replica needs a route")
     sims = {a.request_id: SimRequest(a.request_id, a.at_ms) for a in arrivals}
-    reps = [SimReplica(f"r{k}", config, cost, model_config, sims) for k in range(replicas)]
+    stuck: set[str] = set()  # could not run anything and nothing more will arrive
+
+    def others_busy(me: str) -> int:
+        t = next(r for r in reps if r.id == me).runner.now_ms
+        return sum(1 for r in reps if r.id != me and (
+            r.runner.step_start_ms <= t < r.runner.now_ms
+            or (r.runner.now_ms == t and r.engine.has_unfinished() and r.id not in stuck)))
+
+    reps = [SimReplica(f"r{k}", config, cost, model_config, sims, contention,
+                       (lambda me=f"r{k}": others_busy(me)) if replicas > 1 else None)
+            for k in range(replicas)]
     pending = sorted(arrivals, key=lambda a: a.at_ms)
     i = 0
-    stuck: set[str] = set()  # could not run anything and nothing more will arrive
     while True:
         busy = [r for r in reps if r.engine.has_unfinished() and r.id not in stuck]
         t_step = min((r.runner.now_ms for r in busy), default=float("inf"))

@@ -461,6 +461,10 @@ def _whatif_window(args: argparse.Namespace, s: Settings):
     else:
         start, end = _window(args.window)
     w = W.load(source, start, end, args.replica)
+    if args.contention is not None:
+        if not args.contention >= 0:
+            raise ValueError("--contention must be >= 0")
+        w.contention, w.contention_source = args.contention, "flag"
     cand = W.candidate(w.base, ECF.load(args.engine_config).engine if args.engine_config
                        else None, args.set, args.policy)
     return target, w, cand
@@ -479,6 +483,12 @@ def _print_window(w) -> None:
           f"({e.n_test} steps; a constant cost per step: median {e.baseline_median_rel:.1%})")
     print(f"gateway share of TTFT (recorded median): {w.overhead_ms:.1f} ms, added to the "
           "predicted TTFT and E2E")
+    if w.contention_source != "none":
+        print(f"replicas on one host: a step beside b others mid-step costs "
+              f"1 + {w.contention:.3f}*b times its model cost ({w.contention_source})")
+    elif len(w.replicas) == 1:
+        print("replicas on one host: not measured (a window of one replica cannot show how "
+              "replicas slow each other; --contention BETA, e.g. from a window of several)")
     if w.stand_ins:
         print(f"note: {w.stand_ins} requests kept counts, not token ids: stand-in prompts, no "
               "prefix-cache hits for them")
@@ -622,7 +632,10 @@ def cmd_size(args: argparse.Namespace) -> int:
           f"one replica{' of the candidate' if changed else ''} meets the SLO for "
           f"{args.attainment:.0%} of requests, by what-if)")
     print(f"N = ceil({args.peak_rate:g} / ({c:.2f} x {args.utilisation:g})) = "
-          f"{out['replicas']} replicas")
+          f"{out['formula_replicas']} replicas"
+          + ("" if out["replicas"] == out["formula_replicas"] else
+             f"; raised to {out['replicas']}, the fewest whose what-if meets the SLO "
+             "(replicas on one host slow each other)"))
     print(f"confirmed with the window scaled to {args.peak_rate:g} req/s "
           f"(x{out['rate_scale']:.2f}):")
     for chk in out["checks"]:
@@ -947,6 +960,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dsn", help="store DSN (default TAILSCOPE_STORE_DSN)")
         p.add_argument("--no-store", action="store_true", help="do not keep the run in "
                        "whatif_runs")
+        p.add_argument("--contention", type=float, metavar="BETA", help="replicas on one "
+                       "host: a step that starts while b others are mid-step costs 1 + BETA*b "
+                       "times its model cost (default: fitted from the window when it has "
+                       "several replicas, else 0; 0 for replicas on separate hosts)")
         p.add_argument("--json", action="store_true", help="the figures as JSON")
 
     wi = sub.add_parser("whatif", help="recorded traffic through the engine's own scheduler and "

@@ -35,7 +35,16 @@ import pandas as pd
 from bench.loadgen import percentile
 from engine.config import EngineConfig
 from engine.loader.tiny import TINY_CONFIG
-from engine.whatif import Arrival, SimReplica, SimRequest, StepCost, loop_times, simulate
+from engine.whatif import (
+    Arrival,
+    SimReplica,
+    SimRequest,
+    StepCost,
+    fit_contention,
+    loop_times,
+    overlaps,
+    simulate,
+)
 from tracing import queries as Q
 from tracing.timing import Slo
 
@@ -77,6 +86,11 @@ class Window:
     queue_timeout_s: float | None = None
     arrivals: list[Arrival] = field(default_factory=list)
     step_rows: list[dict] = field(default_factory=list)  # what the cost was fitted on
+    # how much replicas on one host slow each other's steps (engine.whatif.fit_contention):
+    # fitted from a window of several replicas, else None (a window of one cannot show it);
+    # ``tailscope whatif --contention`` sets it ("flag")
+    contention: float | None = None
+    contention_source: str = "none"
 
     @property
     def steps(self) -> int:
@@ -129,8 +143,14 @@ def load(source, start_us: int, end_us: int, replica: str | None = None) -> Wind
     busy = []  # loop times per replica: a step's start to the next one's when it followed
     for _, group in steps.groupby("replica", sort=True):
         busy += loop_times(group.to_dict("records"))
+    contention = None
     try:
-        cost = StepCost.fit(busy)
+        if len(replicas) > 1:  # the cost of a step alone, then what company adds to it
+            alone = [s for s, b in zip(busy, overlaps(busy), strict=True) if b == 0]
+            cost = StepCost.fit(alone if len(alone) >= 20 else busy)
+            contention = fit_contention(busy, cost)
+        else:
+            cost = StepCost.fit(busy)
     except ValueError as exc:  # too few steps: the window, not the command line, is at fault
         raise WhatIfError(str(exc)) from None
     config_id = str(reqs["config_id"].mode().iloc[0])
@@ -142,7 +162,9 @@ def load(source, start_us: int, end_us: int, replica: str | None = None) -> Wind
     overhead = (reqs["ttft_ms"] - engine_ttft).dropna()
     w = Window(start_us, end_us, replicas, reqs, cost, config_id, bool(rows), base,
                float(overhead.median()) if len(overhead) else 0.0, step_rows=busy,
-               queue_timeout_s=(stored.get("admission") or {}).get("queue_timeout_s"))
+               queue_timeout_s=(stored.get("admission") or {}).get("queue_timeout_s"),
+               contention=contention, contention_source="fitted" if contention is not None
+               else "none")
     w.arrivals, w.stand_ins, w.estimated = _arrivals(reqs, start_us)
     return w
 
@@ -281,7 +303,8 @@ def predict(w: Window, config: EngineConfig, replicas: int = 1, rate_scale: floa
     arrivals = [replace(a, at_ms=a.at_ms / rate_scale, queue_timeout_s=queue_timeout_s)
                 for a in w.arrivals]
     sims, reps = simulate(arrivals, config, w.cost, STAND_IN, replicas,
-                          _route(config, max_inflight) if replicas > 1 else None)
+                          _route(config, max_inflight) if replicas > 1 else None,
+                          w.contention or 0.0)
     return Prediction(config, replicas, rate_scale, sims,
                       sum(r.engine.preemptions for r in reps),
                       sum(len(r.runner.steps) for r in reps), w.overhead_ms,
@@ -336,8 +359,14 @@ def compare(w: Window, cand: EngineConfig, replicas: int | None = None,
                "recorded_rate_rps": w.rate_rps, "overhead_ms": w.overhead_ms,
                "config_known": w.config_known, "stand_in_prompts": w.stand_ins,
                "estimated_lengths": w.estimated,
+               "contention": contention_of(w),
                "steps": w.steps, "points": points}
     return params, results
+
+
+def contention_of(w: Window) -> dict:
+    """What the run assumed of replicas sharing a host, and where it came from."""
+    return {"beta": w.contention or 0.0, "source": w.contention_source}
 
 
 def capacity(w: Window, config: EngineConfig, slo: Slo, target: float = 0.99,
@@ -370,8 +399,9 @@ def capacity(w: Window, config: EngineConfig, slo: Slo, target: float = 0.99,
 
 def size(w: Window, config: EngineConfig, slo: Slo, peak_rate: float, utilisation: float = 0.8,
          target: float = 0.99, max_inflight: int | None = None) -> dict:
-    """N = ceil(peak / (c * rho)) and the what-if attainment at N - 1, N and N + 1 replicas
-    with the window's traffic scaled to the peak rate."""
+    """N = ceil(peak / (c * rho)), raised while the what-if of the window's traffic scaled to
+    the peak on N replicas misses the target (replicas sharing a host slow each other: the
+    window's ``contention``), and the what-if attainment at N - 1, N and N + 1."""
     if not peak_rate > 0:
         raise ValueError("--peak-rate must be > 0")
     if not 0 < utilisation <= 1:
@@ -379,14 +409,21 @@ def size(w: Window, config: EngineConfig, slo: Slo, peak_rate: float, utilisatio
     if not w.rate_rps > 0:
         raise WhatIfError("the window has too few requests to scale (need at least two)")
     cap = capacity(w, config, slo, target, max_inflight)
-    n = max(1, math.ceil(peak_rate / (cap["goodput_rps"] * utilisation)))
+    formula = n = max(1, math.ceil(peak_rate / (cap["goodput_rps"] * utilisation)))
     scale = peak_rate / w.rate_rps
+    while predict(w, config, n, scale, max_inflight).slo(slo)["attainment"] < target:
+        n += 1
+        if n > 4 * formula + 8:
+            raise WhatIfError(f"{n} replicas still miss the SLO at {peak_rate:g} req/s in the "
+                              "what-if: replicas on one host slow each other too much "
+                              f"(contention {w.contention or 0.0:.2f}) for more of them to help")
     checks = []
     for k in sorted({max(1, n - 1), n, n + 1}):
         p = predict(w, config, k, scale, max_inflight)
         checks.append({"replicas": k, **p.slo(slo), "ttft_ms": pct(p.values("ttft_ms")),
                        "shed": sum(s.state == "SHED" for s in p.sims)})
-    return {"replicas": n, "peak_rate_rps": peak_rate, "utilisation": utilisation,
+    return {"replicas": n, "formula_replicas": formula, "contention": contention_of(w),
+            "peak_rate_rps": peak_rate, "utilisation": utilisation,
             "per_replica_goodput_rps": cap["goodput_rps"], "target_attainment": target,
             "recorded_rate_rps": w.rate_rps, "rate_scale": scale, "checks": checks}
 

@@ -88,3 +88,49 @@ def test_size_finds_the_replica_count_its_own_what_if_runs_confirm():
     assert checks[2] < 0.95 <= checks[3] <= checks[4] + 1e-9
     with pytest.raises(ValueError, match="utilisation"):
         W.size(w, CFG, slo, peak, utilisation=1.5)
+
+
+FLAT = StepCost((10.0, 0.0, 0.0, 0.0, 0.0))  # every step 10 ms
+
+
+def test_replicas_on_one_host_slow_each_others_steps_by_the_contention_factor():
+    """Two requests of 4 tokens, one per replica, side by side: each of their 4 steps starts
+    while the other replica is mid-step, so with beta 0.5 each costs 15 ms instead of 10; one
+    replica alone is not slowed, and a request that arrives after the other replica went idle
+    runs at full speed."""
+    burst = [Arrival(f"q{i}", 0.0, p, 4) for i, p in enumerate(prompts(2, 20, 11))]
+    route = W._route(CFG, None)
+    for beta, e2e in ((0.0, 40.0), (0.5, 60.0)):
+        sims, _ = simulate(burst, CFG, FLAT, W.STAND_IN, 2, route, contention=beta)
+        assert [s.e2e_ms for s in sims] == [e2e, e2e], beta
+    alone, _ = simulate(burst[:1], CFG, FLAT, W.STAND_IN, 2, route, contention=0.5)
+    assert alone[0].e2e_ms == 40.0
+    later = [burst[0], Arrival("late", 100.0, prompts(1, 20, 12)[0], 4)]
+    sims, _ = simulate(later, CFG, FLAT, W.STAND_IN, 2, route, contention=0.5)
+    assert [s.e2e_ms for s in sims] == [40.0, 40.0]
+    with pytest.raises(ValueError, match="contention"):
+        simulate(burst, CFG, FLAT, W.STAND_IN, 2, route, contention=-1)
+
+
+def test_contention_is_fitted_from_steps_that_ran_beside_another_replica():
+    from engine.whatif import fit_contention, overlaps
+
+    spans = [("r0", 0, 10), ("r1", 5, 10), ("r0", 10, 10), ("r1", 30, 10)]
+    steps = [{"replica": r, "ts_us": t * 1000, "duration_ms": d} for r, t, d in spans]
+    assert overlaps(steps) == [0, 1, 1, 0]  # r1's first began inside r0's; r0's second too
+    rng = random.Random(5)
+    beta, rows = 0.3, []
+    for k in range(200):  # r0 steps at 100k ms; r1's begin 1 ms into one (b = 1) or after it
+        for r, at in (("r0", 100 * k), ("r1", 100 * k + rng.choice([1, 50]))):
+            x = {"prefill_tokens": rng.choice([0, 0, 64, 200]),
+                 "decode_tokens": rng.randrange(1, 8), "kv_blocks_used": rng.randrange(0, 50)}
+            x["num_seqs"] = x["decode_tokens"] + (x["prefill_tokens"] > 0)
+            base = COST.predict(x["prefill_tokens"], x["decode_tokens"], x["num_seqs"],
+                                x["kv_blocks_used"])  # 2.7-17.7 ms: no step reaches the next
+            rows.append({"replica": r, "ts_us": at * 1000, **x,
+                         "duration_ms": base * (1 + beta * (r == "r1" and at % 100 == 1))})
+    b = overlaps(rows)
+    assert b == [int(r["replica"] == "r1" and r["ts_us"] % 100_000 == 1000) for r in rows]
+    assert 20 < sum(b) < 380
+    assert abs(fit_contention(rows, COST) - beta) < 1e-9
+    assert fit_contention(rows[::2], COST) is None  # one replica: nothing to fit on

@@ -130,3 +130,71 @@ def test_requests_that_timed_out_in_the_queue_are_replayed_with_estimated_length
         assert point["candidate"]["timed_out"] < point["recorded_config"]["timed_out"]
     finally:
         stop_server(server)
+
+
+def _run_window(server, items, offsets) -> str:
+    """Send ``items`` open loop at ``offsets`` (s); the window (unix seconds) around them."""
+    start = time.time() - 0.5
+    samples, _ = asyncio.run(run_open_loop(Target(server.url), items, offsets))
+    assert all(s.ok for s in samples), [(s.status, s.error) for s in samples if not s.ok][:3]
+    time.sleep(1.5)  # the store's flush
+    return f"{start}..{time.time() + 0.5}"
+
+
+def _cli(server, *args: str) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "tailscope.cli", *args, "--url", server.url,
+                           "--json", "--no-store"], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "TAILSCOPE_GATEWAY_URL": server.url})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)
+
+
+def test_size_names_the_replica_count_that_real_runs_at_the_peak_rate_confirm(bundled_path):
+    """Validation 4 of the what-if: one sequence per step and one engine thread per replica
+    (the tiny model), so a replica's capacity is low and the peak rate is one the gateway
+    serves easily. A window of two replicas measures how they slow each other on this host
+    (the contention beta: 0.21-0.32 here); ``size`` on a one-replica window, with that beta,
+    names N for 1.5x one replica's goodput; real runs of the same traffic at that rate on
+    N - 1 and N replicas miss and meet the SLO.
+
+    How far "meet" can be asserted on this 2-core VM: the replicas, the gateway and this load
+    generator share the two cores, and the machine's speed drifts 15-25% between runs, so the
+    real N - 1 run measured 0.075-0.35 attainment (predicted 0.1) and the real N run 0.625-0.925
+    (predicted 0.975-1.0) over four runs. N - 1 is asserted to miss the 90% target; N to come
+    within 0.3 of it and at least 0.3 above N - 1 (a wrong N, or a size that ignored the second
+    replica, fails both)."""
+    env = {"TAILSCOPE_MAX_NUM_SEQS": "1", "TAILSCOPE_THREADS": "1"}
+    args = ("--model", "tiny:49152", "--tokenizer", str(bundled_path), "--max-inflight", "1000",
+            "--queue-timeout", "0")
+    items = workload(40, Dist("uniform", 40, 120), Dist("fixed", 64), seed=3)
+    offsets = arrival_times(40, 1.0, seed=3)  # at 1 req/s; scaled below
+    servers = {1: start_server(*args, env=env), 2: start_server(*args, "--replicas", "2",
+                                                                 env=env)}
+    try:
+        both = _cli(servers[2], "whatif", "--window", _run_window(
+            servers[2], items, [t / 12 for t in offsets]))
+        assert both["contention"]["source"] == "fitted", both["contention"]
+        beta = both["contention"]["beta"]
+        window = _run_window(servers[1], items, [t / 4 for t in offsets])
+        slo = "ttft_ms=250,tpot_ms=20"
+        size = ["size", "--window", window, "--slo", slo, "--attainment", "0.9",
+                "--contention", str(beta)]
+        c = _cli(servers[1], *size, "--peak-rate", "1")["per_replica_goodput_rps"]
+        out = _cli(servers[1], *size, "--peak-rate", str(1.5 * c), "--utilisation", "0.8")
+        n = out["replicas"]
+        assert out["formula_replicas"] == 2 and n in (2, 3), out
+        assert out["contention"] == {"beta": beta, "source": "flag"}
+        checks = {chk["replicas"]: chk["attainment"] for chk in out["checks"]}
+        assert checks[n - 1] < 0.9 <= checks[n], checks
+        real = {}
+        for k in (n - 1, n):
+            if k not in servers:
+                servers[k] = start_server(*args, "--replicas", str(k), env=env)
+            run = _run_window(servers[k], items, [t / out["rate_scale"] / 4 for t in offsets])
+            got = _cli(servers[k], "whatif", "--window", run, "--slo", slo)
+            real[k] = got["points"][0]["recorded"]["slo"]["attainment"]
+        assert real[n - 1] < 0.9 and real[n] >= 0.6 and real[n] >= real[n - 1] + 0.3, \
+            (real, checks, beta)
+    finally:
+        for server in servers.values():
+            stop_server(server)
