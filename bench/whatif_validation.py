@@ -9,7 +9,11 @@
 2. **A change of config.** From the same window, the candidate ``--candidate`` (default
    ``evals/configs/bundled-small-chunks.yaml``'s engine settings: 4 sequences, 64 tokens per
    step) is predicted; then a gateway running that config takes the same schedule for real.
-3. **A change of replica count.** The same, 1 -> 2 replicas (one thread each).
+3. **A change of replica count.** The same, 1 -> 2 replicas (one thread each). Replicas on
+   one host slow each other's steps, which a window of one replica cannot show: first a short
+   calibration run (two replicas, another seed, ``--calibration-requests``) gives the
+   contention beta (``engine.whatif.fit_contention``) that this prediction and the sizing use
+   (``--contention BETA`` instead: no calibration run; ``0``: none).
 4. **Sizing.** ``size`` for a peak rate of ``--size-factor`` x one replica's predicted goodput
    (utilisation 1): it names N; the schedule scaled to that peak runs for real on N - 1 and N
    replicas, and the measured SLO attainment says whether N was right.
@@ -18,7 +22,8 @@ Target (issue 21): predicted p50 within 15% and p99 within 25% of measured, for 
 Printed: predicted / measured and the ratio for each, and whether each bound held.
 
     python bench/whatif_validation.py [--model bundled|tiny] [--requests 80] [--rate R]
-        [--candidate FILE] [--dtype bfloat16] [--only fidelity|size] [--json OUT]
+        [--candidate FILE] [--dtype bfloat16] [--only fidelity|size] [--contention BETA]
+        [--calibration-requests 40] [--json OUT]
 """
 
 from __future__ import annotations
@@ -137,6 +142,9 @@ def main() -> int:
     ap.add_argument("--json", type=Path, help="write the figures (and the steps each fit saw) "
                     "here")
     ap.add_argument("--only", choices=["fidelity", "size"], help="run one part")
+    ap.add_argument("--contention", type=float, help="beta for replicas sharing the host "
+                    "(default: fitted on a calibration run of two replicas)")
+    ap.add_argument("--calibration-requests", type=int, default=40)
     args = ap.parse_args()
 
     from tailscope import whatif as W
@@ -161,6 +169,23 @@ def main() -> int:
               f"p95 {e.p95_rel:.1%}; gateway share of TTFT {base.overhead_ms:.1f} ms")
         out["step_cost"] = base.cost.as_dict()
         out["base_steps"] = base.step_rows
+        if args.contention is None:
+            n_cal = args.calibration_requests
+            cal_items = workload(n_cal, Dist("uniform", 16, 600), Dist("uniform", 4, 96),
+                                 seed=args.seed + 1)
+            cal = list(zip(arrival_times(n_cal, 2 * rate, seed=args.seed + 1), cal_items,
+                           strict=True))
+            print(f"calibration: {n_cal} requests at {2 * rate:g}/s on 2 replicas (another "
+                  "seed) ...", flush=True)
+            cal_win, _ = record(base_cfg, cal, 2, tmp / "calibration", args.model)
+            beta = cal_win.contention or 0.0
+        else:
+            beta = args.contention
+        base.contention, base.contention_source = beta, "calibration" \
+            if args.contention is None else "flag"
+        print(f"replicas on one host: a step beside b others costs 1 + {beta:.3f}*b times its "
+              f"model cost ({base.contention_source})")
+        out["contention"] = beta
         measured = W.recorded(base, None)
         rows.append(compare_row("1. recorded config", W.predict(base, base.base).summary(None),
                                 measured))

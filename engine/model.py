@@ -121,7 +121,7 @@ class LlamaModel:
             if weight_format == "native":
                 return linear(take(*names))
             q = Int4Weight.cat([int4(n) for n in names])
-            return Int4Linear(q.codes, q.scale, q.zero, dtype, GROUP)
+            return Int4Linear(q.codes, q.scale, q.zero, q.dequantize().to(dtype), GROUP)
 
         self.embed = take("embed")
         self.lm_head = linear(self.embed if c.tie_word_embeddings else take("lm_head"))

@@ -62,10 +62,11 @@ class Int4Linear:
     slower."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                 dtype: torch.dtype, group: int, max_rows: int = INT4_MAX_ROWS,
-                 dense: torch.Tensor | None = None) -> None:
+                 dense: torch.Tensor, group: int, max_rows: int = INT4_MAX_ROWS) -> None:
+        """``codes`` [N, K] (0..15), ``scale`` / ``zero`` [N, K / group]; ``dense`` the same
+        values in the model's dtype (``Int4Weight.dequantize``), for steps past ``max_rows``."""
         self.shape = tuple(codes.shape)
-        self.dtype = dtype
+        self.dtype = dense.dtype
         self.group = group
         self.max_rows = max_rows
         # [N, K / 2] bytes in the kernel's own layout; [K / group, N, 2] scales and zeros in
@@ -75,13 +76,7 @@ class Int4Linear:
             codes.to(torch.int32).contiguous(), 1)
         self.scales_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(
             torch.bfloat16)
-        self.dense = Linear(dense.to(dtype) if dense is not None else self._dequantize(
-            codes, scale, zero))
-
-    def _dequantize(self, codes, scale, zero) -> torch.Tensor:
-        n, k = self.shape
-        c = codes.view(n, k // self.group, self.group).to(torch.float32) - 8
-        return (c * scale.unsqueeze(-1) + zero.unsqueeze(-1)).view(n, k).to(self.dtype)
+        self.dense = Linear(dense)
 
     @property
     def numel(self) -> int:

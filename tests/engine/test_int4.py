@@ -64,7 +64,7 @@ def test_float_weights_are_quantized_per_group_of_32_within_half_a_step():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_linear_runs_small_steps_packed_and_large_ones_dense(dtype):
     q = quantize_int4(torch.randn(192, 256) * 0.05)
-    lin = Int4Linear(q.codes, q.scale, q.zero, dtype, GROUP)
+    lin = Int4Linear(q.codes, q.scale, q.zero, q.dequantize().to(dtype), GROUP)
     dense = Linear(q.dequantize().to(dtype))
     big = torch.randn(INT4_MAX_ROWS + 1, 256, dtype=dtype)
     assert torch.equal(lin(big), dense(big))  # the dense copy: the same values
