@@ -97,6 +97,42 @@ def test_a_q4_gguf_is_loaded_from_its_codes_as_stored(tmp_path, qtype):
         assert not torch.equal(requantized, native.layers[0].o.weight)
 
 
+def test_float_weights_are_quantized_on_load_and_served_by_the_paged_engine():
+    """An unquantized model (the tiny one; an HF directory loads the same way) under
+    ``weights: int4``: each projection holds its float weights quantized by the Q4_1 rule (Q, K,
+    V and gate, up each quantized alone, then stacked), and the paged engine's greedy tokens
+    equal a full recompute of the same int4 model (decode steps packed, prefill dense)."""
+    from engine.loader.tiny import tiny_llama
+
+    _, floats = tiny_llama()
+    model = load_model("tiny", weights="int4")
+    lw = model.layers[1]
+    want = torch.cat([quantize_int4(floats[f"1.{n}"]).dequantize() for n in ("q", "k", "v")])
+    assert torch.equal(lw.qkv.dense.weight, want)
+    assert torch.equal(lw.down.dense.weight, quantize_int4(floats["1.down"]).dequantize())
+    prompts = [[5, 17, 300, 42, 9, 88, 123, 7], [3, 4, 5]]
+    engine = Engine(model, EngineConfig(weights="int4", num_kv_blocks=64, max_num_seqs=2))
+    reqs = engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    # the packed kernel's bf16 activations move this model's logits by ~0.03 (spread ~15)
+    assert _greedy_agrees(reqs, prompts, model, 6, tie=0.1) >= 1
+
+
+def _greedy_agrees(reqs, prompts, ref_model, n: int, tie: float) -> int:
+    """How many requests' greedy tokens equal ``ref_model``'s full recompute; a request that
+    parts from it must do so where the reference's top two logits are within ``tie``."""
+    same = 0
+    for req, prompt in zip(reqs, prompts, strict=True):
+        ref = reference_greedy(ref_model, prompt, n)
+        got = req.output_token_ids
+        at = next((i for i, (a, b) in enumerate(zip(got, ref, strict=True)) if a != b), None)
+        if at is None:
+            same += 1
+            continue
+        top2 = ref_model.dense_forward(torch.tensor(prompt + ref[:at]))[-1].topk(2).values
+        assert top2[0] - top2[1] < tie, (req.request_id, at, float(top2[0] - top2[1]))
+    return same
+
+
 def test_the_bundled_model_on_its_own_q4_1_weights(bundled_model, bundled_tokenizer,
                                                    bundled_path):
     """Greedy tokens through the paged engine (decode steps of up to 4 rows on the packed
@@ -113,18 +149,8 @@ def test_the_bundled_model_on_its_own_q4_1_weights(bundled_model, bundled_tokeni
     n = 16
     engine = Engine(model, EngineConfig(weights="int4", num_kv_blocks=256, max_num_seqs=4))
     reqs = engine.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
-    same = 0
-    for req, prompt in zip(reqs, prompts, strict=True):
-        ref = reference_greedy(bundled_model, prompt, n)
-        got = req.output_token_ids
-        at = next((i for i, (a, b) in enumerate(zip(got, ref, strict=True)) if a != b), None)
-        if at is None:
-            same += 1
-            continue
-        logits = bundled_model.dense_forward(torch.tensor(prompt + ref[:at]))[-1]
-        top2 = logits.topk(2).values
-        assert top2[0] - top2[1] < 2 * DECODE_LOGIT_ATOL, (req.request_id, at)
-    assert same >= len(prompts) // 2
+    assert _greedy_agrees(reqs, prompts, bundled_model, n, 2 * DECODE_LOGIT_ATOL) >= \
+        len(prompts) // 2
     ids = torch.tensor(prompts[5])
     step = model.dense_forward(ids[:1]) - bundled_model.dense_forward(ids[:1])
     assert step.abs().max() < DECODE_LOGIT_ATOL
