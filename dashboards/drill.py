@@ -306,11 +306,17 @@ def whatif_page(src, now: dt.datetime) -> None:
                                                           cost.get("features", []),
                                                           strict=False))
                + (f" · held-out error median {err['median_rel']:.1%}, p95 "
-                  f"{err['p95_rel']:.1%}" if err else ""))
+                  f"{err['p95_rel']:.1%}" if err else "")
+               + (f" · replicas on one host: a step beside b others costs 1 + "
+                  f"{cont['beta']:.3f}×b ({cont['source']})"
+                  if (cont := results.get("contention")) and cont.get("beta") else ""))
     st.json(params, expanded=False)
     if run["kind"] == "size":
         m1, m2, m3 = st.columns(3)
-        m1.metric("Replicas", results["replicas"])
+        formula = results.get("formula_replicas", results["replicas"])
+        m1.metric("Replicas", results["replicas"], help=None if formula == results["replicas"]
+                  else f"ceil(peak / (c x rho)) = {formula}; raised until the what-if at N "
+                       "meets the SLO (replicas on one host slow each other)")
         m2.metric("Per-replica goodput c", f"{results['per_replica_goodput_rps']:.2f} req/s")
         m3.metric("Peak rate", f"{results['peak_rate_rps']:g} req/s")
         st.dataframe(pd.DataFrame(results["checks"]).drop(columns=["ttft_ms"]),

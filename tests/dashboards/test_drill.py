@@ -183,6 +183,7 @@ def test_whatif_page_shows_a_stored_run_and_its_frontier(seeded, store):
                 for i in range(40)]
     cfg = EngineConfig(num_kv_blocks=256, block_size=16, max_num_seqs=4)
     w = W.Window.of_arrivals(arrivals, cfg, StepCost((2.0, 0.05, 0.4, 0.3, 0.01)))
+    w.contention, w.contention_source = 0.25, "flag"  # as --contention 0.25 sets it
     cand = W.candidate(cfg, sets=["max_num_seqs=1"])
     params, results = W.compare(w, cand, None, [1.0, 2.0], Slo(ttft_ms=100.0))
     now = us(NOW)
@@ -201,6 +202,7 @@ def test_whatif_page_shows_a_stored_run_and_its_frontier(seeded, store):
     assert "TTFT p99 over the offered rate" in [h.value for h in at.subheader]
     assert len(at.get("vega_lite_chart")) == 1  # the frontier over the two scales
     assert any("step cost" in c.value for c in at.caption)
+    assert any("1 + 0.250×b (flag)" in c.value for c in at.caption)
     size = W.size(w, cfg, Slo(ttft_ms=100.0), 4 * w.rate_rps, 1.0, 0.95)
     store.insert_rows("whatif_runs", [WhatIfRunRow.from_body(
         {**body, "run_id": "sz-1", "kind": "size", "results": size}, now + 1)])
