@@ -1,6 +1,6 @@
 """Engine throughput vs ``transformers.generate``, side by side in one run.
 
-    python bench/engine_throughput.py [--dtype float32|bfloat16] [--weights native|int4]
+    python bench/engine_throughput.py [--dtype float32|bfloat16] [--weights native|int4|int8]
         [--threads 2] [--quick]
     python bench/engine_throughput.py --batch-invariant [--dtype ...]
 
@@ -196,7 +196,7 @@ def report(e: dict, h: dict | None, args: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--weights", default="native", choices=["native", "int4"],
+    p.add_argument("--weights", default="native", choices=["native", "int4", "int8"],
                    help="the engine's linear-layer weights (EngineConfig.weights); transformers "
                         "always runs the dequantized model in --dtype")
     p.add_argument("--threads", type=int, default=2)

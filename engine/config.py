@@ -65,7 +65,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 PREEMPTION_MODES = ("recompute", "swap", "auto", "off")
 SCHEDULING_POLICIES = ("fcfs", "priority", "sjf", "fair")  # engine.policy.POLICIES (torch-free)
 BUDGET_SPLITS = ("decode_first", "prefill_first", "decode_reserve")
-WEIGHT_FORMATS = ("native", "int4")
+WEIGHT_FORMATS = ("native", "int4", "int8")
 
 
 def _setting(default, help: str):
@@ -109,10 +109,11 @@ class EngineConfig:
                           "float32: engine.config.auto_dtype), resolved when the config is "
                           "made")
     weights: str = _setting("native", "how the linear layers' weights are held: native (in "
-                            "dtype) or int4 (4-bit codes with a scale and zero per 32 inputs: "
-                            "GGUF Q4_0 / Q4_1 / Q4_K tensors kept as stored, others quantized; "
-                            "decode steps of up to 4 rows run a packed int4 kernel, larger "
-                            "steps a dense copy of the same values: engine.quant)")
+                            "dtype), int4 (4-bit codes with a scale and zero per 32 inputs: "
+                            "GGUF Q4_0 / Q4_1 / Q4_K tensors kept as stored, others quantized) "
+                            "or int8 (a scale per output row, quantized from float); decode "
+                            "steps of up to 4 rows run the packed kernel, larger steps a dense "
+                            "copy of the same values: engine.quant")
     kv_cache_mb: int = _setting(512, "paged KV-cache budget in MiB; the block count derives "
                                      "from it")
     num_kv_blocks: int | None = _setting(None, "pins the number of KV blocks (tests use tiny "
@@ -162,9 +163,9 @@ class EngineConfig:
                              f"{self.scheduling_policy!r}")
         if self.weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {self.weights!r}")
-        if self.weights == "int4" and self.batch_invariant:
-            raise ValueError("weights: int4 cannot run batch_invariant: its two kernels (by a "
-                             "step's row count) round differently")
+        if self.weights != "native" and self.batch_invariant:
+            raise ValueError(f"weights: {self.weights} cannot run batch_invariant: its two "
+                             "kernels (by a step's row count) round differently")
         if self.preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got "
                              f"{self.preemption!r}")

@@ -18,10 +18,10 @@ import torch.nn.functional as F
 
 import kernels
 from engine.config import ModelConfig
-from engine.quant import GROUP, Int4Weight, quantize_int4
+from engine.quant import GROUP, Int4Weight, quantize_int4, quantize_int8
 from kernels import invariant
 from kernels.invariant import InvariantLinear
-from kernels.linear import Int4Linear, Linear
+from kernels.linear import Int4Linear, Int8Linear, Linear
 
 WeightSource = torch.Tensor | Callable[[], torch.Tensor]
 
@@ -55,11 +55,11 @@ class AttentionMetadata:
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor
-    qkv: Linear | InvariantLinear | Int4Linear  # [(H + 2*Hk) * D, hidden]
-    o: Linear | InvariantLinear | Int4Linear
+    qkv: Linear | InvariantLinear | Int4Linear | Int8Linear  # [(H + 2*Hk) * D, hidden]
+    o: Linear | InvariantLinear | Int4Linear | Int8Linear
     ffn_norm: torch.Tensor
-    gate_up: Linear | InvariantLinear | Int4Linear  # [2 * ffn, hidden]
-    down: Linear | InvariantLinear | Int4Linear
+    gate_up: Linear | InvariantLinear | Int4Linear | Int8Linear  # [2 * ffn, hidden]
+    down: Linear | InvariantLinear | Int4Linear | Int8Linear
     qkv_bias: torch.Tensor | None = None  # [(H + 2*Hk) * D] (Qwen2)
     q_norm: torch.Tensor | None = None  # [D] (Qwen3, Gemma 3)
     k_norm: torch.Tensor | None = None
@@ -74,9 +74,10 @@ class LlamaModel:
     ``batch_invariant``: every kernel gives a token's row bitwise what it gives that row in any
     other batch, chunking or cache state (``kernels.invariant``); slower, CPU kernels only.
 
-    ``weight_format`` ``int4``: the decoder layers' projections hold 4-bit weights
-    (``engine.quant``; a GGUF's Q4 tensors as stored, anything else quantized) and run
-    ``kernels.linear.Int4Linear``; norms, embeddings and the output matrix stay in ``dtype``."""
+    ``weight_format`` ``int4`` / ``int8``: the decoder layers' projections hold 4-bit weights
+    (``engine.quant``; a GGUF's Q4 tensors as stored, anything else quantized) or 8-bit ones
+    (a scale per output row) and run ``kernels.linear.Int4Linear`` / ``Int8Linear``; norms,
+    embeddings and the output matrix stay in ``dtype``."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, WeightSource],
                  dtype: torch.dtype = torch.float32, batch_invariant: bool = False,
@@ -87,10 +88,11 @@ class LlamaModel:
         self.dtype = dtype
         self.batch_invariant = batch_invariant
         self.weight_format = weight_format
-        if weight_format not in ("native", "int4"):
-            raise ValueError(f"weight_format must be native or int4, got {weight_format!r}")
-        if weight_format == "int4" and batch_invariant:
-            raise ValueError("weights: int4 cannot run batch_invariant")
+        if weight_format not in ("native", "int4", "int8"):
+            raise ValueError(f"weight_format must be native, int4 or int8, got "
+                             f"{weight_format!r}")
+        if weight_format != "native" and batch_invariant:
+            raise ValueError(f"weights: {weight_format} cannot run batch_invariant")
         c = config
         # Gemma 3's extra norms, GELU and per-layer RoPE run on the plain torch path (the fused
         # Triton norm / activation / rotary kernels and the batch-invariant ones are Llama's)
@@ -117,9 +119,13 @@ class LlamaModel:
             exact = src.int4() if hasattr(src, "int4") else None  # a GGUF Q4 tensor's codes
             return exact if exact is not None else quantize_int4(_materialise(src))
 
-        def proj(*names: str) -> Linear | InvariantLinear | Int4Linear:
+        def proj(*names: str) -> Linear | InvariantLinear | Int4Linear | Int8Linear:
             if weight_format == "native":
                 return linear(take(*names))
+            if weight_format == "int8":  # from the float32 values, each row its own scale
+                q8, s8 = quantize_int8(torch.cat([_materialise(weights.pop(n)).float()
+                                                  for n in names]))
+                return Int8Linear(q8, s8, (q8.float() * s8[:, None]).to(dtype))
             q = Int4Weight.cat([int4(n) for n in names])
             return Int4Linear(q.codes, q.scale, q.zero, q.dequantize().to(dtype), GROUP)
 
@@ -183,7 +189,7 @@ class LlamaModel:
         """Bytes one decode step must read: every weight once (the tied output matrix once), the
         4-bit ones as their packed codes, scales and zeros."""
         packed = [m for lw in self.layers for m in (lw.qkv, lw.o, lw.gate_up, lw.down)
-                  if isinstance(m, Int4Linear)]
+                  if isinstance(m, Int4Linear | Int8Linear)]
         rest = self.num_parameters - sum(m.numel for m in packed)
         return rest * self.embed.element_size() + sum(m.nbytes for m in packed)
 

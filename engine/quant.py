@@ -1,5 +1,8 @@
-"""4-bit weights as codes, scales and zeros: read from GGUF's Q4 blocks without going through
-float, or quantized from float weights (``weights: int4``).
+"""Low-bit weights for ``weights: int4 | int8``. 4-bit: codes, scales and zeros, read from
+GGUF's Q4 blocks without going through float, or quantized from float weights. 8-bit
+(``quantize_int8``): one symmetric scale per output row, the form torch's ``_weight_int8pack_mm``
+takes; GGUF's Q8_0 has a scale per 32 inputs, which that kernel cannot take, so every int8
+weight is quantized from float (a Q8_0 tensor's dequantized values included).
 
 One form for every source: ``w = (code - 8) * scale + zero`` per group of 32 along the input
 dimension, the form torch's CPU weight-only int4 kernel (``_weight_int4pack_mm_for_cpu``)
@@ -108,3 +111,13 @@ def quantize_int4(w: torch.Tensor) -> Int4Weight:
     out = from_gguf(blocks, Q.Q4_1, (n, k))
     assert out is not None
     return out
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float ``[N, K]`` matrix as int8 ``q`` and a float32 scale per row, ``w ~ q * scale``
+    (symmetric, round to nearest: error at most half a step, ``scale / 2``)."""
+    w = w.detach().to(torch.float32)
+    scale = w.abs().amax(dim=1) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale

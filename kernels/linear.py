@@ -45,42 +45,58 @@ class Linear:
         return F.linear(x, self.weight)
 
 
-# Rows up to which a step runs on the packed 4-bit weights; past it, on the dense copy.
-# torch's int4 kernel costs about the same per row as a whole GEMV (it is one, per row), while
-# a prepacked bf16 GEMM costs little more for 8 rows than for one once the weight is in cache.
-# Measured here (3072x576, 2 threads, weights cold as in a real step): int4 87 us vs bf16
-# 335 us at 1 row, on par at about 8, 5.7x slower at 64 (README, "Where batch-1 time goes").
-INT4_MAX_ROWS = 4
+# Rows up to which a step runs on packed low-bit weights; past it, on the dense copy. torch's
+# weight-only int4 / int8 kernels cost about the same per row as a whole GEMV (they are one,
+# per row), while a prepacked bf16 GEMM costs little more for 8 rows than for one once the
+# weight is in cache. Measured here (3072x576, 2 threads, weights cold as in a real step):
+# int4 89 / 100 / 140 / 284 us at 1 / 2 / 4 / 8 rows, int8 about the same, bf16 ~300 us at
+# each; int4 at 64 rows 2 ms.
+PACKED_MAX_ROWS = 4
 
 
-class Int4Linear:
-    """``y = x @ w.T`` for ``w = (code - 8) * scale + zero`` per group of ``group`` inputs
-    (``engine.quant.Int4Weight``, the kernel's own form): steps of up to ``max_rows`` rows
-    (batch-1 and small-batch decode, where reading the weights is the cost) run torch's
-    weight-only int4 kernel on the packed codes; larger ones (prefill, many streams) a dense
-    copy of the same values in ``dtype``, where the matmul is the cost and the int4 kernel is
-    slower."""
+class _PackedLinear:
+    """``y = x @ w.T`` with ``w`` held twice: packed low-bit (``_packed``) for steps of up to
+    ``max_rows`` rows (batch-1 and small-batch decode, where reading the weights is the cost)
+    and as a dense copy of the same values in the model's dtype for larger ones (prefill, many
+    streams, where the matmul is the cost and the packed kernels are slower). The packed
+    kernels run on bfloat16 activations: their float32 paths are slow reference ones (int4
+    2.97 ms, int8 1.47 ms against ~90 us at one row here), so float32 activations go through
+    them as bfloat16."""
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                 dense: torch.Tensor, group: int, max_rows: int = INT4_MAX_ROWS) -> None:
-        """``codes`` [N, K] (0..15), ``scale`` / ``zero`` [N, K / group]; ``dense`` the same
-        values in the model's dtype (``Int4Weight.dequantize``), for steps past ``max_rows``."""
-        self.shape = tuple(codes.shape)
+    def __init__(self, shape: tuple[int, int], dense: torch.Tensor, max_rows: int) -> None:
+        self.shape = shape
         self.dtype = dense.dtype
-        self.group = group
         self.max_rows = max_rows
-        # [N, K / 2] bytes in the kernel's own layout; [K / group, N, 2] scales and zeros in
-        # bfloat16: the kernel's float32 path is a slow reference one (2.97 ms against 89 us
-        # at one row here), so float32 activations go through it as bfloat16
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            codes.to(torch.int32).contiguous(), 1)
-        self.scales_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(
-            torch.bfloat16)
         self.dense = Linear(dense)
 
     @property
     def numel(self) -> int:
         return self.shape[0] * self.shape[1]
+
+    def _packed(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.max_rows:
+            return self._packed(x.to(torch.bfloat16)).to(x.dtype)
+        return self.dense(x)
+
+
+class Int4Linear(_PackedLinear):
+    """``w = (code - 8) * scale + zero`` per group of ``group`` inputs
+    (``engine.quant.Int4Weight``, the form of torch's ``_weight_int4pack_mm_for_cpu``)."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                 dense: torch.Tensor, group: int, max_rows: int = PACKED_MAX_ROWS) -> None:
+        """``codes`` [N, K] (0..15), ``scale`` / ``zero`` [N, K / group]; ``dense`` the same
+        values in the model's dtype (``Int4Weight.dequantize``)."""
+        super().__init__(tuple(codes.shape), dense, max_rows)
+        self.group = group
+        # [N, K / 2] bytes in the kernel's own layout; [K / group, N, 2] scales and zeros
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            codes.to(torch.int32).contiguous(), 1)
+        self.scales_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(
+            torch.bfloat16)
 
     @property
     def nbytes(self) -> int:
@@ -88,8 +104,25 @@ class Int4Linear:
         return self.packed.numel() * self.packed.element_size() + \
             self.scales_zeros.numel() * self.scales_zeros.element_size()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.max_rows:
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x.to(torch.bfloat16), self.packed, self.group, self.scales_zeros).to(x.dtype)
-        return self.dense(x)
+    def _packed(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group,
+                                                          self.scales_zeros)
+
+
+class Int8Linear(_PackedLinear):
+    """``w = q * scale`` per output row (``engine.quant.quantize_int8``, the form of torch's
+    ``_weight_int8pack_mm``)."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, dense: torch.Tensor,
+                 max_rows: int = PACKED_MAX_ROWS) -> None:
+        """``q`` int8 [N, K], ``scale`` [N]; ``dense`` the same values in the model's dtype."""
+        super().__init__(tuple(q.shape), dense, max_rows)
+        self.q = q.contiguous()
+        self.scale = scale.to(torch.bfloat16)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scale.numel() * self.scale.element_size()
+
+    def _packed(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)

@@ -1,6 +1,6 @@
-"""``weights: int4``: GGUF's 4-bit blocks kept as codes, scales and zeros (no float on the way),
-float weights quantized per group of 32, and the model on torch's packed int4 kernel for small
-steps and a dense copy of the same values for large ones."""
+"""``weights: int4`` / ``int8``: GGUF's 4-bit blocks kept as codes, scales and zeros (no float on
+the way), float weights quantized per group of 32 (int4) or per row (int8), and the model on
+torch's packed kernels for small steps and a dense copy of the same values for large ones."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from engine import Engine, EngineConfig, SamplingParams, load_model
-from engine.quant import GROUP, from_gguf, quantize_int4
-from kernels.linear import INT4_MAX_ROWS, Int4Linear, Linear
+from engine.quant import GROUP, from_gguf, quantize_int4, quantize_int8
+from kernels.linear import PACKED_MAX_ROWS, Int4Linear, Int8Linear, Linear
 from tests.engine.helpers import reference_greedy
 from tests.engine.test_loaders import write_tiny_gguf
 
-# Steps of up to INT4_MAX_ROWS rows run the int4 kernel on bfloat16 activations, so a float32
+# Steps of up to PACKED_MAX_ROWS rows run the int4 kernel on bfloat16 activations, so a float32
 # model's logits move by bf16 rounding: measured 0.34-0.38 at most on the bundled model's
-# logits (spread ~25-30), 0.0 on steps past INT4_MAX_ROWS rows (the dense copy holds the same
+# logits (spread ~25-30), 0.0 on steps past PACKED_MAX_ROWS rows (the dense copy holds the same
 # values as the dequantized model).
 DECODE_LOGIT_ATOL = 0.75
 
@@ -61,18 +61,38 @@ def test_float_weights_are_quantized_per_group_of_32_within_half_a_step():
         quantize_int4(torch.randn(8, 40))
 
 
+def test_int8_quantization_is_per_row_within_half_a_step():
+    w = torch.randn(96, 256) * 0.05
+    w[3] = 0.0  # an all-zero row keeps a usable scale
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.shape == (96,) and torch.all(scale > 0)
+    assert torch.all((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-9)
+
+
+def _packed(kind: str, dtype: torch.dtype):
+    w = torch.randn(192, 256) * 0.05
+    if kind == "int4":
+        q = quantize_int4(w)
+        values = q.dequantize()
+        return Int4Linear(q.codes, q.scale, q.zero, values.to(dtype), GROUP), values
+    q8, s8 = quantize_int8(w)
+    values = q8.float() * s8[:, None]
+    return Int8Linear(q8, s8, values.to(dtype)), values
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int4_linear_runs_small_steps_packed_and_large_ones_dense(dtype):
-    q = quantize_int4(torch.randn(192, 256) * 0.05)
-    lin = Int4Linear(q.codes, q.scale, q.zero, q.dequantize().to(dtype), GROUP)
-    dense = Linear(q.dequantize().to(dtype))
-    big = torch.randn(INT4_MAX_ROWS + 1, 256, dtype=dtype)
+def test_packed_linear_runs_small_steps_packed_and_large_ones_dense(kind, dtype):
+    lin, values = _packed(kind, dtype)
+    dense = Linear(values.to(dtype))
+    big = torch.randn(PACKED_MAX_ROWS + 1, 256, dtype=dtype)
     assert torch.equal(lin(big), dense(big))  # the dense copy: the same values
-    small = torch.randn(INT4_MAX_ROWS, 256, dtype=dtype)
+    small = torch.randn(PACKED_MAX_ROWS, 256, dtype=dtype)
     got, want = lin(small), dense(small)
-    assert got.dtype == dtype and got.shape == (INT4_MAX_ROWS, 192)
+    assert got.dtype == dtype and got.shape == (PACKED_MAX_ROWS, 192)
     assert (got.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max()
-    assert lin.nbytes < 0.7 * 192 * 256  # ~0.6 bytes a weight: codes, scales, zeros
+    # int4 ~0.6 bytes a weight (codes, scales, zeros); int8 ~1
+    assert lin.nbytes < (0.7 if kind == "int4" else 1.1) * 192 * 256
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
@@ -156,9 +176,32 @@ def test_the_bundled_model_on_its_own_q4_1_weights(bundled_model, bundled_tokeni
     assert step.abs().max() < DECODE_LOGIT_ATOL
 
 
+def test_int8_weights_from_float_serve_the_paged_engine():
+    """``weights: int8`` on the tiny float model: each projection's rows quantized with their
+    own scale (Q, K, V stacked first: one row, one scale), logits near the float model's, and
+    greedy tokens through the paged engine against a full recompute of the int8 model."""
+    from engine.loader.tiny import tiny_llama
+
+    _, floats = tiny_llama()
+    native, model = load_model("tiny"), load_model("tiny", weights="int8")
+    q8, s8 = quantize_int8(torch.cat([floats[f"0.{n}"] for n in ("q", "k", "v")]))
+    assert isinstance(model.layers[0].qkv, Int8Linear)
+    assert torch.equal(model.layers[0].qkv.dense.weight, q8.float() * s8[:, None])
+    assert model.weight_bytes < 0.5 * native.weight_bytes + native.embed.numel() * 4
+    ids = torch.tensor([5, 17, 300, 42, 9, 88, 123])
+    want = native.dense_forward(ids)
+    assert (model.dense_forward(ids) - want).abs().max() < 0.02 * want.abs().max()
+    prompts = [[5, 17, 300, 42, 9, 88, 123, 7], [3, 4, 5]]
+    engine = Engine(model, EngineConfig(weights="int8", num_kv_blocks=64, max_num_seqs=2))
+    reqs = engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    assert _greedy_agrees(reqs, prompts, model, 6, tie=0.1) >= 1
+
+
 def test_the_weights_setting_is_checked():
     # (an env var, a flag, a YAML key and part of config_id: tests/test_engine_settings.py)
     with pytest.raises(ValueError, match="weights must be one of"):
         EngineConfig(weights="int3")
-    with pytest.raises(ValueError, match="batch_invariant"):
-        EngineConfig(weights="int4", batch_invariant=True)
+    for kind in ("int4", "int8"):
+        assert EngineConfig(weights=kind).weights == kind
+        with pytest.raises(ValueError, match="batch_invariant"):
+            EngineConfig(weights=kind, batch_invariant=True)
