@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from engine.config import ModelConfig
+from engine.config import WEIGHT_FORMATS, ModelConfig
 from engine.quant import GROUP, Int4Weight, quantize_int4, quantize_int8
 from kernels import invariant
 from kernels.invariant import InvariantLinear
@@ -88,8 +88,8 @@ class LlamaModel:
         self.dtype = dtype
         self.batch_invariant = batch_invariant
         self.weight_format = weight_format
-        if weight_format not in ("native", "int4", "int8"):
-            raise ValueError(f"weight_format must be native, int4 or int8, got "
+        if weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got "
                              f"{weight_format!r}")
         if weight_format != "native" and batch_invariant:
             raise ValueError(f"weights: {weight_format} cannot run batch_invariant")
@@ -187,7 +187,7 @@ class LlamaModel:
     @property
     def weight_bytes(self) -> int:
         """Bytes one decode step must read: every weight once (the tied output matrix once), the
-        4-bit ones as their packed codes, scales and zeros."""
+        packed low-bit ones as their codes and scales (what a step of up to 4 rows reads)."""
         packed = [m for lw in self.layers for m in (lw.qkv, lw.o, lw.gate_up, lw.down)
                   if isinstance(m, Int4Linear | Int8Linear)]
         rest = self.num_parameters - sum(m.numel for m in packed)

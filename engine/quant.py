@@ -4,8 +4,8 @@ GGUF's Q4 blocks without going through float, or quantized from float weights. 8
 takes; GGUF's Q8_0 has a scale per 32 inputs, which that kernel cannot take, so every int8
 weight is quantized from float (a Q8_0 tensor's dequantized values included).
 
-One form for every source: ``w = (code - 8) * scale + zero`` per group of 32 along the input
-dimension, the form torch's CPU weight-only int4 kernel (``_weight_int4pack_mm_for_cpu``)
+4-bit, one form for every source: ``w = (code - 8) * scale + zero`` per group of 32 along the
+input dimension, the form torch's CPU weight-only int4 kernel (``_weight_int4pack_mm_for_cpu``)
 takes. GGUF's 4-bit types map onto it exactly (per llama.cpp's block layouts, as the ``gguf``
 package decodes them in ``gguf.quants``):
 
@@ -31,7 +31,6 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import Q4_K, quantize
 
 GROUP = 32  # values per (scale, zero) group along the input dimension
-INT4_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
 
 
 @dataclass
