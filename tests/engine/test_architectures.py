@@ -69,7 +69,7 @@ def head_dim(config) -> int:
 
 
 def write_gguf(model, arch: str, path: Path, extra: dict | None = None,
-               eos_eot: tuple[int, int] | None = None) -> None:
+               eos_eot: tuple[int, int] | None = None, qtype=None) -> None:
     """The model as llama.cpp's converter lays it out for ``arch`` (qwen2 / qwen3 / phi3: HF's
     Q/K row order kept; Qwen3's head size as ``attention.key_length``; Phi-3's fused qkv_proj
     and gate_up_proj as attn_qkv and ffn_up)."""
@@ -85,12 +85,14 @@ def write_gguf(model, arch: str, path: Path, extra: dict | None = None,
     if eos_eot is not None:
         w.add_eos_token_id(eos_eot[0])
         w.add_eot_token_id(eos_eot[1])
-    _write_tensors(w, model, _GGUF)
+    _write_tensors(w, model, _GGUF, qtype=qtype)
 
 
-def _write_tensors(w, model, modules: dict[str, str], norm_shift: float = 0.0) -> None:
+def _write_tensors(w, model, modules: dict[str, str], norm_shift: float = 0.0,
+                   qtype=None) -> None:
     """The model's tensors under llama.cpp's names (``modules``: HF module -> GGUF tensor),
-    each norm weight plus ``norm_shift``; then the file is written."""
+    each norm weight plus ``norm_shift``, the layers' matrices quantized to ``qtype`` if given;
+    then the file is written."""
     for name, t in model.state_dict().items():
         arr = t.float().numpy() + (norm_shift if name.endswith("norm.weight") else 0.0)
         if name == "model.embed_tokens.weight":
@@ -103,7 +105,11 @@ def _write_tensors(w, model, modules: dict[str, str], norm_shift: float = 0.0) -
             _, _, idx, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
             out = f"blk.{idx}.{modules[module]}.{kind}"
-        w.add_tensor(out, np.ascontiguousarray(arr.astype(np.float32)))
+        arr = np.ascontiguousarray(arr.astype(np.float32))
+        if qtype is not None and out.startswith("blk.") and arr.ndim == 2:
+            w.add_tensor(out, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(out, arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

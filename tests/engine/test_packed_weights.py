@@ -117,6 +117,23 @@ def test_a_q4_gguf_is_loaded_from_its_codes_as_stored(tmp_path, qtype):
         assert not torch.equal(requantized, native.layers[0].o.weight)
 
 
+def test_a_phi3_q4_gguf_splits_its_fused_matrices_from_the_codes(tmp_path):
+    """Phi-3's fused attn_qkv and ffn_up (gate first) are split into Q, K, V and gate, up on
+    load: under int4 from the stored codes, row ranges as the float path cuts them."""
+    from tests.engine.test_architectures import tiny, write_gguf
+
+    ref = tiny("phi3", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+               num_key_value_heads=2)  # widths that are whole Q4 blocks
+    write_gguf(ref, "phi3", tmp_path / "p.gguf", qtype=Q.Q4_0)
+    native, packed = load_model(tmp_path / "p.gguf"), load_model(tmp_path / "p.gguf",
+                                                                 weights="int4")
+    for a, b in zip(native.layers, packed.layers, strict=True):
+        for name in ("qkv", "o", "gate_up", "down"):
+            assert torch.equal(getattr(b, name).dense.weight, getattr(a, name).weight), name
+    ids = torch.tensor([3, 17, 255, 42, 99, 1])
+    assert torch.equal(packed.dense_forward(ids), native.dense_forward(ids))
+
+
 def test_float_weights_are_quantized_on_load_and_served_by_the_paged_engine():
     """An unquantized model (the tiny one; an HF directory loads the same way) under
     ``weights: int4``: each projection holds its float weights quantized by the Q4_1 rule (Q, K,
