@@ -9,9 +9,10 @@ servers' OpenAI endpoints.
 10 minutes on 2 cores, once, cached under ``~/.cache/tailscope-bench``). It serves the bundled
 model's own GGUF (Q4_1) with ``-t/-tb <threads>`` and 32 slots; Tailscope serves the same file
 (``tailscope serve``, one replica with ``TAILSCOPE_THREADS=<threads>``, a fresh embedded store
-with full capture) once per ``--dtypes`` entry (``DTYPE+int4``: with ``--weights int4``, the
-GGUF's Q4_1 blocks kept packed for small decode steps). The servers run one after the other,
-never at the same time, each warmed up with one request first.
+with full capture) once per ``--dtypes`` entry (``DTYPE+int4`` / ``DTYPE+int8``: with
+``--weights int4`` / ``int8``; int4 keeps the GGUF's Q4_1 blocks packed for small decode
+steps). The servers run one after the other, never at the same time, each warmed up with one
+request first.
 
 The workload is ``bench/engine_throughput.workload`` (random token-id prompts, fixed seed),
 sent as token-id prompts to ``/v1/completions`` so both servers see the same tokens, greedy,
@@ -198,8 +199,8 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-cpp-python", default="0.3.36", help="sdist version to build from")
     ap.add_argument("--dtypes", default="float32,bfloat16,bfloat16+int4",
-                    help="Tailscope runs, one per engine dtype, DTYPE+int4 for 4-bit weights "
-                         "(comma-separated)")
+                    help="Tailscope runs, one per engine dtype, DTYPE+int4 / DTYPE+int8 for "
+                         "packed weights (comma-separated)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="8 mixed requests of 32 tokens")
     ap.add_argument("--json", help="also write the figures here")
