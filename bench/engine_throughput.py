@@ -1,7 +1,7 @@
 """Engine throughput vs ``transformers.generate``, side by side in one run.
 
     python bench/engine_throughput.py [--dtype float32|bfloat16] [--weights native|int4|int8]
-        [--threads 2] [--quick]
+        [--compile] [--threads 2] [--quick]
     python bench/engine_throughput.py --batch-invariant [--dtype ...]
 
 With ``--batch-invariant`` the engine runs twice, with ``engine.batch_invariant`` off and on
@@ -68,14 +68,15 @@ def copy_bandwidth_gbs() -> float:
     return 2 * src.numel() * src.element_size() / best / 1e9  # read + write
 
 
-def run_engine(w: dict, dtype: str, batch_invariant: bool = False, weights: str = "native"
-               ) -> dict:
+def run_engine(w: dict, dtype: str, batch_invariant: bool = False, weights: str = "native",
+               compile: bool = False) -> dict:
     from engine import Engine, EngineConfig, SamplingParams, load_model
 
     t0 = time.perf_counter()
     model = load_model(None, dtype, batch_invariant=batch_invariant, weights=weights)
     engine = Engine(model, EngineConfig(dtype=dtype, max_num_seqs=64, max_batched_tokens=512,
-                                        batch_invariant=batch_invariant, weights=weights))
+                                        batch_invariant=batch_invariant, weights=weights,
+                                        compile=compile))
     load_s = time.perf_counter() - t0
 
     def run(prompts: list[list[int]], n: int) -> tuple[float, list]:
@@ -94,6 +95,7 @@ def run_engine(w: dict, dtype: str, batch_invariant: bool = False, weights: str 
     dtm, _ = run(w["mixed"], w["mixed_tokens"])
     return {
         "load_s": load_s,
+        "compile_s": engine.runner.compile_s,
         "weight_bytes": model.weight_bytes,
         "batch1_tok_s": n / dt,
         "batch1_decode_ms": decode_ms,
@@ -165,7 +167,8 @@ def report_invariant(off: dict, on: dict, args: argparse.Namespace) -> None:
 
 def child(part: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--part", part, "--dtype", args.dtype, "--weights",
-           args.weights, "--threads", str(args.threads)] + (["--quick"] if args.quick else [])
+           args.weights, "--threads", str(args.threads)] + (["--quick"] if args.quick else []) \
+        + (["--compile"] if args.compile else [])
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -174,12 +177,13 @@ def child(part: str, args: argparse.Namespace) -> dict:
 def report(e: dict, h: dict | None, args: argparse.Namespace) -> None:
     floor_ms = e["weight_bytes"] / (e["bandwidth_gbs"] * 1e9) * 1e3
     print(f"# engine_throughput  dtype={args.dtype}  weights={args.weights}  "
-          f"threads={args.threads}"
+          f"threads={args.threads}{'  compile' if args.compile else ''}"
           f"{'  (quick)' if args.quick else ''}")
     print(f"weights {e['weight_bytes'] / 1e6:.0f} MB, copy bandwidth {e['bandwidth_gbs']:.1f} GB/s"
           f" -> batch-1 floor {floor_ms:.1f} ms/token")
     theirs_load = f", transformers {h['load_s']:.1f} s" if h else ""
-    print(f"load: engine {e['load_s']:.1f} s{theirs_load}")
+    compiled = f" (of which compile {e['compile_s']:.1f} s)" if args.compile else ""
+    print(f"load: engine {e['load_s']:.1f} s{compiled}{theirs_load}")
     print(f"{'measure':<40}{'engine':>12}{'transformers':>14}{'ratio':>8}")
     for label, key in _measures(args.quick):
         ratio = ""
@@ -199,6 +203,8 @@ def main() -> None:
     p.add_argument("--weights", default="native", choices=["native", "int4", "int8"],
                    help="the engine's linear-layer weights (EngineConfig.weights); transformers "
                         "always runs the dequantized model in --dtype")
+    p.add_argument("--compile", action="store_true",
+                   help="the engine's decode steps through torch.compile (EngineConfig.compile)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="small workload (smoke run)")
     p.add_argument("--skip-transformers", action="store_true")
@@ -216,7 +222,8 @@ def main() -> None:
         if args.part == "transformers":
             print(json.dumps(run_transformers(w, args.dtype)))
         else:
-            print(json.dumps(run_engine(w, args.dtype, args.part == "engine-bi", args.weights)))
+            print(json.dumps(run_engine(w, args.dtype, args.part == "engine-bi", args.weights,
+                                        args.compile)))
         return
     if args.batch_invariant:
         report_invariant(child("engine", args), child("engine-bi", args), args)

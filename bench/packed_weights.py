@@ -1,10 +1,16 @@
-"""Batch-1 decode on the bundled model with ``weights: native``, ``int4`` and ``int8``, side by
-side in one process: the three engines take turns, round after round, so this machine's drift
-(15-25% between runs) falls on all of them alike.
+"""Decode on the bundled model with ``weights: native``, ``int4`` and ``int8`` (and, with
+``+compile``, the same through ``torch.compile``d decode steps), side by side in one process:
+the engines take turns, round after round, so this machine's drift (15-25% between runs)
+falls on all of them alike.
 
     python bench/packed_weights.py [--dtype bfloat16] [--rounds 5] [--tokens 48] [--threads 2]
+        [--engines native,int4,int8] [--streams 1]
 
-Prints each one's batch-1 decode ms/token per round, the medians and the ratios to native.
+``--engines``: comma-separated ``WEIGHTS`` or ``WEIGHTS+compile`` (``int4+compile``: the
+``compile`` setting; its compile time, at engine start, is printed apart). ``--streams N``: N
+requests decoding together (64-token prompts) instead of one. Prints each engine's decode
+ms/token per round (the median over the streams), the medians, the ratios to the first engine,
+and the aggregate output tok/s.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -23,29 +30,47 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--engines", default="native,int4,int8")
+    ap.add_argument("--streams", type=int, default=1)
     args = ap.parse_args()
     import torch
 
     from engine import Engine, EngineConfig, SamplingParams, load_model
 
     torch.set_num_threads(args.threads)
-    prompt = list(range(100, 164))  # 64 tokens
+    prompts = [list(range(100 + i, 164 + i)) for i in range(args.streams)]  # 64 tokens each
     engines = {}
-    for w in ("native", "int4", "int8"):
-        engines[w] = Engine(load_model(None, args.dtype, weights=w),
-                            EngineConfig(dtype=args.dtype, weights=w, kv_cache_mb=128))
-        engines[w].generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))  # warm
+    for spec in args.engines.split(","):
+        weights, _, extra = spec.partition("+")
+        if extra not in ("", "compile"):
+            ap.error(f"--engines: {spec!r} is not WEIGHTS or WEIGHTS+compile")
+        t = time.perf_counter()
+        engines[spec] = Engine(load_model(None, args.dtype, weights=weights),
+                               EngineConfig(dtype=args.dtype, weights=weights, kv_cache_mb=128,
+                                            compile=extra == "compile"))
+        if extra:
+            print(f"{spec}: engine start {time.perf_counter() - t:.1f} s (compile "
+                  f"{engines[spec].runner.compile_s:.1f} s)", flush=True)
+        engines[spec].generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))  # warm
     ms: dict[str, list[float]] = {w: [] for w in engines}
+    tok_s: dict[str, list[float]] = {w: [] for w in engines}
     for _ in range(args.rounds):
         for w, e in engines.items():
-            (r,) = e.generate([prompt], SamplingParams(max_tokens=args.tokens, ignore_eos=True))
-            ms[w].append((r.token_times_ns[-1] - r.token_times_ns[0]) / 1e6 / (args.tokens - 1))
-    print(f"# packed_weights  dtype={args.dtype}  threads={args.threads}  batch-1 decode "
-          f"ms/token, {args.rounds} interleaved rounds of {args.tokens} tokens")
-    base = statistics.median(ms["native"])
+            t = time.perf_counter()
+            reqs = e.generate(prompts, SamplingParams(max_tokens=args.tokens, ignore_eos=True))
+            tok_s[w].append(len(reqs) * args.tokens / (time.perf_counter() - t))
+            ms[w].append(statistics.median(
+                (r.token_times_ns[-1] - r.token_times_ns[0]) / 1e6 / (args.tokens - 1)
+                for r in reqs))
+    print(f"# packed_weights  dtype={args.dtype}  threads={args.threads}  streams="
+          f"{args.streams}  decode ms/token, {args.rounds} interleaved rounds of {args.tokens} "
+          "tokens")
+    first = next(iter(ms))
+    base = statistics.median(ms[first])
     for w, v in ms.items():
         med = statistics.median(v)
-        print(f"{w:<8} median {med:6.1f}  ({base / med:.2f}x native)   rounds: "
+        print(f"{w:<14} median {med:6.1f}  ({base / med:.2f}x {first})  "
+              f"{statistics.median(tok_s[w]):6.1f} tok/s   rounds: "
               + " ".join(f"{x:.1f}" for x in v))
     return 0
 

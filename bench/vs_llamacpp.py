@@ -11,8 +11,9 @@ model's own GGUF (Q4_1) with ``-t/-tb <threads>`` and 32 slots; Tailscope serves
 (``tailscope serve``, one replica with ``TAILSCOPE_THREADS=<threads>``, a fresh embedded store
 with full capture) once per ``--dtypes`` entry (``DTYPE+int4`` / ``DTYPE+int8``: with
 ``--weights int4`` / ``int8``; int4 keeps the GGUF's Q4_1 blocks packed for small decode
-steps). The servers run one after the other, never at the same time, each warmed up with one
-request first.
+steps; ``+compile``: with ``--compile``, decode steps through ``torch.compile``, e.g.
+``bfloat16+int4+compile``). The servers run one after the other, never at the same time,
+each warmed up with one request first.
 
 The workload is ``bench/engine_throughput.workload`` (random token-id prompts, fixed seed),
 sent as token-id prompts to ``/v1/completions`` so both servers see the same tokens, greedy,
@@ -135,14 +136,17 @@ def run_llama(exe: Path, threads: int, w: dict) -> dict:
 
 
 def run_tailscope(spec: str, threads: int, w: dict) -> dict:
-    """``spec``: an engine dtype, or ``DTYPE+WEIGHTS`` (``bfloat16+int4``)."""
+    """``spec``: an engine dtype, then optionally ``+int4`` / ``+int8`` (the weights) and
+    ``+compile`` (``bfloat16+int4+compile``)."""
     from bench.trace_overhead import PeakRss
     from tracing.client import GatewayProcess
 
-    dtype, _, weights = spec.partition("+")
+    dtype, *extra = spec.split("+")
+    weights = [x for x in extra if x != "compile"]
+    args = ["--dtype", dtype, "--weights", weights[0] if weights else "native"]
+    args += ["--compile"] if "compile" in extra else []
     store = tempfile.mkdtemp(prefix="tailscope-vs-llamacpp-")
-    gw = GatewayProcess(["--dtype", dtype, "--weights", weights or "native"], cwd=ROOT,
-                        quiet=True, ready_timeout_s=300,
+    gw = GatewayProcess(args, cwd=ROOT, quiet=True, ready_timeout_s=600,
                         env={"TAILSCOPE_THREADS": str(threads),
                              "TAILSCOPE_STORE_DSN": f"chdb://{store}/store"}).start()
     rss = PeakRss(gw.proc.pid)
@@ -200,7 +204,8 @@ def main() -> int:
     ap.add_argument("--llama-cpp-python", default="0.3.36", help="sdist version to build from")
     ap.add_argument("--dtypes", default="float32,bfloat16,bfloat16+int4",
                     help="Tailscope runs, one per engine dtype, DTYPE+int4 / DTYPE+int8 for "
-                         "packed weights (comma-separated)")
+                         "packed weights, +compile for compiled decode steps "
+                         "(comma-separated)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="8 mixed requests of 32 tokens")
     ap.add_argument("--json", help="also write the figures here")

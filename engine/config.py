@@ -143,6 +143,11 @@ class EngineConfig:
                                             "else is in its batch, however its prompt was "
                                             "chunked and whether its prefix was cached "
                                             "(kernels.invariant; slower)")
+    compile: bool = _setting(False, "run decode-only steps through torch.compile (inductor: "
+                                    "fused C++ loops around the matmuls; CPU only, not with "
+                                    "batch_invariant). The replica compiles at start: tens of "
+                                    "seconds, less once inductor's on-disk cache holds the "
+                                    "graphs")
     step_detail: bool = _setting(True, "record each step's members and each waiting request's "
                                        "wait causes (why a request was slow)")
 
@@ -166,6 +171,8 @@ class EngineConfig:
         if self.weights != "native" and self.batch_invariant:
             raise ValueError(f"weights: {self.weights} cannot run batch_invariant: its two "
                              "kernels (by a step's row count) round differently")
+        if self.compile and self.batch_invariant:
+            raise ValueError("compile cannot run batch_invariant: its kernels are not traced")
         if self.preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got "
                              f"{self.preemption!r}")

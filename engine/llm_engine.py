@@ -74,7 +74,8 @@ class Engine:
         self.kv = KVCacheManager(num_blocks, self.config.block_size,
                                  prefix_caching=self.config.prefix_caching,
                                  salt=f"{mc.name}|{mc.revision}|{self.config.dtype}")
-        self.runner = runner or ModelRunner(model, num_blocks, self.config.block_size)
+        self.runner = runner or ModelRunner(model, num_blocks, self.config.block_size,
+                                            compile=self.config.compile)
         self.scheduler = Scheduler(self.config, self.kv)
         self.preemptions = 0  # total, by any mode (the scheduler's decisions)
         self.swaps = 0

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import kernels
 from engine.config import WEIGHT_FORMATS, ModelConfig
 from engine.quant import GROUP, Int4Weight, quantize_int4, quantize_int8
-from kernels import invariant
+from kernels import invariant, reference
 from kernels.invariant import InvariantLinear
 from kernels.linear import Int4Linear, Int8Linear, Linear
 
@@ -155,6 +155,7 @@ class LlamaModel:
                                    c.layer_rope_scale or [1.0] * c.num_layers, strict=True))
         self.rope = {key: self._rope(*key) for key in dict.fromkeys(self.layer_rope)}
         self.cos, self.sin_signed, self.cos_half, self.sin_half = self.rope[self.layer_rope[0]]
+        self._compiled_decode = None  # compile_decode
 
     def _rope(self, theta: float, scale: float) -> tuple[torch.Tensor, ...]:
         """cos and sign-folded sin ``[max_pos, D]``, and the ``[max_pos, D/2]`` cos and sin
@@ -273,6 +274,50 @@ class LlamaModel:
         return self.lm_head(F.rms_norm(h, (c.hidden_size,), self.final_norm, c.rms_norm_eps)
                             ).float()
 
+    def compile_decode(self) -> None:
+        """Run decode-only steps through ``torch.compile`` (inductor): ``_decode_step`` becomes
+        fused C++ loops around the matmul and attention calls, so a step stops paying Python
+        and dispatch for each of its ~40 small ops per layer (norms, RoPE, residual adds,
+        activations). The batch size and the block-table width are symbolic (``_decode``
+        marks them), so a few graphs serve every step: a batch of one (torch specialises size
+        1), batches of two and more, and with packed weights batches past their ``max_rows``
+        (the row-count dispatch is a guard). ``ModelRunner`` compiles them at start."""
+        if self.batch_invariant:
+            raise ValueError("compile cannot run batch_invariant (its kernels are not traced)")
+        self._compiled_decode = torch.compile(self._decode_step)
+
+    def _decode(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The compiled decode step on this step's inputs, their sizes marked dynamic (block
+        tables at least two wide, padded with block 0 past the context: a width of 1 would be
+        specialised, and compiled mid-serving)."""
+        tables = meta.decode_block_tables
+        if tables.shape[1] < 2:
+            tables = F.pad(tables, (0, 1))
+        inputs = (input_ids, positions, meta.slot_mapping, tables, meta.decode_context_lens)
+        if meta.num_decodes > 1:
+            for t in inputs:
+                torch._dynamo.mark_dynamic(t, 0)
+        torch._dynamo.mark_dynamic(tables, 1)
+        return self._compiled_decode(*inputs, kv_caches)
+
+    def _decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                     slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor,
+                     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """``forward`` for a step where every sequence decodes one token, written to be traced
+        whole: the torch kernels only (no backend dispatch) and attention masked by context
+        length (no data-dependent Python). Logits of every row."""
+        h = self._embed(input_ids)
+        for lw, rope, (k_cache, v_cache) in zip(self.layers, self._rope_tables(positions),
+                                                kv_caches, strict=True):
+            q, k, v = self._qkv(lw, h, rope, positions, False)
+            reference.write_kv(k, v, k_cache, v_cache, slot_mapping)
+            attn = reference.paged_decode_attention(q, k_cache, v_cache, block_tables,
+                                                    context_lens, self.scale, masked=True)
+            h = self._mlp_residual(lw, h, attn, False)
+        return self._logits(h, False)
+
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -280,30 +325,33 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Run one step over the flattened tokens; returns float32 logits only at
         ``logits_indices`` (the positions that sample a token this step)."""
+        attention = kernels.implementation(self.embed)  # write_kv and paged attention
+        if self._compiled_decode is not None and not meta.prefills and attention is reference:
+            return self._decode(input_ids, positions, meta, kv_caches)[logits_indices]
+        triton = attention is not reference and not self.torch_only  # norms, RoPE, activation
         h = self._embed(input_ids)
         nd = meta.num_decodes
         ropes = self._rope_tables(positions)
-        triton = kernels.use_triton(h) and not self.torch_only
         if self.batch_invariant:
             return self._forward_invariant(h, positions, ropes[0], meta, kv_caches,
                                            logits_indices)
         for lw, rope, (k_cache, v_cache) in zip(self.layers, ropes, kv_caches, strict=True):
             q, k, v = self._qkv(lw, h, rope, positions, triton)
-            kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = torch.empty_like(q)
             if nd:
-                attn[:nd] = kernels.paged_decode_attention(
+                attn[:nd] = attention.paged_decode_attention(
                     q[:nd], k_cache, v_cache, meta.decode_block_tables,
                     meta.decode_context_lens, self.scale,
                 )
             for p in meta.prefills:
                 n = p.end - p.start
                 if p.context_len == n and not triton:  # nothing cached before: dense causal
-                    attn[p.start:p.end] = kernels.causal_attention(
+                    attn[p.start:p.end] = reference.causal_attention(
                         q[p.start:p.end], k[p.start:p.end], v[p.start:p.end], self.scale
                     )
                 else:
-                    attn[p.start:p.end] = kernels.paged_prefill_attention(
+                    attn[p.start:p.end] = attention.paged_prefill_attention(
                         q[p.start:p.end], k_cache, v_cache, p.block_table, p.context_len,
                         self.scale,
                     )

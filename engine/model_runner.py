@@ -51,7 +51,10 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
+                 compile: bool = False) -> None:
+        """``compile``: decode-only steps run the model's ``torch.compile``d step
+        (``LlamaModel.compile_decode``), compiled here, before the first request."""
         kernels.kernel_backend()  # refuse an unknown TAILSCOPE_KERNELS before loading anything
         _tune_allocator()
         c = model.config
@@ -63,6 +66,37 @@ class ModelRunner:
             for _ in range(c.num_layers)
         ]
         self.sampler = Sampler()
+        self.compile_s = 0.0
+        if compile:
+            self._compile()
+
+    @torch.inference_mode()
+    def _compile(self) -> None:
+        """Compile the decode step for every graph serving will need (a batch of one: torch
+        specialises size 1; of two and more; with packed weights, past their ``max_rows`` rows,
+        where they switch kernels), on dummy decodes at position 0 of block 0. Block 0 is free
+        now; whatever they write there is overwritten before any sequence reads it (a slot is
+        written before it is attended)."""
+        t = time.perf_counter()
+        self.model.compile_decode()
+        rows = {1, 2}
+        for lw in self.model.layers:
+            if hasattr(lw.qkv, "max_rows"):
+                rows.add(min(lw.qkv.max_rows + 1, self.block_size))
+        for b in sorted(rows):
+            meta = AttentionMetadata(slot_mapping=torch.arange(b), num_decodes=b,
+                                     decode_block_tables=torch.zeros(b, 1, dtype=torch.long),
+                                     decode_context_lens=torch.ones(b, dtype=torch.long))
+            self.model.forward(torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long),
+                               meta, self.kv_caches, torch.arange(b))
+        # inductor compiles in a pool of worker processes, kept for later compiles: there are
+        # none (every graph is made), and they hold ~270 MB of RSS between them
+        from torch._inductor.async_compile import shutdown_compile_workers
+
+        shutdown_compile_workers()
+        self.compile_s = time.perf_counter() - t
+        log.info("decode step compiled in %.1f s (batch sizes %s)", self.compile_s,
+                 sorted(rows))
 
     def copy_blocks_out(self, block_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Host copies of these blocks' K/V in every layer (swap-out for preemption)."""

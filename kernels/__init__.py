@@ -3,6 +3,7 @@
 from kernels.dispatch import (
     add_rms_norm,
     causal_attention,
+    implementation,
     kernel_backend,
     paged_decode_attention,
     paged_prefill_attention,
@@ -17,6 +18,7 @@ from kernels.dispatch import (
 __all__ = [
     "add_rms_norm",
     "causal_attention",
+    "implementation",
     "kernel_backend",
     "paged_decode_attention",
     "paged_prefill_attention",

@@ -19,6 +19,19 @@ def _can_prepack(weight: torch.Tensor) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+@torch.library.custom_op("tailscope::prepacked_linear", mutates_args=())
+def prepacked_linear(x: torch.Tensor, weight: torch.Tensor, out_features: int) -> torch.Tensor:
+    """oneDNN's linear on a prepacked weight, as one opaque op for ``torch.compile``: inductor's
+    own lowering of ``mkldnn._linear_pointwise`` only takes weights it froze itself, and these
+    are prepacked at load. Eager calls skip this wrapper (its dispatch costs ~10 us)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
+@prepacked_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
 class Linear:
     """``y = x @ weight.T`` with ``weight`` ``[out, in]``; holds only the prepared form."""
 
@@ -41,6 +54,8 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.prepacked:
+            if torch.compiler.is_compiling():
+                return prepacked_linear(x, self.weight, self.shape[0])
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
         return F.linear(x, self.weight)
 

@@ -32,10 +32,12 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
 
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, masked: bool = False,
 ) -> torch.Tensor:
     """One query token per sequence. ``q`` is ``[B, H, D]``, block tables ``[B, M]`` (padded with
-    any valid block id), ``context_lens`` ``[B]`` counts the keys each query may see."""
+    any valid block id), ``context_lens`` ``[B]`` counts the keys each query may see.
+    ``masked``: a batch of one is masked like any other rather than cut to its length (no
+    read of ``context_lens`` on the host: what a traced step needs)."""
     b, h, d = q.shape
     hk = k_cache.shape[2]
     k = _gather(k_cache, block_tables)
@@ -43,7 +45,7 @@ def paged_decode_attention(
     # The query heads sharing one KV head ride along as a "query length" of h // hk: no K/V
     # repetition, and every one of them sees the same keys.
     qg = q.view(b, hk, h // hk, d)
-    if b == 1:  # one sequence: cut to its length instead of masking
+    if b == 1 and not masked:  # one sequence: cut to its length instead of masking
         n = int(context_lens[0])
         out = F.scaled_dot_product_attention(qg, k[:, :, :n], v[:, :, :n], scale=scale)
     else:

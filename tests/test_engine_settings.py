@@ -20,7 +20,7 @@ SAMPLE = {"dtype": "bfloat16", "kv_cache_mb": 64, "num_kv_blocks": 40, "block_si
           "prefix_caching": False, "preemption": "swap", "step_detail": False,
           "scheduling_policy": "priority", "priority_aging_s": 2.5, "batch_invariant": True,
           "sjf_token_s": 0.05, "budget_split": "prefill_first", "decode_reserve_tokens": 8,
-          "fair_decode_cost": 1.5, "weights": "int4"}
+          "fair_decode_cost": 1.5, "weights": "int4", "compile": True}
 # settings with one valid value so far (no other value to send through every surface)
 SINGLE_CHOICE: dict[str, tuple] = {}
 

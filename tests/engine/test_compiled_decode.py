@@ -1,0 +1,66 @@
+"""``compile: true``: decode-only steps run the model's ``torch.compile``d step (inductor). The
+compiled graphs are made when the engine starts, serve batches of one and of many and contexts
+across block boundaries without compiling again, and give the eager engine's tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig, SamplingParams, load_model
+
+# lengths across the 16-token blocks: contexts grow past one, two and three blocks while decoding
+PROMPTS = [[5, 17, 300, 42, 9, 88, 123, 7], [3, 4, 5], list(range(40, 70)),
+           [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]]
+
+
+class CountingDecode:
+    """Counts the calls into the compiled decode step (and passes them on)."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.calls, self.rows = fn, 0, set()
+
+    def __call__(self, input_ids, *rest):
+        self.calls += 1
+        self.rows.add(int(input_ids.shape[0]))
+        return self.fn(input_ids, *rest)
+
+
+def _engines(weights: str) -> tuple[Engine, Engine]:
+    config = dict(weights=weights, num_kv_blocks=64, max_num_seqs=8)
+    eager = Engine(load_model("tiny", weights=weights), EngineConfig(**config))
+    compiled = Engine(load_model("tiny", weights=weights), EngineConfig(**config, compile=True))
+    return eager, compiled
+
+
+@pytest.mark.parametrize("weights", ["native", "int4"])
+def test_compiled_decode_steps_give_the_eager_engines_tokens(weights):
+    eager, compiled = _engines(weights)
+    assert compiled.runner.compile_s > 0
+    counter = CountingDecode(compiled.model._compiled_decode)
+    compiled.model._compiled_decode = counter
+    params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=2)
+    from torch._dynamo.utils import counters
+
+    frames = counters["frames"]["ok"]
+    # one at a time (batches of one), then all together (batches of 4: packed rows for int4)
+    # and 8 (past PACKED_MAX_ROWS: the dense copy)
+    for batch in ([p] for p in PROMPTS[:2]):
+        want, got = eager.generate(batch, params), compiled.generate(batch, params)
+        assert [r.output_token_ids for r in got] == [r.output_token_ids for r in want]
+    batch = PROMPTS + [p[::-1] for p in PROMPTS]
+    for prompts in (PROMPTS, batch):
+        want, got = eager.generate(prompts, params), compiled.generate(prompts, params)
+        assert [r.output_token_ids for r in got] == [r.output_token_ids for r in want]
+        for a, b in zip(got, want, strict=True):
+            lp_a = torch.tensor([e.logprob for e in a.output_logprobs])
+            lp_b = torch.tensor([e.logprob for e in b.output_logprobs])
+            assert torch.allclose(lp_a, lp_b, atol=1e-3), (lp_a - lp_b).abs().max()
+    # every decode step went through the compiled graphs, and none was compiled mid-serving
+    assert counter.calls >= 3 * 23 and {1, 4, 8} <= counter.rows
+    assert counters["frames"]["ok"] == frames
+
+
+def test_compile_is_refused_with_batch_invariant():
+    with pytest.raises(ValueError, match="compile cannot run batch_invariant"):
+        EngineConfig(compile=True, batch_invariant=True)
