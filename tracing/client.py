@@ -30,7 +30,28 @@ def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free loopback port for a process that binds it later (a gateway, a replica's inbox, an
+    upstream server), outside the kernel's ephemeral range: a port from ``bind(0)`` lies inside
+    it, and an outgoing connection can take it before a slow starter binds it (seen in CI: a
+    replica's inbox was taken while it imported torch: EADDRINUSE)."""
+    import random
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+    except (OSError, ValueError):
+        lo, hi = 32768, 60999  # Linux's default
+    spans = [(a, b) for a, b in ((10000, lo), (hi + 1, 65536)) if b - a > 100]
+    for _ in range(200 if spans else 0):
+        start, end = random.choice(spans)
+        port = random.randrange(start, end)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    with socket.socket() as s:  # no room outside the ephemeral range: the kernel's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -16,32 +16,6 @@ from tracing.client import (  # noqa: F401
 )
 
 
-def bind_port() -> int:
-    """A free port for a process that binds it later (a replica's inbox, the gateway's outbox),
-    outside the kernel's ephemeral range: a port from ``bind(0)`` lies inside it, and an
-    outgoing connection can take it before the slow starter binds it (seen in CI: the
-    wrong-key replica's inbox was taken while it imported torch: EADDRINUSE)."""
-    import random
-    import socket
-
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            lo, hi = (int(x) for x in f.read().split())
-    except (OSError, ValueError):
-        lo, hi = 32768, 60999  # Linux's default
-    spans = [(s, e) for s, e in ((10000, lo), (hi + 1, 65536)) if e - s > 100]
-    for _ in range(200):
-        start, end = random.choice(spans)
-        port = random.randrange(start, end)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
-    return free_port()
-
-
 @contextmanager
 def inprocess_client(model, tokenizer_path, engine_config, tokenizer=None) -> Iterator:
     """A TestClient on a gateway over the in-process backend (a real engine of ``model``, no

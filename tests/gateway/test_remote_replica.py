@@ -15,7 +15,7 @@ import sys
 import httpx
 import pytest
 
-from tests.gateway.conftest import bind_port, start_server, stop_server
+from tests.gateway.conftest import free_port, start_server, stop_server
 from tests.gateway.test_faults import replicas, wait_for
 
 KEY = "replica-key-test"
@@ -39,7 +39,7 @@ def metric(url: str, name: str) -> float:
 
 @pytest.fixture(scope="module")
 def fleet(bundled_path):
-    outbox, far, bad, other = (bind_port() for _ in range(4))
+    outbox, far, bad, other = (free_port() for _ in range(4))
     procs = {"far": remote("far", far, outbox, KEY),
              "bad": remote("bad", bad, outbox, "not-the-key"),
              "other": remote("other", other, outbox, KEY, {**ENGINE, "max_num_seqs": 3})}
