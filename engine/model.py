@@ -284,6 +284,10 @@ class LlamaModel:
         (the row-count dispatch is a guard). ``ModelRunner`` compiles them at start."""
         if self.batch_invariant:
             raise ValueError("compile cannot run batch_invariant (its kernels are not traced)")
+        # dynamo keeps at most recompile_limit graphs per code object (``_decode_step``'s, one
+        # for all the models of a process; up to 3 graphs each): past the default 8, a third
+        # compiled model's steps would fall back to eager with only a log line
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self._compiled_decode = torch.compile(self._decode_step)
 
     def _decode(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

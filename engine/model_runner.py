@@ -89,8 +89,8 @@ class ModelRunner:
                                      decode_context_lens=torch.ones(b, dtype=torch.long))
             self.model.forward(torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long),
                                meta, self.kv_caches, torch.arange(b))
-        # inductor compiles in a pool of worker processes, kept for later compiles: there are
-        # none (every graph is made), and they hold ~270 MB of RSS between them
+        # inductor compiles in a pool of worker processes, kept alive for later compiles:
+        # there will be none (every graph is made), so they go
         from torch._inductor.async_compile import shutdown_compile_workers
 
         shutdown_compile_workers()

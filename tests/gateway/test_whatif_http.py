@@ -154,15 +154,18 @@ def test_size_names_the_replica_count_that_real_runs_at_the_peak_rate_confirm(bu
     (the tiny model), so a replica's capacity is low and the peak rate is one the gateway
     serves easily. A window of two replicas measures how they slow each other on this host
     (the contention beta: 0.21-0.32 here); ``size`` on a one-replica window, with that beta,
-    names N for 1.5x one replica's goodput; real runs of the same traffic at that rate on
-    N - 1 and N replicas miss and meet the SLO.
+    names N for 1.8x one replica's goodput (at 95% utilisation: the formula's N is 2); real
+    runs of the same traffic at that rate on N - 1 and N replicas miss and meet the SLO.
 
     How far "meet" can be asserted on this 2-core VM: the replicas, the gateway and this load
     generator share the two cores, and the machine's speed drifts 15-25% between runs, so the
-    real N - 1 run measured 0.075-0.35 attainment (predicted 0.1) and the real N run 0.4-0.925
-    (predicted 0.975-1.0; 0.4 inside a full `make test`) over five runs. So N - 1 is asserted to
-    miss the 90% target and N to do better than N - 1; that N meets the target on the real run
-    is shown by bench/whatif_validation.py on the bundled model, not asserted here."""
+    real N - 1 run at 1.5x measured 0.075-0.35 attainment (predicted 0.1) and the real N run
+    0.4-0.925 (predicted 0.975-1.0; 0.4 inside a full `make test`) over five runs, and once, in
+    a full `make test`, 0.9 on N - 1 (the machine faster than when the window was recorded: a
+    one-replica backlog at 1.5x stayed short of the TTFT bound), hence 1.8x. So N - 1 is
+    asserted to miss the 90% target and N to do better than N - 1; that N meets the target on
+    the real run is shown by bench/whatif_validation.py on the bundled model, not asserted
+    here."""
     env = {"TAILSCOPE_MAX_NUM_SEQS": "1", "TAILSCOPE_THREADS": "1"}
     args = ("--model", "tiny:49152", "--tokenizer", str(bundled_path), "--max-inflight", "1000",
             "--queue-timeout", "0")
@@ -180,7 +183,7 @@ def test_size_names_the_replica_count_that_real_runs_at_the_peak_rate_confirm(bu
         size = ["size", "--window", window, "--slo", slo, "--attainment", "0.9",
                 "--contention", str(beta)]
         c = _cli(servers[1], *size, "--peak-rate", "1")["per_replica_goodput_rps"]
-        out = _cli(servers[1], *size, "--peak-rate", str(1.5 * c), "--utilisation", "0.8")
+        out = _cli(servers[1], *size, "--peak-rate", str(1.8 * c), "--utilisation", "0.95")
         n = out["replicas"]
         assert out["formula_replicas"] == 2 and n in (2, 3), out
         assert out["contention"] == {"beta": beta, "source": "flag"}
