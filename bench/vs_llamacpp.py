@@ -143,6 +143,8 @@ def run_tailscope(spec: str, threads: int, w: dict) -> dict:
 
     dtype, *extra = spec.split("+")
     weights = [x for x in extra if x != "compile"]
+    if len(weights) > 1:
+        raise SystemExit(f"--dtypes: {spec!r} is not DTYPE[+WEIGHTS][+compile]")
     args = ["--dtype", dtype, "--weights", weights[0] if weights else "native"]
     args += ["--compile"] if "compile" in extra else []
     store = tempfile.mkdtemp(prefix="tailscope-vs-llamacpp-")

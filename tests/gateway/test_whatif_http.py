@@ -154,9 +154,9 @@ def test_size_names_the_replica_count_that_real_runs_at_the_peak_rate_confirm(bu
     (the tiny model), so a replica's capacity is low and the peak rate is one the gateway
     serves easily. A window of two replicas measures how they slow each other on this host
     (the contention beta: 0.19-0.32 here, capped at 0.35 for sizing, below); ``size`` on a
-    one-replica window, with that beta,
-    names N for 1.8x one replica's goodput (at 95% utilisation: the formula's N is 2); real
-    runs of the same traffic at that rate on N - 1 and N replicas miss and meet the SLO.
+    one-replica window, with that beta, names N for 1.8x one replica's goodput (at 95%
+    utilisation: the formula's N is 2); real runs of the same traffic at that rate on N - 1
+    and N replicas miss and meet the SLO.
 
     How far "meet" can be asserted on this 2-core VM: the replicas, the gateway and this load
     generator share the two cores, and the machine's speed drifts 15-25% between runs, so the
