@@ -35,10 +35,10 @@ import sys
 import time
 
 
-def workload(quick: bool) -> dict:
+def workload(quick: bool, seed: int = 1234) -> dict:
     import random
 
-    rng = random.Random(1234)
+    rng = random.Random(seed)
     n_mixed = 8 if quick else 32
     out_len = 32 if quick else 128
 

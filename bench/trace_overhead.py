@@ -64,14 +64,16 @@ def start_gateway(store: str | None, child: bool = False, model: str = "tiny"
 
 
 class PeakRss:
-    """Peak RSS of a process (``gateway_mb``), apart of its store child if any (``store_mb``),
-    and of the process with all its descendants summed (``tree_mb``: a gateway with its
-    replica and store, or a server alone), sampled every 50 ms from a thread."""
+    """Peak RSS of a process (``gateway_mb``), apart of its store child if any (``store_mb``)
+    and of its engine replicas (``replica_mb``: the largest one), and of the process with all
+    its descendants summed (``tree_mb``: a gateway with its replica and store, or a server
+    alone), sampled every 50 ms from a thread."""
 
     def __init__(self, pid: int) -> None:
         import threading
 
         self.pid, self.gateway_mb, self.store_mb, self.tree_mb = pid, 0.0, 0.0, 0.0
+        self.replica_mb = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -88,8 +90,11 @@ class PeakRss:
                 for c in gw.children(recursive=True):
                     mb = c.memory_info().rss / 2**20
                     tree += mb
-                    if "store" in c.cmdline():
+                    cmd = c.cmdline()
+                    if "store" in cmd:
                         self.store_mb = max(self.store_mb, mb)
+                    if "engine.replica" in cmd:
+                        self.replica_mb = max(self.replica_mb, mb)
                 self.tree_mb = max(self.tree_mb, tree)
             except psutil.Error:
                 pass

@@ -2,7 +2,7 @@
 servers' OpenAI endpoints.
 
     python bench/vs_llamacpp.py [--dtypes float32,bfloat16,bfloat16+int4] [--threads 2]
-        [--quick]
+        [--rounds 3] [--quick]
 
 ``llama-server`` is built natively from the ``llama-cpp-python`` source distribution on PyPI
 (``--llama-cpp-python``, default 0.3.36; ``bench/upstream_llamacpp.build_llama_server``: about
@@ -12,10 +12,14 @@ model's own GGUF (Q4_1) with ``-t/-tb <threads>`` and 32 slots; Tailscope serves
 with full capture) once per ``--dtypes`` entry (``DTYPE+int4`` / ``DTYPE+int8``: with
 ``--weights int4`` / ``int8``; int4 keeps the GGUF's Q4_1 blocks packed for small decode
 steps; ``+compile``: with ``--compile``, decode steps through ``torch.compile``, e.g.
-``bfloat16+int4+compile``). The servers run one after the other, never at the same time,
-each warmed up with one request first.
+``bfloat16+int4+compile``). All servers start first and stay up; then ``--rounds`` rounds
+(default 3) measure them in turns, one server at a time (the others idle), and the medians over
+the rounds are printed: this machine's speed drifts 15-50% over minutes, and turns spread that
+drift over every server alike instead of handing one server a slow stretch. Each measurement
+starts with a short warm-up request.
 
-The workload is ``bench/engine_throughput.workload`` (random token-id prompts, fixed seed),
+The workload is ``bench/engine_throughput.workload`` (random token-id prompts, a fixed seed per
+round, so no round repeats an earlier one's prompts),
 sent as token-id prompts to ``/v1/completions`` so both servers see the same tokens, greedy,
 streamed, with ``ignore_eos`` so every request emits exactly its ``max_tokens``:
 
@@ -26,9 +30,10 @@ streamed, with ``ignore_eos`` so every request emits exactly its ``max_tokens``:
   aggregate output tok/s and TTFT p50/p99.
 
 llama-server's prompt cache is off (``cache_prompt: false``); Tailscope's prefix cache stays on
-(its default), which these distinct random prompts never hit. Printed: each server's figures,
-each Tailscope column's ratio to llama-server, the peak RSS of each server (Tailscope: gateway
-and replica together), and the issue's targets, met or not. No pass/fail.
+(its default), which these random prompts never hit. Printed: each server's figures,
+each Tailscope column's ratio to llama-server, the peak RSS of each server (Tailscope: gateway,
+replica and store child together) and of its engine (Tailscope's replica process;
+llama-server is one process), and the issue's targets, met or not. No pass/fail.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -116,7 +122,22 @@ def measure(url: str, model: str, w: dict, extra: dict) -> dict:
     return out
 
 
-def run_llama(exe: Path, threads: int, w: dict) -> dict:
+class Server:
+    """One server under test, started once and measured round after round: ``url``, the
+    ``model`` name to ask for, ``extra`` request fields, its peak RSS sampler and how to stop
+    it."""
+
+    def __init__(self, name: str, url: str, model: str, extra: dict, rss, stop) -> None:
+        self.name, self.url, self.model, self.extra = name, url, model, extra
+        self.rss, self._stop = rss, stop
+        self.rounds: list[dict] = []
+
+    def stop(self) -> None:
+        self.rss.stop()
+        self._stop()
+
+
+def start_llama(exe: Path, threads: int, w: dict) -> Server:
     from bench.trace_overhead import PeakRss
     from bench.upstream_llamacpp import start_llama_server
     from bench.upstream_overhead import _wait_http
@@ -128,16 +149,19 @@ def run_llama(exe: Path, threads: int, w: dict) -> dict:
     rss = PeakRss(proc.pid)
     try:
         _wait_http(f"{url}/health", 120, proc)
-        got = measure(url, "x", w, {"cache_prompt": False})
-    finally:
+    except BaseException:
         rss.stop()
         stop_process(proc, 30)
-    return {**got, "rss_mb": rss.tree_mb}
+        raise
+    return Server("llama.cpp", url, "x", {"cache_prompt": False}, rss,
+                  lambda: stop_process(proc, 30))
 
 
-def run_tailscope(spec: str, threads: int, w: dict) -> dict:
+def start_tailscope(spec: str, threads: int) -> Server:
     """``spec``: an engine dtype, then optionally ``+int4`` / ``+int8`` (the weights) and
     ``+compile`` (``bfloat16+int4+compile``)."""
+    import httpx
+
     from bench.trace_overhead import PeakRss
     from tracing.client import GatewayProcess
 
@@ -153,14 +177,23 @@ def run_tailscope(spec: str, threads: int, w: dict) -> dict:
                              "TAILSCOPE_STORE_DSN": f"chdb://{store}/store"}).start()
     rss = PeakRss(gw.proc.pid)
     try:
-        import httpx
-
         model = httpx.get(f"{gw.url}/v1/models").json()["data"][0]["id"]
-        got = measure(gw.url, model, w, {})
-    finally:
+    except BaseException:
         rss.stop()
         gw.stop()
-    return {**got, "rss_mb": rss.tree_mb}
+        raise
+    return Server(f"tailscope {spec}", gw.url, model, {}, rss, gw.stop)
+
+
+def summarise(server: Server) -> dict:
+    """The median over the rounds of each figure, and the peak RSS: of the server process
+    tree (Tailscope: gateway, replica and store together) and of the engine alone (Tailscope's
+    replica process; llama-server is one process)."""
+    out = {key: statistics.median(r[key] for r in server.rounds)
+           for key, _, _ in ROWS if key in server.rounds[0]}
+    out["rss_mb"] = server.rss.tree_mb
+    out["engine_rss_mb"] = server.rss.replica_mb or server.rss.tree_mb
+    return out
 
 
 ROWS = [("batch1_tok_s", "batch 1 output tok/s", True),
@@ -170,20 +203,23 @@ ROWS = [("batch1_tok_s", "batch 1 output tok/s", True),
         ("mixed_tok_s", "32 mixed requests output tok/s", True),
         ("mixed_ttft_p50", "32 mixed TTFT p50 ms", False),
         ("mixed_ttft_p99", "32 mixed TTFT p99 ms", False),
-        ("rss_mb", "server peak RSS MB", False)]
+        ("rss_mb", "server peak RSS MB (all processes)", False),
+        ("engine_rss_mb", "engine peak RSS MB", False)]
 
 
 def report(results: dict[str, dict]) -> None:
     names = list(results)
-    print(f"{'measure':36}" + "".join(f"{n:>20}" for n in names))
+    width = max(20, *(len(n) + 2 for n in names))
+    print(f"{'measure':36}" + "".join(f"{n:>{width}}" for n in names))
     for key, label, _ in ROWS:
-        print(f"{label:36}" + "".join(f"{results[n][key]:20.1f}" for n in names))
+        print(f"{label:36}" + "".join(f"{results[n][key]:{width}.1f}" for n in names))
     base = results["llama.cpp"]
-    print(f"\n{'ratio to llama-server (>1: better)':36}" + "".join(f"{n:>20}" for n in names[1:]))
+    print(f"\n{'ratio to llama-server (>1: better)':36}"
+          + "".join(f"{n:>{width}}" for n in names[1:]))
     for key, label, higher_better in ROWS:
         ratios = [results[n][key] / base[key] if higher_better else base[key] / results[n][key]
                   for n in names[1:]]
-        print(f"{label:36}" + "".join(f"{r:19.2f}x" for r in ratios))
+        print(f"{label:36}" + "".join(f"{r:{width - 1}.2f}x" for r in ratios))
     print("\ntargets (issue 23):")
     for n in names[1:]:
         r = results[n]
@@ -194,7 +230,9 @@ def report(results: dict[str, dict]) -> None:
               f"{base['batch1_ms_token']:.1f} "
               f"({'met' if r['batch1_ms_token'] <= base['batch1_ms_token'] else 'not met'}); "
               f"32 mixed >= 2x llama-server: {r['mixed_tok_s'] / base['mixed_tok_s']:.2f}x "
-              f"({'met' if r['mixed_tok_s'] >= 2 * base['mixed_tok_s'] else 'not met'})")
+              f"({'met' if r['mixed_tok_s'] >= 2 * base['mixed_tok_s'] else 'not met'}); "
+              f"engine peak RSS < 1 GB: {r['engine_rss_mb']:.0f} MB "
+              f"({'met' if r['engine_rss_mb'] < 1024 else 'not met'})")
 
 
 def main() -> int:
@@ -209,14 +247,30 @@ def main() -> int:
                          "packed weights, +compile for compiled decode steps "
                          "(comma-separated)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="each server measured this many times, in turns; medians printed")
     ap.add_argument("--quick", action="store_true", help="8 mixed requests of 32 tokens")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
     exe = build_llama_server(args.llama_cpp_python)
     w = workload(args.quick)
-    results = {"llama.cpp": run_llama(exe, args.threads, w)}
-    for spec in args.dtypes.split(","):
-        results[f"tailscope {spec}"] = run_tailscope(spec, args.threads, w)
+    servers: list[Server] = []
+    try:
+        servers.append(start_llama(exe, args.threads, w))
+        for spec in args.dtypes.split(","):
+            servers.append(start_tailscope(spec, args.threads))
+        for i in range(args.rounds):
+            w = workload(args.quick, seed=1234 + i)  # fresh prompts: no prefix-cache hits
+            for srv in servers:
+                srv.rounds.append(measure(srv.url, srv.model, w, srv.extra))
+                r = srv.rounds[-1]
+                print(f"round {i + 1} {srv.name}: batch-1 {r['batch1_ms_token']:.1f} ms/token, "
+                      f"8 streams {r['streams_tok_s']:.1f} tok/s, 32 mixed "
+                      f"{r['mixed_tok_s']:.1f} tok/s", flush=True)
+    finally:
+        for srv in servers:
+            srv.stop()
+    results = {srv.name: summarise(srv) for srv in servers}
     print(f"# vs_llamacpp  llama-server {exe.parent.parent.parent.name}/{exe.parent.parent.name}, "
           f"threads={args.threads}, "
           f"bundled Q4_1 GGUF; {len(w['mixed'])} mixed requests, "
