@@ -11,7 +11,9 @@ least 3x against ``fcfs`` with total throughput within 10%. The gateway's own TT
 records: arrival to the first flush) is printed beside the client's: on a 2-core machine the
 load generator shares the CPU with the gateway and the replica, and its own delays show in
 the client's tail; the engine's part of the TTFT (queue + prefill, from the records) is
-what the policy decides, and the summary line gives its ratio too.
+what the policy decides, and the summary line gives its ratio too. On 2 or more CPUs the
+replicas run on the last CPU and the gateways and the load generator on the others
+(``replica_core``), so the engine's figures are not the gateway's or the client's pauses.
 
 Under ``priority`` the light tenant has priority 0 and the heavy one 1 (its tenants-file
 default); under ``sjf`` the gateway learns each tenant's output lengths as it goes; under
@@ -26,9 +28,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -134,6 +138,36 @@ def serve_args(model: str, tenants_file: Path) -> list[str]:
     return args
 
 
+@contextmanager
+def replica_core():
+    """On a machine with 2 or more CPUs: the replicas on the last CPU (``TAILSCOPE_REPLICA_CPUS``,
+    the env to pass the gateways), this process (every thread) and so the gateways it starts on
+    the others, put back afterwards. Otherwise the load generator and the gateway, busiest in the
+    mixed phase, take the replica's core now and then, and those pauses land in the engine's
+    tail under every policy alike: not what the policy decides. Yields {} on one CPU."""
+    mine = os.sched_getaffinity(0)
+    if len(mine) < 2:
+        yield {}
+        return
+    replica, rest = max(mine), mine - {max(mine)}
+    tids = [int(t) for t in os.listdir("/proc/self/task")]
+    before = {}
+    for t in tids:
+        try:
+            before[t] = os.sched_getaffinity(t)
+            os.sched_setaffinity(t, rest)
+        except ProcessLookupError:
+            pass
+    try:
+        yield {"TAILSCOPE_REPLICA_CPUS": str(replica)}
+    finally:
+        for t, cpus in before.items():
+            try:
+                os.sched_setaffinity(t, cpus)
+            except ProcessLookupError:
+                pass
+
+
 def engine_env(policy: str) -> dict[str, str]:
     return {"TAILSCOPE_SCHEDULING_POLICY": policy, "TAILSCOPE_MAX_NUM_SEQS": "8",
             "TAILSCOPE_MAX_BATCHED_TOKENS": "64", "TAILSCOPE_KV_CACHE_MB": "128",
@@ -152,7 +186,7 @@ def run_policies(policies: list[str], w: Workload, model: str = "tiny", rounds: 
     from tracing.client import GatewayProcess
 
     served = "SmolLM2-135M-Instruct"
-    with tempfile.TemporaryDirectory() as d, ExitStack() as stack:
+    with tempfile.TemporaryDirectory() as d, replica_core() as pinned, ExitStack() as stack:
         gws, records = {}, {}
         for policy in policies:
             home = Path(d) / policy
@@ -161,7 +195,8 @@ def run_policies(policies: list[str], w: Workload, model: str = "tiny", rounds: 
             records[policy] = home / "records.jsonl"
             gws[policy] = stack.enter_context(GatewayProcess(
                 [*serve_args(model, home / "tenants.toml"), "--records-jsonl",
-                 str(records[policy])], env=engine_env(policy), quiet=True, cwd=home))
+                 str(records[policy])], env={**engine_env(policy), **pinned}, quiet=True,
+                cwd=home))
             warm = Workload(duration_s=1.0, light_rate=4, heavy_rate=1).phases()["mixed"]
             run_phase(gws[policy].url, warm, served)
         got: dict = {p: {} for p in policies}  # policy -> phase -> (samples, duration, runs)

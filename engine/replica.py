@@ -26,6 +26,7 @@ import msgspec
 import zmq
 
 from engine.config import EngineConfig
+from engine.cpus import format_cpus, parse_cpus
 from engine.llm_engine import Engine, RequestOutput
 from engine.loader import load_model
 from engine.protocol import (
@@ -200,6 +201,29 @@ def orphaned(parent_pid: int | None) -> bool:
     return parent_pid is not None and os.getppid() != parent_pid
 
 
+def _cpus_arg(spec: str) -> frozenset[int]:
+    try:
+        return parse_cpus(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def pin(cpus: frozenset[int]) -> None:
+    """Run this process on ``cpus`` only, and torch on one thread per CPU unless
+    ``TAILSCOPE_THREADS`` says otherwise. Every thread that exists now is moved (importing
+    torch starts some), and threads started later inherit the set from their creator."""
+    os.sched_setaffinity(0, cpus)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:  # it ended meanwhile
+            pass
+    if os.environ.get("TAILSCOPE_THREADS", "0") in ("", "0"):
+        import torch
+
+        torch.set_num_threads(len(cpus))
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line (the deployment files' commands are checked against it)."""
     p = argparse.ArgumentParser(description="Tailscope engine replica process")
@@ -211,6 +235,10 @@ def parser() -> argparse.ArgumentParser:
                    help="a `tailscope serve --engine-config` file: its engine settings (a remote "
                         "replica must run its gateway's)")
     p.add_argument("--tokenizer", help="tokenizer (GGUF/HF dir) enabling response_format")
+    p.add_argument("--cpus", type=_cpus_arg, metavar="LIST",
+                   help="run on these CPUs only (a list like 2 or 0-3,6; the gateway passes "
+                        "each replica its part of TAILSCOPE_REPLICA_CPUS), one torch thread "
+                        "per CPU unless TAILSCOPE_THREADS is set")
     p.add_argument("--inbox", required=True)
     p.add_argument("--outbox", required=True)
     p.add_argument("--parent-pid", type=int,
@@ -234,6 +262,11 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(int(os.environ["TAILSCOPE_THREADS"]))
+    if args.cpus is not None:
+        try:
+            pin(args.cpus)
+        except OSError as exc:  # a CPU this host does not have (or cgroups do not allow)
+            p.error(f"--cpus {format_cpus(args.cpus)}: {exc.strerror}")
     try:
         values = json.loads(args.engine_config)
         if args.engine_config_file:  # the gateway's config file: the same settings, one source

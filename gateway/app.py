@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 
 from engine import __version__ as engine_version
 from engine.config import EngineConfig
+from engine.cpus import replica_cpus
 from engine.text import load_tokenizer
 from gateway import __version__ as gateway_version
 from gateway import store_api
@@ -100,6 +101,9 @@ class GatewayConfig:
     remote_replicas: tuple[tuple[str, str], ...] = ()
     replica_outbox: str | None = None
     replica_key: str | None = None
+    # TAILSCOPE_REPLICA_CPUS: each local replica's CPUs ("0-3|4-7", or one list for all; "":
+    # not pinned): engine.cpus
+    replica_cpus: str = ""
     freeze_gc: bool = False  # gc.freeze() once started (``tailscope serve`` sets it)
 
 
@@ -137,7 +141,8 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
                                   tokenizer=str(tok_path), instance=config.instance_id,
                                   remote=dict(config.remote_replicas),
                                   key=(config.replica_key or "").encode() or None,
-                                  outbox_bind=config.replica_outbox)
+                                  outbox_bind=config.replica_outbox,
+                                  cpus=replica_cpus(config.replica_cpus, config.replicas))
     registry = TenantRegistry.from_file(config.tenants_file, config.key_id_secret)
     if registry.open:
         log.warning("no API keys configured: open local mode, every request is tenant 'local'")

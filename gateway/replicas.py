@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from engine.config import EngineConfig
+from engine.cpus import format_cpus
 from engine.protocol import (
     AbortRequest,
     AddRequest,
@@ -95,12 +96,14 @@ class ReplicaPool:
                  slow_client_timeout_s: float = 30.0, heartbeat_timeout_s: float = 30.0,
                  restart: RestartPolicy | None = None, tokenizer: str | None = None,
                  instance: str = "", remote: dict[str, str] | None = None,
-                 key: bytes | None = None, outbox_bind: str | None = None) -> None:
+                 key: bytes | None = None, outbox_bind: str | None = None,
+                 cpus: list[frozenset[int]] | None = None) -> None:
         """Replicas of ``model`` run ``engine``; ``tokenizer`` (its path) lets them compile
         response_format grammars. Replica ids are ``r0``, ``r1``, ... or, under a gateway
         ``instance`` id, ``<instance>/r0``, ...: unique among gateways sharing a store.
         ``remote`` adds replicas on other hosts (id: their ``tcp://`` inbox); they connect
-        back to ``outbox_bind``, and every message is signed with ``key``."""
+        back to ``outbox_bind``, and every message is signed with ``key``. ``cpus``: the CPU
+        set of each local replica (``engine.replica.replica_cpus``; None: not pinned)."""
         self.model, self.config, self.tokenizer = model, engine, tokenizer
         self.work: dict[str, _Work] = {}
         # called with (replica id, incarnation, StepReport) for every engine tick (the store's
@@ -114,6 +117,9 @@ class ReplicaPool:
         self.transport = ZmqTransport(key, outbox_bind)
         prefix = f"{instance}/" if instance else ""
         self.replicas = [Replica(f"{prefix}r{i}") for i in range(num_replicas)]
+        if cpus is not None and len(cpus) != num_replicas:
+            raise ValueError(f"{len(cpus)} CPU sets for {num_replicas} replicas")
+        self.cpus = dict(zip((r.id for r in self.replicas), cpus or (), strict=False))
         if remote and not outbox_bind:
             raise ValueError("remote replicas need an outbox to connect to "
                              "(TAILSCOPE_REPLICA_OUTBOX=tcp://HOST:PORT)")
@@ -140,6 +146,8 @@ class ReplicaPool:
                "--outbox", self.transport.outbox_addr, "--parent-pid", str(os.getpid())]
         if self.tokenizer:
             cmd += ["--tokenizer", self.tokenizer]
+        if r.id in self.cpus:
+            cmd += ["--cpus", format_cpus(self.cpus[r.id])]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if self.transport.key:  # its messages are signed like every other replica's
             env["TAILSCOPE_REPLICA_KEY"] = self.transport.key.decode()

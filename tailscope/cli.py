@@ -223,7 +223,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                        instance_id=instance_id(s.instance_id, args.port),
                                        remote_replicas=remote,
                                        replica_outbox=s.replica_outbox or None,
-                                       replica_key=s.replica_key or None))
+                                       replica_key=s.replica_key or None,
+                                       replica_cpus=s.replica_cpus))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

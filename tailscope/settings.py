@@ -43,6 +43,8 @@ class Settings:
     model: str = "bundled"  # TAILSCOPE_MODEL: 'bundled', 'tiny', a .gguf file or an HF dir
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)  # see the doc
     threads: int = 0  # TAILSCOPE_THREADS: torch intra-op threads (0 = torch's default)
+    # TAILSCOPE_REPLICA_CPUS: CPUs of each local replica ("0-3|4-7", or one list for all)
+    replica_cpus: str = ""
     config: str = ""  # TAILSCOPE_CONFIG: gateway TOML (tenants, API keys, limits)
     queue_timeout_s: float = 60.0  # TAILSCOPE_QUEUE_TIMEOUT_S: engine queue wait -> 504 (0 = none)
     max_buffered_deltas: int = 256  # TAILSCOPE_MAX_BUFFERED_DELTAS: per request, then pause

@@ -1,0 +1,62 @@
+"""CPU sets for replica processes (``TAILSCOPE_REPLICA_CPUS``, ``engine.replica --cpus``).
+
+On a CPU host every replica's torch threads, the gateway and the rest of the machine share the
+cores; pinning each replica to cores of its own (as vLLM's CPU backend does with
+``VLLM_CPU_OMP_THREADS_BIND``) keeps one replica's threads from stalling on another's, or on
+the gateway's. No torch here: the gateway imports this.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def parse_cpus(spec: str) -> frozenset[int]:
+    """A CPU list as ``taskset -c`` and ``/sys/.../cpulist`` write it (``3``, ``0-3``,
+    ``0,2,4-5``) as a set; ValueError naming what is wrong."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise ValueError(f"CPU list {spec!r}: {part.strip()!r} is not a CPU number or a "
+                             "range like 0-3") from None
+        if first < 0 or last < first:
+            raise ValueError(f"CPU list {spec!r}: {part.strip()!r} is not a range of CPUs")
+        cpus.update(range(first, last + 1))
+    return frozenset(cpus)
+
+
+def replica_cpus(spec: str, replicas: int) -> list[frozenset[int]] | None:
+    """``TAILSCOPE_REPLICA_CPUS``: the CPUs of each of ``replicas`` local replicas, ``|``
+    between replicas (``0-3|4-7``), or one list for all; empty: no pinning (None). Every CPU
+    must exist on this machine (not necessarily be one the gateway itself runs on: a gateway
+    pinned apart from its replicas is the point)."""
+    if not spec.strip():
+        return None
+    sets = [parse_cpus(part) for part in spec.split("|")]
+    if len(sets) not in (1, replicas):
+        raise ValueError(f"TAILSCOPE_REPLICA_CPUS={spec!r} gives {len(sets)} CPU lists for "
+                         f"{replicas} replicas: give one list, or one per replica ('|' "
+                         "between them)")
+    machine = set(range(os.cpu_count() or 1))
+    for cpus in sets:
+        if not cpus <= machine:
+            raise ValueError(f"TAILSCOPE_REPLICA_CPUS={spec!r}: CPU(s) "
+                             f"{', '.join(map(str, sorted(cpus - machine)))} do not exist here "
+                             f"(CPUs {format_cpus(machine)})")
+    return sets * replicas if len(sets) == 1 else sets
+
+
+def format_cpus(cpus) -> str:
+    """The shortest CPU list for a set (``0-3,6``): what ``parse_cpus`` reads."""
+    out, run = [], []
+    for c in sorted(cpus):
+        if run and c != run[-1] + 1:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(c)
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)

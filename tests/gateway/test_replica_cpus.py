@@ -1,0 +1,74 @@
+"""``TAILSCOPE_REPLICA_CPUS``: each local replica process runs on its own CPU set."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import httpx
+import psutil
+import pytest
+
+from engine.cpus import format_cpus, parse_cpus, replica_cpus
+from tests.gateway.conftest import start_server, stop_server
+
+
+def test_cpu_lists_parse_and_print_as_taskset_writes_them():
+    assert parse_cpus("3") == {3}
+    assert parse_cpus("0-3,6") == {0, 1, 2, 3, 6}
+    assert parse_cpus(" 1 , 4-5") == {1, 4, 5}
+    assert format_cpus({0, 1, 2, 3, 6, 8, 9}) == "0-3,6,8-9"
+    assert parse_cpus(format_cpus({0, 2, 3, 7})) == {0, 2, 3, 7}
+    for bad in ("", "a", "3-1", "-1", "1-", "0,,2"):
+        with pytest.raises(ValueError, match="CPU list"):
+            parse_cpus(bad)
+
+
+def test_one_list_for_all_replicas_or_one_each():
+    first, last = 0, os.cpu_count() - 1
+    assert replica_cpus("", 2) is None
+    assert replica_cpus(str(first), 3) == [{first}] * 3
+    assert replica_cpus(f"{first}|{last}", 2) == [{first}, {last}]
+    with pytest.raises(ValueError, match="2 CPU lists for 3 replicas"):
+        replica_cpus(f"{first}|{last}", 3)
+    with pytest.raises(ValueError, match=f"CPU\\(s\\) {last + 1} do not exist here"):
+        replica_cpus(f"0,{last + 1}", 1)
+
+
+def test_the_gateway_refuses_a_cpu_list_it_cannot_use(bundled_path):
+    out = subprocess.run([sys.executable, "-m", "tailscope.cli", "serve", "--model", "tiny:49152",
+                          "--tokenizer", str(bundled_path), "--port", "1"],
+                         env={**os.environ, "TAILSCOPE_REPLICA_CPUS": "0|1|2",
+                              "TAILSCOPE_STORE_DSN": "none"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "TAILSCOPE_REPLICA_CPUS='0|1|2' gives 3 CPU lists for 1 replicas" in out.stderr
+
+
+def test_each_replica_runs_on_its_cpus_with_a_thread_per_cpu(bundled_path):
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    server = start_server("--model", "tiny:49152", "--tokenizer", str(bundled_path),
+                          "--replicas", "2",
+                          env={"TAILSCOPE_REPLICA_CPUS": f"{cpu}|0"})
+    try:
+        replicas = {}
+        for child in psutil.Process(server.proc.pid).children(recursive=True):
+            cmd = child.cmdline()
+            if "engine.replica" in cmd:
+                replicas[cmd[cmd.index("--id") + 1]] = child
+        assert sorted(replicas) == ["r0", "r1"]
+        assert replicas["r0"].cpu_affinity() == [cpu]
+        assert replicas["r1"].cpu_affinity() == [0]
+        # torch's pool: one intra-op thread per CPU, created inside the set (the main thread
+        # included, every thread of the process is on the replica's CPUs)
+        for r, want in ((replicas["r0"], {cpu}), (replicas["r1"], {0})):
+            for t in r.threads():
+                assert os.sched_getaffinity(t.id) == want
+        # and they serve
+        r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+            "model": "SmolLM2-135M-Instruct", "prompt": "Hello", "max_tokens": 4,
+            "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        stop_server(server)
