@@ -25,11 +25,45 @@ import random
 import statistics
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tracing import timing
 from tracing.client import sse_json
+
+# ---- placement ------------------------------------------------------------------------------
+
+
+@contextmanager
+def replica_core():
+    """On a machine with 2 or more CPUs: the replicas on the last CPU (``TAILSCOPE_REPLICA_CPUS``,
+    the env to pass the gateways), this process (every thread) and so the gateways it starts on
+    the others, put back afterwards. Otherwise the load generator and the gateway take the
+    replica's core now and then, and those pauses land in the engine's step times: not what
+    the engine or its policy does. Yields {} on one CPU."""
+    mine = os.sched_getaffinity(0)
+    if len(mine) < 2:
+        yield {}
+        return
+    replica, rest = max(mine), mine - {max(mine)}
+    tids = [int(t) for t in os.listdir("/proc/self/task")]
+    before = {}
+    for t in tids:
+        try:
+            before[t] = os.sched_getaffinity(t)
+            os.sched_setaffinity(t, rest)
+        except ProcessLookupError:
+            pass
+    try:
+        yield {"TAILSCOPE_REPLICA_CPUS": str(replica)}
+    finally:
+        for t, cpus in before.items():
+            try:
+                os.sched_setaffinity(t, cpus)
+            except ProcessLookupError:
+                pass
+
 
 # ---- schedules ------------------------------------------------------------------------------
 

@@ -28,17 +28,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import sys
 import tempfile
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.loadgen import Item, Sample, Target, percentile, run_open_loop, slo_stats  # noqa: E402
+from bench.loadgen import (  # noqa: E402
+    Item,
+    Sample,
+    Target,
+    percentile,
+    replica_core,
+    run_open_loop,
+    slo_stats,
+)
 
 KEYS = {"heavy": "sk-heavy", "light": "sk-light"}
 TENANTS = """
@@ -136,36 +142,6 @@ def serve_args(model: str, tenants_file: Path) -> list[str]:
     if model == "tiny":
         args += ["--model", "tiny:49152", "--tokenizer", str(default_model_path())]
     return args
-
-
-@contextmanager
-def replica_core():
-    """On a machine with 2 or more CPUs: the replicas on the last CPU (``TAILSCOPE_REPLICA_CPUS``,
-    the env to pass the gateways), this process (every thread) and so the gateways it starts on
-    the others, put back afterwards. Otherwise the load generator and the gateway, busiest in the
-    mixed phase, take the replica's core now and then, and those pauses land in the engine's
-    tail under every policy alike: not what the policy decides. Yields {} on one CPU."""
-    mine = os.sched_getaffinity(0)
-    if len(mine) < 2:
-        yield {}
-        return
-    replica, rest = max(mine), mine - {max(mine)}
-    tids = [int(t) for t in os.listdir("/proc/self/task")]
-    before = {}
-    for t in tids:
-        try:
-            before[t] = os.sched_getaffinity(t)
-            os.sched_setaffinity(t, rest)
-        except ProcessLookupError:
-            pass
-    try:
-        yield {"TAILSCOPE_REPLICA_CPUS": str(replica)}
-    finally:
-        for t, cpus in before.items():
-            try:
-                os.sched_setaffinity(t, cpus)
-            except ProcessLookupError:
-                pass
 
 
 def engine_env(policy: str) -> dict[str, str]:

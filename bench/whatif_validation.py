@@ -23,7 +23,11 @@ Printed: predicted / measured and the ratio for each, and whether each bound hel
 
     python bench/whatif_validation.py [--model bundled|tiny] [--requests 80] [--rate R]
         [--candidate FILE] [--dtype bfloat16] [--only fidelity|size] [--contention BETA]
-        [--calibration-requests 40] [--json OUT]
+        [--calibration-requests 40] [--no-pin] [--json OUT]
+
+On 2 or more CPUs a single replica runs on the last CPU and the gateway, its store and the load
+generator on the others (``--no-pin``: all share every CPU), so a window's step costs are the
+engine's, not the moments the others took its core.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from bench.loadgen import (  # noqa: E402
     Item,
     Target,
     arrival_times,
+    replica_core,
     run_open_loop,
     workload,
 )
@@ -65,10 +70,14 @@ def engine_file(base: Path, out: Path, dtype: str, model: str) -> Path:
 
 
 def record(config: Path, schedule: list[tuple[float, Item]], replicas: int, home: Path,
-           model: str):
+           model: str, pin: bool = True):
     """A gateway of ``config`` with ``replicas`` (one thread each) and a store of its own
     takes ``schedule``; returns the recorded window (``tailscope.whatif.Window``) and the
-    client's samples."""
+    client's samples. ``pin``: one replica runs on a CPU of its own, the gateway (with its
+    store) and the load generator on the others (``bench.loadgen.replica_core``); two or more
+    replicas share every CPU with them (the contention beta models that)."""
+    from contextlib import nullcontext
+
     from engine import default_model_path
     from tailscope import whatif as W
     from tracing import queries as Q
@@ -81,7 +90,8 @@ def record(config: Path, schedule: list[tuple[float, Item]], replicas: int, home
         args += ["--tokenizer", str(default_model_path())]
     env = {"TAILSCOPE_STORE_DSN": f"chdb://{home}/store", "TAILSCOPE_THREADS": "1",
            "TAILSCOPE_STORE_FLUSH_S": "0.5"}
-    with GatewayProcess(args, env=env, quiet=True, cwd=home) as gw:
+    with replica_core() if pin and replicas == 1 else nullcontext({}) as pinned, \
+            GatewayProcess(args, env={**env, **pinned}, quiet=True, cwd=home) as gw:
         warm = Target(gw.url)  # its own bench run: not in the window
         asyncio.run(run_open_loop(warm, [Item([11, 12, 13], 4)] * 4, [0.0] * 4))
         target = Target(gw.url)
@@ -145,6 +155,9 @@ def main() -> int:
     ap.add_argument("--contention", type=float, help="beta for replicas sharing the host "
                     "(default: fitted on a calibration run of two replicas)")
     ap.add_argument("--calibration-requests", type=int, default=40)
+    ap.add_argument("--no-pin", dest="pin", action="store_false",
+                    help="leave a single replica sharing the CPUs with the gateway and the "
+                         "load generator (default: on a CPU of its own)")
     args = ap.parse_args()
 
     from tailscope import whatif as W
@@ -163,7 +176,7 @@ def main() -> int:
         cand_cfg = engine_file(args.candidate, tmp / "candidate.yaml", args.dtype, args.model)
         print(f"recording: {args.requests} requests at {rate:g}/s, {args.model} ({args.dtype}),"
               " 1 replica of one thread ...", flush=True)
-        base, _ = record(base_cfg, schedule, 1, tmp / "base", args.model)
+        base, _ = record(base_cfg, schedule, 1, tmp / "base", args.model, args.pin)
         e = base.cost.error
         print(f"step cost fit on {base.steps} steps: held-out error median {e.median_rel:.1%}, "
               f"p95 {e.p95_rel:.1%}; gateway share of TTFT {base.overhead_ms:.1f} ms")
@@ -195,7 +208,7 @@ def main() -> int:
             cand = W.candidate(base.base, ECF.load(str(cand_cfg)).engine)
             print(f"candidate: {W.changes(base.base, cand)}", flush=True)
             predicted = W.predict(base, cand).summary(None)
-            real, _ = record(cand_cfg, schedule, 1, tmp / "candidate", args.model)
+            real, _ = record(cand_cfg, schedule, 1, tmp / "candidate", args.model, args.pin)
             out["candidate_steps"] = real.step_rows
             rows.append(compare_row("2. candidate config", predicted, W.recorded(real, None)))
             predicted = W.predict(base, base.base, 2).summary(None)
@@ -219,7 +232,7 @@ def main() -> int:
             scaled = [(t_ / sized["rate_scale"], i) for t_, i in schedule]
             real_runs = {}
             for k in sorted({max(1, n - 1), n}):
-                win, samples = record(base_cfg, scaled, k, tmp / f"size{k}", args.model)
+                win, samples = record(base_cfg, scaled, k, tmp / f"size{k}", args.model, args.pin)
                 got = W.recorded(win, slo)["slo"]["attainment"]
                 pred = next(c["attainment"] for c in sized["checks"] if c["replicas"] == k)
                 real_runs[k] = {"predicted": pred, "measured": got}

@@ -116,9 +116,10 @@ def test_fair_keeps_the_light_tenants_tail_where_fcfs_lets_the_flood_blow_it_up(
     from the records): what the policy decides. The client's TTFT and the engine's p99 also
     catch the moments the OS pauses the replica, under every policy alike (the engine p99 ratio
     measured 1.3-2.5x over runs without pinning, once 3.5x in a full `make test`; 0.35-1.53x
-    pinned, the p90 ratio 1.6-1.8x; bench/policies.py prints all of them). Over ~110 light requests the p99 is the
-    second-largest sample, so two such pauses decide it: the issue's "p99 within 2x of alone"
-    is asserted at p90, the p99 at 4x of alone and at a tenth of fcfs's (120x measured)."""
+    pinned, the p90 ratio 1.6-1.8x; bench/policies.py prints all of them). Over ~110 light
+    requests the p99 is the second-largest sample, so two such pauses decide it: the issue's
+    "p99 within 2x of alone" is asserted at p90, the p99 at 4x of alone and at a tenth of
+    fcfs's (120x measured)."""
     from bench.policies import Workload, run_policies
 
     got = run_policies(["fcfs", "fair"], Workload(duration_s=4.0), rounds=3)
