@@ -103,7 +103,7 @@ class ReplicaPool:
         ``instance`` id, ``<instance>/r0``, ...: unique among gateways sharing a store.
         ``remote`` adds replicas on other hosts (id: their ``tcp://`` inbox); they connect
         back to ``outbox_bind``, and every message is signed with ``key``. ``cpus``: the CPU
-        set of each local replica (``engine.replica.replica_cpus``; None: not pinned)."""
+        set of each local replica (``engine.cpus.replica_cpus``; None: not pinned)."""
         self.model, self.config, self.tokenizer = model, engine, tokenizer
         self.work: dict[str, _Work] = {}
         # called with (replica id, incarnation, StepReport) for every engine tick (the store's
