@@ -30,11 +30,14 @@ def parse_cpus(spec: str) -> frozenset[int]:
 
 def replica_cpus(spec: str, replicas: int) -> list[frozenset[int]] | None:
     """``TAILSCOPE_REPLICA_CPUS``: the CPUs of each of ``replicas`` local replicas, ``|``
-    between replicas (``0-3|4-7``), or one list for all; empty: no pinning (None). Every CPU
+    between replicas (``0-3|4-7``), or one list for all, or ``auto`` (``split_cpus`` of the CPUs
+    this process may use); empty: no pinning (None). Every CPU
     must exist on this machine (not necessarily be one the gateway itself runs on: a gateway
     pinned apart from its replicas is the point)."""
     if not spec.strip():
         return None
+    if spec.strip() == "auto":
+        return split_cpus(sorted(os.sched_getaffinity(0)), replicas)
     sets = [parse_cpus(part) for part in spec.split("|")]
     if len(sets) not in (1, replicas):
         raise ValueError(f"TAILSCOPE_REPLICA_CPUS={spec!r} gives {len(sets)} CPU lists for "
@@ -47,6 +50,17 @@ def replica_cpus(spec: str, replicas: int) -> list[frozenset[int]] | None:
                              f"{', '.join(map(str, sorted(cpus - machine)))} do not exist here "
                              f"(CPUs {format_cpus(machine)})")
     return sets * replicas if len(sets) == 1 else sets
+
+
+def split_cpus(cpus: list[int], replicas: int) -> list[frozenset[int]]:
+    """``cpus`` in ``replicas`` consecutive groups of ``len(cpus) // replicas`` each (what
+    vLLM's ``VLLM_CPU_OMP_THREADS_BIND=auto`` does per rank); the remainder, if any, is left
+    to the gateway and everything else."""
+    per = len(cpus) // max(replicas, 1)
+    if replicas and per == 0:
+        raise ValueError(f"TAILSCOPE_REPLICA_CPUS=auto: {len(cpus)} CPU(s) "
+                         f"({format_cpus(cpus)}) for {replicas} replicas: each needs one")
+    return [frozenset(cpus[i * per:(i + 1) * per]) for i in range(replicas)]
 
 
 def format_cpus(cpus) -> str:

@@ -101,7 +101,7 @@ class GatewayConfig:
     remote_replicas: tuple[tuple[str, str], ...] = ()
     replica_outbox: str | None = None
     replica_key: str | None = None
-    # TAILSCOPE_REPLICA_CPUS: each local replica's CPUs ("0-3|4-7", or one list for all; "":
+    # TAILSCOPE_REPLICA_CPUS: each local replica's CPUs ("0-3|4-7", one list for all, auto; "":
     # not pinned): engine.cpus
     replica_cpus: str = ""
     freeze_gc: bool = False  # gc.freeze() once started (``tailscope serve`` sets it)

@@ -43,7 +43,7 @@ class Settings:
     model: str = "bundled"  # TAILSCOPE_MODEL: 'bundled', 'tiny', a .gguf file or an HF dir
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)  # see the doc
     threads: int = 0  # TAILSCOPE_THREADS: torch intra-op threads (0 = torch's default)
-    # TAILSCOPE_REPLICA_CPUS: CPUs of each local replica ("0-3|4-7", or one list for all)
+    # TAILSCOPE_REPLICA_CPUS: CPUs of each local replica ("0-3|4-7", one list for all, auto)
     replica_cpus: str = ""
     config: str = ""  # TAILSCOPE_CONFIG: gateway TOML (tenants, API keys, limits)
     queue_timeout_s: float = 60.0  # TAILSCOPE_QUEUE_TIMEOUT_S: engine queue wait -> 504 (0 = none)

@@ -10,7 +10,7 @@ import httpx
 import psutil
 import pytest
 
-from engine.cpus import format_cpus, parse_cpus, replica_cpus
+from engine.cpus import format_cpus, parse_cpus, replica_cpus, split_cpus
 from tests.gateway.conftest import start_server, stop_server
 
 
@@ -34,6 +34,16 @@ def test_one_list_for_all_replicas_or_one_each():
         replica_cpus(f"{first}|{last}", 3)
     with pytest.raises(ValueError, match=f"CPU\\(s\\) {last + 1} do not exist here"):
         replica_cpus(f"0,{last + 1}", 1)
+
+
+def test_auto_splits_the_cpus_in_consecutive_groups():
+    assert split_cpus([0, 1, 2, 3, 4, 5, 6, 7], 2) == [{0, 1, 2, 3}, {4, 5, 6, 7}]
+    assert split_cpus([0, 1, 2, 3, 4], 2) == [{0, 1}, {2, 3}]  # CPU 4 left to the rest
+    assert split_cpus([2, 3, 8], 3) == [{2}, {3}, {8}]
+    with pytest.raises(ValueError, match="3 CPU\\(s\\) \\(0-2\\) for 4 replicas"):
+        split_cpus([0, 1, 2], 4)
+    mine = sorted(os.sched_getaffinity(0))
+    assert replica_cpus("auto", 1) == [set(mine)]
 
 
 def test_the_gateway_refuses_a_cpu_list_it_cannot_use(bundled_path):
