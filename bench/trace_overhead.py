@@ -21,7 +21,9 @@ writer's ingest rate into embedded ClickHouse (chDB).
 3. The writer alone, in this process: ``--records`` records with 256 token ids each (and 12
    events) emitted as fast as possible into a fresh chDB store; records/s from the first emit to
    the end of the drain (every row inserted), and the bytes per request on disk (requests and
-   request_events, compressed); once with every record's full detail, once with tail-based
+   request_events, compressed); once with every record's full detail, then the same with chDB
+   in a store child process (``TAILSCOPE_STORE_PROCESS=1``: this process converts, the child
+   inserts, on two cores), then in this process again with tail-based
    retention (``tracing.retention``: the records above the sliding p99 of E2E and a
    ``--detail-sample`` share of the rest keep their token ids and ITL arrays).
 No pass/fail here.
@@ -234,14 +236,27 @@ def conversion(n: int, rounds: int = 3) -> tuple[float, float]:
     return best["columnar"], best["plain"]
 
 
-def ingest(n: int, detail_sample: float = 1.0) -> tuple[float, dict]:
+def ingest(n: int, detail_sample: float = 1.0, child: bool = False) -> tuple[float, dict]:
+    """The writer draining ``n`` records into a fresh chDB store: in this process, or with
+    ``child`` in a store process (``TAILSCOPE_STORE_PROCESS=1``'s ``StoreProcess``: this
+    process converts each batch to Arrow while the child inserts the previous one, on another
+    core)."""
     from tracing import queries as Q
     from tracing.retention import TailRetention
     from tracing.store import Store
     from tracing.writer import RecordWriter
 
     d = Path(tempfile.mkdtemp(prefix="tailscope-ingest-"))
-    store = Store(f"chdb://{d}/store")
+    proc = None
+    if child:
+        from gateway.store_api import StoreProcess
+        from tracing.store_server import RemoteStore
+
+        proc = StoreProcess(f"chdb://{d}/store")
+        proc.start()
+        store = RemoteStore(proc.url, proc.key, timeout_s=600)
+    else:
+        store = Store(f"chdb://{d}/store")
     store.migrate()
     # the bounds are lifted: this measures how fast the writer drains a flood, not its limits
     writer = RecordWriter(store, d / "spool", batch_size=10_000, max_queue=n + 1,
@@ -263,6 +278,9 @@ def ingest(n: int, detail_sample: float = 1.0) -> tuple[float, dict]:
     assert count == n, (count, n)
     _, rows = store.select("SELECT sum(bytes_on_disk) FROM system.parts WHERE active AND "
                            "database = 'tailscope' AND table IN ('requests', 'request_events')")
+    if proc is not None:
+        store.close()
+        proc.close()
     kept = sum(r.detail_kept for r in records)
     return n / total_s, {"emit_us_per_record": emit_s / n * 1e6, **writer.stats,
                          "bytes_per_record": int(rows[0][0]) / n, "kept": kept}
@@ -287,11 +305,13 @@ def main() -> int:
         col, plain = conversion(10_000)
         print(f"conversion to Arrow (requests + request_events), 10,000 records: columnar "
               f"{col:.1f} us/record, plain per-column {plain:.1f} us/record: {plain / col:.2f}x")
-    for sample in () if args.skip_ingest else (1.0, args.detail_sample):
-        rate, stats = ingest(args.records, sample)
+    runs = [(1.0, False), (1.0, True), (args.detail_sample, False)]
+    for sample, child in () if args.skip_ingest else runs:
+        rate, stats = ingest(args.records, sample, child)
         what = "full detail" if sample >= 1 else (
             f"tail-based retention (p99 + {sample:g} sample: {stats['kept']:,} kept)")
-        print(f"writer ingest into chDB, {what}: {rate:,.0f} records/s, "
+        where = "a store child process" if child else "this process"
+        print(f"writer ingest into chDB in {where}, {what}: {rate:,.0f} records/s, "
               f"{stats['bytes_per_record']:.0f} bytes/record on disk ({args.records:,} records "
               f"with 256 token ids and 12 events each; emit {stats['emit_us_per_record']:.2f} "
               f"us/record on the request path; written {stats['written']:,}, dropped "
