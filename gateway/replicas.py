@@ -204,6 +204,8 @@ class ReplicaPool:
                 "kv_books": (rep.kv_books or {}) if rep else {},
                 # messages it dropped for a bad signature (its latest announcement's count)
                 "rejected_by_replica": getattr(r.health, "rejected", 0) if r.health else 0,
+                # the CPUs it was started on (TAILSCOPE_REPLICA_CPUS); None: not pinned
+                "cpus": format_cpus(self.cpus[r.id]) if r.id in self.cpus else None,
             }
         return out
 

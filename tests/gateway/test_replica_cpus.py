@@ -75,6 +75,9 @@ def test_each_replica_runs_on_its_cpus_with_a_thread_per_cpu(bundled_path):
         for r, want in ((replicas["r0"], {cpu}), (replicas["r1"], {0})):
             for t in r.threads():
                 assert os.sched_getaffinity(t.id) == want
+        # /debug/replicas says where each runs
+        desc = httpx.get(f"{server.url}/debug/replicas", timeout=10).json()
+        assert (desc["r0"]["cpus"], desc["r1"]["cpus"]) == (str(cpu), "0")
         # and they serve
         r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
             "model": "SmolLM2-135M-Instruct", "prompt": "Hello", "max_tokens": 4,
