@@ -3,6 +3,7 @@ writer's ingest rate into embedded ClickHouse (chDB).
 
     python bench/trace_overhead.py [--seconds 15] [--concurrency 16] [--records 100000] [--quick]
                                    [--detail-sample 0.1] [--skip-ingest] [--model tiny|bundled]
+                                   [--flush-s 5]
 
 1. Two gateways on the tiny model (vocabulary of the bundled tokenizer; ``--model bundled``: the
    bundled SmolLM2, where the engine, not the gateway, is the bottleneck), one replica each, run
@@ -13,7 +14,9 @@ writer's ingest rate into embedded ClickHouse (chDB).
    machine. A third gateway runs the store in a supervised child process
    (``TAILSCOPE_STORE_PROCESS=1``). Printed: requests/s, output tokens/s, each gateway's peak
    RSS (the store child's apart), and the CPU milliseconds a request costs the gateway (with
-   its store child) and the replica, read after the writer has flushed (``FLUSH_S``, 1 s);
+   its store child) and the replica, read after the writer has flushed (``--flush-s``, the
+   gateways' ``TAILSCOPE_STORE_FLUSH_S``: 5 s, the default, since a store insert has a fixed
+   cost that a shorter interval pays more often);
    capture's cost as the throughput loss and as the extra CPU per request over the CPU a
    request costs without it (the steadier figure: throughput drifts between runs here).
 2. The writer's conversion of 10,000 records to Arrow, its columnar one against the plain
@@ -51,15 +54,15 @@ MODELS = {"tiny": (["--model", "tiny:49152", "--tokenizer", "bundled"], 150),
           "bundled": ([], 12)}
 
 
-def start_gateway(store: str | None, child: bool = False, model: str = "tiny"
-                  ) -> tuple[subprocess.Popen, str]:
+def start_gateway(store: str | None, child: bool = False, model: str = "tiny",
+                  flush_s: float | None = None) -> tuple[subprocess.Popen, str]:
     from engine.loader.paths import resolve_model_path
     from tracing.client import GatewayProcess
 
     args = [str(resolve_model_path(a)) if a == "bundled" else a for a in MODELS[model][0]]
     gw = GatewayProcess(args, cwd=ROOT, quiet=True,
                         env={"TAILSCOPE_KV_CACHE_MB": "64", "TAILSCOPE_STORE_DSN": store or "none",
-                             "TAILSCOPE_STORE_FLUSH_S": str(FLUSH_S),
+                             "TAILSCOPE_STORE_FLUSH_S": str(flush_s or FLUSH_S),
                              "TAILSCOPE_STORE_PROCESS": "1" if child else "0"},
                         ready_timeout_s=180).start()
     return gw.proc, gw.url
@@ -137,12 +140,13 @@ def cpu_seconds(pid: int) -> dict[str, float]:
     return out
 
 
-FLUSH_S = 1.0  # the gateways' TAILSCOPE_STORE_FLUSH_S here
+FLUSH_S = 5.0  # the gateways' TAILSCOPE_STORE_FLUSH_S here (the product default; --flush-s)
 MODES = {"on": "capture on (store in the gateway)", "child": "capture on (store child)",
          "off": "capture off"}
 
 
-def throughput(seconds: float, concurrency: int, rounds: int, model: str = "tiny") -> dict:
+def throughput(seconds: float, concurrency: int, rounds: int, model: str = "tiny",
+               flush_s: float = FLUSH_S) -> dict:
     """Per mode: the best (requests/s, output tokens/s) of the rounds, the highest peak RSS of
     the gateway and of its store child, and the least CPU milliseconds per request of the
     gateway (+ its store child) and of the replica. CPU per request is the steadier measure on
@@ -156,14 +160,15 @@ def throughput(seconds: float, concurrency: int, rounds: int, model: str = "tiny
         for mode in MODES:
             store = f"chdb://{tempfile.mkdtemp(prefix='tailscope-bench-')}/store" \
                 if mode != "off" else None
-            proc, url = start_gateway(store, child=mode == "child", model=model)
+            proc, url = start_gateway(store, child=mode == "child", model=model,
+                                      flush_s=flush_s)
             peak = PeakRss(proc.pid)
             try:
                 closed_loop(url, 2.0, concurrency, model)  # warm-up
-                time.sleep(FLUSH_S + 1)  # the warm-up's records written
+                time.sleep(flush_s + 1)  # the warm-up's records written
                 before = cpu_seconds(proc.pid)
                 rps, tps, n = closed_loop(url, seconds, concurrency, model)
-                time.sleep(FLUSH_S + 1)  # this run's records written (their CPU counted)
+                time.sleep(flush_s + 1)  # this run's records written (their CPU counted)
                 after = cpu_seconds(proc.pid)
                 results[mode].append((rps, tps))
                 d = {k: (after[k] - before[k]) * 1000 / n for k in after}
@@ -295,6 +300,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--detail-sample", type=float, default=0.1)
     ap.add_argument("--skip-ingest", action="store_true", help="only the gateway runs")
+    ap.add_argument("--flush-s", type=float, default=FLUSH_S,
+                    help="the gateways' TAILSCOPE_STORE_FLUSH_S (default: the product's, 5)")
     ap.add_argument("--model", choices=list(MODELS), default="tiny",
                     help="the gateways' model: tiny (the gateway's own cost dominates) or the "
                          "bundled SmolLM2 (the engine's does)")
@@ -316,7 +323,7 @@ def main() -> int:
               f"with 256 token ids and 12 events each; emit {stats['emit_us_per_record']:.2f} "
               f"us/record on the request path; written {stats['written']:,}, dropped "
               f"{stats['dropped']})")
-    tp = throughput(args.seconds, args.concurrency, args.rounds, args.model)
+    tp = throughput(args.seconds, args.concurrency, args.rounds, args.model, args.flush_s)
     print()
     for mode, label in MODES.items():
         rps, tps, gw_mb, store_mb, gw_cpu, rep_cpu = tp[mode]
