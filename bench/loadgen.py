@@ -41,9 +41,9 @@ def replica_core():
     the env to pass the gateways), this process (every thread) and so the gateways it starts on
     the others, put back afterwards. Otherwise the load generator and the gateway take the
     replica's core now and then, and those pauses land in the engine's step times: not what
-    the engine or its policy does. Yields {} on one CPU."""
-    mine = os.sched_getaffinity(0)
-    if len(mine) < 2:
+    the engine or its policy does. Yields {} on one CPU and where there is no CPU affinity."""
+    mine = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    if len(mine) < 2:  # one CPU, or a platform without affinity (not Linux)
         yield {}
         return
     replica, rest = max(mine), mine - {max(mine)}

@@ -36,6 +36,8 @@ def replica_cpus(spec: str, replicas: int) -> list[frozenset[int]] | None:
     pinned apart from its replicas is the point)."""
     if not spec.strip():
         return None
+    if not hasattr(os, "sched_setaffinity"):
+        raise ValueError("TAILSCOPE_REPLICA_CPUS needs sched_setaffinity (Linux); unset it here")
     if spec.strip() == "auto":
         return split_cpus(sorted(os.sched_getaffinity(0)), replicas)
     sets = [parse_cpus(part) for part in spec.split("|")]
