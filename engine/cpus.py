@@ -2,8 +2,8 @@
 
 On a CPU host every replica's torch threads, the gateway and the rest of the machine share the
 cores; pinning each replica to cores of its own (as vLLM's CPU backend does with
-``VLLM_CPU_OMP_THREADS_BIND``) keeps one replica's threads from stalling on another's, or on
-the gateway's. No torch here: the gateway imports this.
+``VLLM_CPU_OMP_THREADS_BIND=0-31|32-63``, one list per rank) keeps one replica's threads from
+stalling on another's, or on the gateway's. No torch here: the gateway imports this.
 """
 
 from __future__ import annotations
@@ -55,9 +55,10 @@ def replica_cpus(spec: str, replicas: int) -> list[frozenset[int]] | None:
 
 
 def split_cpus(cpus: list[int], replicas: int) -> list[frozenset[int]]:
-    """``cpus`` in ``replicas`` consecutive groups of ``len(cpus) // replicas`` each (what
-    vLLM's ``VLLM_CPU_OMP_THREADS_BIND=auto`` does per rank); the remainder, if any, is left
-    to the gateway and everything else."""
+    """``cpus`` in ``replicas`` consecutive groups of ``len(cpus) // replicas`` each; the
+    remainder, if any, is left to the gateway and everything else. (vLLM's
+    ``VLLM_CPU_OMP_THREADS_BIND=auto`` binds each rank to a NUMA node's cores instead; this
+    does not read the NUMA layout: give explicit lists on a multi-socket host.)"""
     per = len(cpus) // max(replicas, 1)
     if replicas and per == 0:
         raise ValueError(f"TAILSCOPE_REPLICA_CPUS=auto: {len(cpus)} CPU(s) "
