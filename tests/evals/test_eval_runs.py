@@ -125,9 +125,13 @@ def test_a_config_that_only_slows_down_fails_on_latency(runs):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     quality = next(x for x in proc.stdout.splitlines() if x.startswith("quality:"))
     assert quality.endswith("-> ok")  # a smaller token budget changes no output
+    # a latency line says it: the smaller budget slows prefill, so TTFT or E2E (which of them
+    # clears the gate's one-sided bound depends on the run: once TTFT x3.36 and E2E only x2.43
+    # with a lower bound of 1.27 under the 1.5 limit)
     regressed = [x for x in proc.stdout.splitlines() if x.endswith("REGRESSED") or
                  "REGRESSED  n=" in x]
-    assert any("e2e_ms p50" in x or "e2e_ms p99" in x for x in regressed), proc.stdout
+    assert any(m in x for x in regressed for m in ("ttft_ms p50", "ttft_ms p99", "e2e_ms p50",
+                                                     "e2e_ms p99")), proc.stdout
 
 
 QUERY = """

@@ -130,9 +130,12 @@ def test_fair_keeps_the_light_tenants_tail_where_fcfs_lets_the_flood_blow_it_up(
     assert light["engine_ttft_p90"] <= 2 * alone["engine_ttft_p90"], got
     assert light["engine_ttft_p99"] <= 4 * alone["engine_ttft_p99"], got
     assert light["engine_ttft_p99"] * 10 < fcfs["mixed"]["light"]["engine_ttft_p99"], got
-    # fcfs: the same run blows it up, in the engine and at the client
+    # fcfs: the same run blows it up, in the engine and at the client (the client's median:
+    # its p99 also holds the moments the gateway and the load generator, sharing one core in
+    # the mixed phase, fall behind, under both policies: fair's measured 26-73 ms, once 863)
     assert fcfs["mixed"]["light"]["engine_ttft_p90"] > 10 * alone["engine_ttft_p90"], got
-    assert fcfs["mixed"]["light"]["ttft_p99"] > 3 * light["ttft_p99"], got
+    assert fcfs["mixed"]["light"]["ttft_p50"] > 10 * light["ttft_p50"], got
+    assert fcfs["mixed"]["light"]["ttft_p99"] > light["ttft_p99"], got
     # and the heavy tenant still gets the rest of the capacity (0.88-1.15x of fcfs's
     # throughput measured, once 0.79x in a full CI run: the bound leaves room for the
     # machine's drift between turns; a starved tenant would be far below it)
