@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.cpus import move_threads
 from tracing import timing
 from tracing.client import sse_json
 
@@ -47,14 +48,7 @@ def replica_core():
         yield {}
         return
     replica, rest = max(mine), mine - {max(mine)}
-    tids = [int(t) for t in os.listdir("/proc/self/task")]
-    before = {}
-    for t in tids:
-        try:
-            before[t] = os.sched_getaffinity(t)
-            os.sched_setaffinity(t, rest)
-        except ProcessLookupError:
-            pass
+    before = move_threads(rest)
     try:
         yield {"TAILSCOPE_REPLICA_CPUS": str(replica)}
     finally:

@@ -77,3 +77,17 @@ def format_cpus(cpus) -> str:
     if run:
         out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
     return ",".join(out)
+
+
+def move_threads(cpus) -> dict[int, set[int]]:
+    """Every thread of this process onto ``cpus`` (``os.sched_setaffinity(0, ...)`` moves only
+    the calling thread; threads started later inherit their creator's set). Returns each
+    moved thread's set before, so a caller can put them back."""
+    before = {}
+    for tid in map(int, os.listdir("/proc/self/task")):
+        try:
+            before[tid] = os.sched_getaffinity(tid)
+            os.sched_setaffinity(tid, cpus)
+        except ProcessLookupError:  # it ended meanwhile
+            pass
+    return before

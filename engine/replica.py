@@ -26,7 +26,7 @@ import msgspec
 import zmq
 
 from engine.config import EngineConfig
-from engine.cpus import format_cpus, parse_cpus
+from engine.cpus import format_cpus, move_threads, parse_cpus
 from engine.llm_engine import Engine, RequestOutput
 from engine.loader import load_model
 from engine.protocol import (
@@ -208,22 +208,6 @@ def _cpus_arg(spec: str) -> frozenset[int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def pin(cpus: frozenset[int]) -> None:
-    """Run this process on ``cpus`` only, and torch on one thread per CPU unless
-    ``TAILSCOPE_THREADS`` says otherwise. Every thread that exists now is moved (importing
-    torch starts some), and threads started later inherit the set from their creator."""
-    os.sched_setaffinity(0, cpus)
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-        except ProcessLookupError:  # it ended meanwhile
-            pass
-    if os.environ.get("TAILSCOPE_THREADS", "0") in ("", "0"):
-        import torch
-
-        torch.set_num_threads(len(cpus))
-
-
 def parser() -> argparse.ArgumentParser:
     """The command line (the deployment files' commands are checked against it)."""
     p = argparse.ArgumentParser(description="Tailscope engine replica process")
@@ -258,15 +242,17 @@ def main(argv: list[str] | None = None) -> int:
     if orphaned(parent_pid):
         return 1
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s replica {args.id} %(message)s")
-    if os.environ.get("TAILSCOPE_THREADS", "0") not in ("", "0"):
-        import torch
-
-        torch.set_num_threads(int(os.environ["TAILSCOPE_THREADS"]))
     if args.cpus is not None:
-        try:
-            pin(args.cpus)
+        try:  # every thread (importing torch started some), before torch's pool exists
+            move_threads(args.cpus)
         except OSError as exc:  # a CPU this host does not have (or cgroups do not allow)
             p.error(f"--cpus {format_cpus(args.cpus)}: {exc.strerror}")
+    # torch's threads: TAILSCOPE_THREADS, else one per CPU of --cpus, else torch's default
+    threads = int(os.environ.get("TAILSCOPE_THREADS") or 0) or len(args.cpus or ())
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
     try:
         values = json.loads(args.engine_config)
         if args.engine_config_file:  # the gateway's config file: the same settings, one source
