@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import __version__ as engine_version
 from engine.config import EngineConfig
@@ -29,7 +30,7 @@ from engine.text import load_tokenizer
 from gateway import __version__ as gateway_version
 from gateway import store_api
 from gateway.backend import Backend
-from gateway.errors import APIError, api_error_handler
+from gateway.errors import APIError, api_error_handler, http_error_handler
 from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics
 from gateway.replicas import ReplicaPool
@@ -238,6 +239,7 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
 
     app.state.on_exit_signal = on_exit_signal
     app.add_exception_handler(APIError, api_error_handler)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_middleware(TraceMiddleware, max_body_bytes=config.max_body_bytes,
                        on_record=on_record, traced_paths=API_PATHS)
 
@@ -309,12 +311,26 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
     store_api.register(app, handle, memory, require_admin, writer, versions["config_id"],
                        config.served_model_name)
 
+    def model_names() -> list[str]:
+        return list(dict.fromkeys([config.served_model_name,  # a mixed pool's model once
+                                   *(upstreams.models if upstreams else [])]))
+
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "tailscope"}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        names = list(dict.fromkeys([config.served_model_name,  # a mixed pool's model once
-                                    *(upstreams.models if upstreams else [])]))
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
-                                            "owned_by": "tailscope"} for name in names]}
+        return {"object": "list", "data": [model_card(name) for name in model_names()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict:
+        """OpenAI's ``GET /v1/models/{model}`` (``client.models.retrieve``): one model's card,
+        or 404 ``model_not_found`` (a name may hold slashes: ``org/name``)."""
+        if model not in model_names():
+            raise APIError(404, f"model {model!r} does not exist; this gateway serves "
+                           f"{', '.join(map(repr, model_names()))}", param="model",
+                           code="model_not_found")
+        return model_card(model)
 
     @app.get("/tokenizer_info", response_model=TokenizerInfoResponse, tags=["Utility"])
     async def tokenizer_info(request: Request) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
 class APIError(Exception):
@@ -38,3 +39,20 @@ async def api_error_handler(request: Request, exc: APIError) -> JSONResponse:
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param)
+
+
+async def http_error_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own errors (no route, a method the route does not take) in the OpenAI
+    shape, so a client's SDK reports them like every other error (it reads ``error.message``;
+    FastAPI's default is ``{"detail": ...}``)."""
+    if exc.status_code == 404:
+        message, code = (f"no endpoint {request.url.path} on this gateway (its endpoints are "
+                         "listed in /openapi.json)"), "not_found"
+    elif exc.status_code == 405:
+        allow = {k.lower(): v for k, v in (exc.headers or {}).items()}.get("allow", "")
+        message, code = (f"{request.method} is not allowed on {request.url.path} (allowed: "
+                         f"{allow})"), "method_not_allowed"
+    else:
+        message, code = str(exc.detail), None
+    return JSONResponse(APIError(exc.status_code, message, code=code).body(),
+                        status_code=exc.status_code, headers=exc.headers)

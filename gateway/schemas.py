@@ -95,8 +95,25 @@ class ChatMessage(BaseModel):
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+            return "".join(p["text"] for p in self.content)  # text parts only: check_content
         return self.content or ""
+
+
+def check_content(messages: list[ChatMessage]) -> None:
+    """Raise ``Unsupported`` for a content part the bundled engine would drop: it reads text
+    only, so an image, audio or file part is refused (naming it) rather than answered as if
+    the user had not sent it. (A backend's requests are passed through untouched instead.)"""
+    for i, m in enumerate(messages):
+        for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
+            kind = part.get("type")
+            if kind != "text":
+                raise Unsupported(f"messages.{i}.content.{j}.type",
+                                  f"content part type {kind!r}: the bundled engine reads text "
+                                  "parts only (image, audio and file input are refused rather "
+                                  "than dropped)")
+            if not isinstance(part.get("text"), str):
+                raise Unsupported(f"messages.{i}.content.{j}.text",
+                                  'a text part is {"type": "text", "text": "..."}')
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -108,6 +125,10 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None  # gateway.tools
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        check_content(self.messages)
 
 
 class TokenizeRequest(BaseModel):

@@ -48,6 +48,7 @@ from gateway.schemas import (
     SamplingFields,
     TokenizeRequest,
     Unsupported,
+    check_content,
 )
 from gateway.tenants import Tenant, TenantRegistry
 from gateway.tools import (
@@ -127,6 +128,11 @@ class Choice:
         out = ids[max(self.ids_sent, 0):]
         self.ids_sent = len(ids)
         return out
+
+
+def _unsupported(exc: Unsupported) -> APIError:
+    return APIError(400, str(exc), "invalid_request_error", exc.param,
+                    code="unsupported_parameter")
 
 
 class Service:
@@ -316,8 +322,7 @@ class Service:
         try:
             parsed.unsupported()
         except Unsupported as exc:
-            raise APIError(400, str(exc), "invalid_request_error", exc.param,
-                           code="unsupported_parameter") from None
+            raise _unsupported(exc) from None
         if parsed.model != self.config.served_model_name:
             raise APIError(404, f"model {parsed.model!r} does not exist; this gateway serves "
                            f"{self.config.served_model_name!r}", param="model",
@@ -457,6 +462,10 @@ class Service:
             if len(req.messages) > self.limits.max_messages:
                 raise bad_request(f"{len(req.messages)} messages; at most "
                                   f"{self.limits.max_messages} are accepted", "messages")
+            try:
+                check_content(req.messages)
+            except Unsupported as exc:
+                raise _unsupported(exc) from None
             messages = [{"role": m.role, "content": m.text(),
                          **({"name": m.name} if m.name else {})} for m in req.messages]
             try:

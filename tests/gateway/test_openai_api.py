@@ -21,6 +21,44 @@ def test_models_health_ready(tiny_server, client):
     assert ready.status_code == 200 and ready.json()["replicas"] == {"r0": "ready"}
 
 
+def test_models_retrieve_and_openai_shaped_route_errors(tiny_server, client):
+    assert client.models.retrieve(tiny_server.model).id == tiny_server.model
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-4")
+    assert missing.value.body["code"] == "model_not_found" and "gpt-4" in missing.value.message
+    # no route and a wrong method: the OpenAI error shape, not FastAPI's {"detail": ...}
+    with pytest.raises(openai.NotFoundError) as no_route:
+        client.embeddings.create(model=tiny_server.model, input="hi")
+    assert no_route.value.body["code"] == "not_found" and "/v1/embeddings" in \
+        no_route.value.message
+    r = httpx.delete(f"{tiny_server.url}/v1/models")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    assert "allowed: GET" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("part", [
+    {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
+    {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+    {"type": "text"},  # a text part without its text
+])
+def test_content_parts_the_engine_cannot_read_are_refused_not_dropped(tiny_server, client,
+                                                                       part):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=tiny_server.model, messages=messages,
+                                       max_tokens=2)
+    assert refused.value.body["param"].startswith("messages.0.content.1.")
+    r = httpx.post(f"{tiny_server.url}/tokenize", json={"messages": messages})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages.0.content.1")
+    # text parts alone are read, joined, like a string content
+    text = [{"role": "user", "content": [{"type": "text", "text": "What is "},
+                                         {"type": "text", "text": "this?"}]}]
+    plain = [{"role": "user", "content": "What is this?"}]
+    ids = [httpx.post(f"{tiny_server.url}/tokenize", json={"messages": m}).json()["tokens"]
+           for m in (text, plain)]
+    assert ids[0] == ids[1]
+
+
 def test_chat_completion_non_streaming(tiny_server, client):
     resp = client.chat.completions.create(
         model=tiny_server.model, messages=[{"role": "user", "content": "Hello"}],
