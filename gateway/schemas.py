@@ -129,6 +129,8 @@ class ChatCompletionRequest(SamplingFields):
     def unsupported(self) -> None:
         super().unsupported()
         check_content(self.messages)
+        if self.top_logprobs and not self.logprobs:  # OpenAI's rule: it would return nothing
+            raise Unsupported("top_logprobs", "top_logprobs needs logprobs: true")
 
 
 class TokenizeRequest(BaseModel):

@@ -885,13 +885,23 @@ class Service:
                         ) -> Response:
         texts = ["" for _ in choices]
 
+        async def collect_one(c: Choice) -> None:
+            done = False
+            while not done:
+                text, done = await self.next_text(c)
+                texts[c.index] += text
+            self._calls(c, texts[c.index])  # before the record is written
+
         async def collect() -> None:
-            for c in choices:
-                done = False
-                while not done:
-                    text, done = await self.next_text(c)
-                    texts[c.index] += text
-                self._calls(c, texts[c.index])  # before the record is written
+            # every choice's deltas are taken as they come: read one after the other, the
+            # later choices' buffers would fill, pause them (flow control) and, when the first
+            # choice outlasts slow_client_timeout_s, cancel them as if the client had stalled
+            try:
+                async with asyncio.TaskGroup() as group:
+                    for c in choices:
+                        group.create_task(collect_one(c))
+            except ExceptionGroup as failed:  # the first error, as one reader would raise it
+                raise failed.exceptions[0] from None
 
         work = asyncio.ensure_future(collect())
         gone = asyncio.ensure_future(self._client_gone(request))

@@ -59,6 +59,16 @@ def test_content_parts_the_engine_cannot_read_are_refused_not_dropped(tiny_serve
     assert ids[0] == ids[1]
 
 
+def test_top_logprobs_without_logprobs_is_refused(tiny_server, client):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=tiny_server.model, max_tokens=2, top_logprobs=2,
+                                       messages=[{"role": "user", "content": "Hi"}])
+    assert refused.value.body["param"] == "top_logprobs"
+    ok = client.chat.completions.create(model=tiny_server.model, max_tokens=2, top_logprobs=0,
+                                        messages=[{"role": "user", "content": "Hi"}])
+    assert ok.choices[0].logprobs is None
+
+
 def test_chat_completion_non_streaming(tiny_server, client):
     resp = client.chat.completions.create(
         model=tiny_server.model, messages=[{"role": "user", "content": "Hello"}],
