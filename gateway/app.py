@@ -311,25 +311,19 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
     store_api.register(app, handle, memory, require_admin, writer, versions["config_id"],
                        config.served_model_name)
 
-    def model_names() -> list[str]:
-        return list(dict.fromkeys([config.served_model_name,  # a mixed pool's model once
-                                   *(upstreams.models if upstreams else [])]))
-
     def model_card(name: str) -> dict:
         return {"id": name, "object": "model", "created": 0, "owned_by": "tailscope"}
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [model_card(name) for name in model_names()]}
+        return {"object": "list", "data": [model_card(n) for n in service.served_models()]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> dict:
         """OpenAI's ``GET /v1/models/{model}`` (``client.models.retrieve``): one model's card,
         or 404 ``model_not_found`` (a name may hold slashes: ``org/name``)."""
-        if model not in model_names():
-            raise APIError(404, f"model {model!r} does not exist; this gateway serves "
-                           f"{', '.join(map(repr, model_names()))}", param="model",
-                           code="model_not_found")
+        if model not in service.served_models():
+            raise service.model_not_found(model)
         return model_card(model)
 
     @app.get("/tokenizer_info", response_model=TokenizerInfoResponse, tags=["Utility"])

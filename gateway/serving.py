@@ -305,6 +305,17 @@ class Service:
             "backend")
         return False
 
+    def served_models(self) -> list[str]:
+        """Every model name this gateway serves, once: the bundled replicas' and each
+        backend's (a mixed pool's shared name once)."""
+        return list(dict.fromkeys([self.config.served_model_name,
+                                   *(self.upstreams.models if self.upstreams else [])]))
+
+    def model_not_found(self, model: str) -> APIError:
+        return APIError(404, f"model {model!r} does not exist; this gateway serves "
+                        f"{', '.join(map(repr, self.served_models()))}", param="model",
+                        code="model_not_found")
+
     async def parse(self, request: Request, model: type[SamplingFields]) -> SamplingFields:
         data, _ = await self.body_json(request)
         if self.config.sampling_defaults or self.config.sampling_overrides:
@@ -324,9 +335,7 @@ class Service:
         except Unsupported as exc:
             raise _unsupported(exc) from None
         if parsed.model != self.config.served_model_name:
-            raise APIError(404, f"model {parsed.model!r} does not exist; this gateway serves "
-                           f"{self.config.served_model_name!r}", param="model",
-                           code="model_not_found")
+            raise self.model_not_found(parsed.model)
         check_counts(parsed, self.limits)
         return parsed
 

@@ -884,7 +884,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--model", help="'bundled' (default), a .gguf file, an HF dir, or tiny:<vocab>")
-    sv.add_argument("--tokenizer", help="tokenizer path (defaults to the model's)")
+    sv.add_argument("--tokenizer", help="tokenizer: an HF directory, a GGUF file or `bundled` "
+                    "(defaults to the model's)")
     sv.add_argument("--served-model-name", help="default SmolLM2-135M-Instruct")
     sv.add_argument("--replicas", type=int, help="replica processes (default 1; 0 with remote "
                     "replicas)")

@@ -174,6 +174,16 @@ def test_hf_tokenizer_json_matches_gguf_tokenizer(tmp_path, bundled_path, bundle
     assert hf.apply_chat_template(msgs) == bundled_tokenizer.apply_chat_template(msgs)
 
 
+@pytest.mark.bundled
+def test_the_bundled_tokenizer_by_name(bundled_tokenizer):
+    """``--tokenizer bundled`` (a tiny test model with the bundled model's vocabulary)."""
+    from engine.text import load_tokenizer
+
+    named = load_tokenizer("bundled")
+    assert named.revision == bundled_tokenizer.revision
+    assert named.encode("Hello world") == bundled_tokenizer.encode("Hello world")
+
+
 def _fields_and_tensors(reader) -> tuple[dict, list]:
     fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
     tensors = [(t.name, int(t.tensor_type), tuple(int(x) for x in t.shape), t.data.dtype,

@@ -110,6 +110,10 @@ def test_the_sdk_through_the_gateway_gets_what_the_upstream_gives(gateway, upstr
     assert streamed == d.choices[0].message.content
     models = [m.id for m in via.models.list()]
     assert models[0] == DIRECT and {"tiny-up", "echo", "flaky"} <= set(models)
+    assert via.models.retrieve("tiny-up").id == "tiny-up"
+    with pytest.raises(openai.NotFoundError) as unknown:  # the answer names every served model
+        via.completions.create(model="nope", prompt="Hi", max_tokens=1)
+    assert "'tiny-up'" in unknown.value.message and repr(DIRECT) in unknown.value.message
 
 
 def test_a_proxied_request_has_one_record_joined_to_the_upstreams_trace(gateway, upstream):
