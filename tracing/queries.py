@@ -454,11 +454,11 @@ def why(source, trace_id: str, top: int = 5) -> tuple[pd.DataFrame, str]:
     descheduled), the largest batch, and the prefill tokens other requests (its neighbours,
     with their tenants) brought into those steps. From the record's ``token_steps`` (the step that
     produced each token) and ``engine_steps``' membership; returns the table (slowest first)
-    and one sentence."""
+    and one sentence. A trace id the store has no record of is a ``QueryError``."""
     trace_id = trace_id.lower()
     rec = frame(source, WHY_RECORD, {"t": trace_id})
     if rec.empty:
-        return pd.DataFrame(columns=_WHY_COLUMNS), f"no record for trace {trace_id}"
+        raise QueryError(f"no record for trace {trace_id}")
     r = rec.iloc[0]
     waited = _waits_sentence(source, trace_id, r)
     token_steps = [int(x) for x in (r["token_steps"] if r["token_steps"] is not None else [])]

@@ -94,6 +94,10 @@ def test_why_names_the_neighbour_tenant_whose_prefill_sat_in_the_slowest_gaps(se
                           server.url, "--top", "20"], capture_output=True, text=True,
                          timeout=120, env={**os.environ, "TAILSCOPE_ADMIN_KEY": "sk-victim"})
     assert cli.returncode == 0 and "tenant globex" in cli.stdout, cli.stderr[-500:]
+    unknown = subprocess.run([sys.executable, "-m", "tailscope.cli", "why", "0" * 32, "--url",
+                              server.url], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "TAILSCOPE_ADMIN_KEY": "sk-victim"})
+    assert unknown.returncode == 1 and "no record for trace" in unknown.stderr, unknown.stdout
 
 
 def test_a_victim_alone_names_no_neighbour(server):
