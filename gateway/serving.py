@@ -1016,7 +1016,7 @@ class Service:
                 fut.cancel()
 
     async def _events(self, req, prompt, choices, chat, rid, obj, created, settle,
-                      trace: RequestTrace) -> AsyncIterator[str]:
+                      trace: RequestTrace) -> AsyncIterator[str | bytes]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         model = self.config.served_model_name
         chunk_obj = obj + (".chunk" if chat else "")
