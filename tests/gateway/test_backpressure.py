@@ -91,7 +91,6 @@ def test_client_that_never_reads_is_cancelled_and_its_kv_freed(bp_server):
     assert wait_for(lambda: replicas(bp_server.url)["r0"]["inflight"] == 0, 5)
 
 
-
 @pytest.fixture(scope="module")
 def impatient_server(bundled_path):
     """Buffers of 8 deltas and a paused request cancelled after 0.5 s: a choice left unread
