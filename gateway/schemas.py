@@ -79,6 +79,9 @@ class SamplingFields(BaseModel):
 
     def unsupported(self) -> None:
         """Raise ``Unsupported`` for a field the engine would otherwise ignore."""
+        if self.stream_options is not None and not self.stream:  # OpenAI's and vLLM's rule
+            raise Unsupported("stream_options", "stream_options is only allowed with "
+                              "stream: true")
         if self.prompt_logprobs is not None and self.stream:
             raise Unsupported("prompt_logprobs", "prompt_logprobs is returned in non-streamed "
                               "responses only (or use echo with logprobs on /v1/completions)")

@@ -59,7 +59,7 @@ def test_content_parts_the_engine_cannot_read_are_refused_not_dropped(tiny_serve
     assert ids[0] == ids[1]
 
 
-def test_top_logprobs_without_logprobs_is_refused(tiny_server, client):
+def test_options_that_need_another_option_are_refused(tiny_server, client):
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=tiny_server.model, max_tokens=2, top_logprobs=2,
                                        messages=[{"role": "user", "content": "Hi"}])
@@ -67,6 +67,10 @@ def test_top_logprobs_without_logprobs_is_refused(tiny_server, client):
     ok = client.chat.completions.create(model=tiny_server.model, max_tokens=2, top_logprobs=0,
                                         messages=[{"role": "user", "content": "Hi"}])
     assert ok.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError) as refused:  # it would change nothing
+        client.completions.create(model=tiny_server.model, prompt="Hi", max_tokens=2,
+                                  stream_options={"include_usage": True})
+    assert refused.value.body["param"] == "stream_options"
 
 
 def test_chat_completion_non_streaming(tiny_server, client):
