@@ -401,7 +401,10 @@ class Service:
                 tenant=tenant.name if tenant else "", weight=tenant.weight if tenant else 1.0)
             params.check_vocab(vocab)
         except SamplingParamsError as exc:
-            raise bad_request(str(exc), exc.param) from None
+            param, message = exc.param, str(exc)
+            if param == "top_logprobs" and isinstance(req, CompletionRequest):  # its name here
+                param, message = "logprobs", message.replace("top_logprobs", "logprobs")
+            raise bad_request(message, param) from None
         if params.structured is not None:  # an invalid schema is the caller's 400
             if len(params.structured.schema) > self.limits.max_schema_bytes:
                 raise bad_request(f"{grammar_param}'s schema is {len(params.structured.schema)}"

@@ -71,6 +71,11 @@ def test_options_that_need_another_option_are_refused(tiny_server, client):
         client.completions.create(model=tiny_server.model, prompt="Hi", max_tokens=2,
                                   stream_options={"include_usage": True})
     assert refused.value.body["param"] == "stream_options"
+    with pytest.raises(openai.BadRequestError) as refused:  # named as /v1/completions calls it
+        client.completions.create(model=tiny_server.model, prompt="Hi", max_tokens=2,
+                                  logprobs=21)
+    assert refused.value.body["param"] == "logprobs" and "top_logprobs" not in \
+        refused.value.message
 
 
 def test_chat_completion_non_streaming(tiny_server, client):
