@@ -825,10 +825,12 @@ class Service:
         trace.record.prompt_tokens, trace.record.stream, trace.record.n = \
             len(prompt), req.stream, req.n
         if self.config.record_token_ids and tenant.capture == "full":  # what replay rebuilds
-            trace.record.sampling_params = json.dumps({
-                "engine": dataclasses.asdict(params), "n": req.n, "stop": self.stops(req),
+            # msgspec encodes the dataclass as asdict + json.dumps did (int keys as strings),
+            # at a tenth of the cost (asdict deep-copies every field)
+            trace.record.sampling_params = _encode_json({
+                "engine": params, "n": req.n, "stop": self.stops(req),
                 "include_stop_str_in_output": req.include_stop_str_in_output,
-                "scoring": scoring})
+                "scoring": scoring}).decode()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         trace.record.response_id = rid
         created = int(time.time())
