@@ -119,13 +119,11 @@ class TextTokenizer:
 
 
 def load_tokenizer(path: str | Path) -> TextTokenizer:
-    """From an HF directory or a GGUF file; ``bundled`` (or ``default``) is the bundled
-    model's, as for ``--model`` (so ``--model tiny:49152 --tokenizer bundled`` works)."""
-    if str(path) in ("bundled", "default"):
-        from engine.loader.paths import default_model_path
+    """From an HF directory or a GGUF file; the bundled model's names (``bundled``) are
+    resolved as ``--model``'s are (so ``--model tiny:49152 --tokenizer bundled`` works)."""
+    from engine.loader.paths import resolve_model_path
 
-        path = default_model_path()
-    path = Path(path)
+    path = Path(resolve_model_path(path))
     if path.is_dir():
         return TextTokenizer.from_hf_dir(path)
     return TextTokenizer.from_gguf(path)
