@@ -1,7 +1,7 @@
 """What explaining the tail costs the engine: step membership and wait causes on vs off.
 
-    python bench/explain_overhead.py [--model bundled] [--dtype bfloat16] [--requests 48]
-                                     [--rounds 3] [--quick]
+    python bench/explain_overhead.py [--model bundled] [--dtype auto|bfloat16|float32]
+                                     [--requests 48] [--rounds 3] [--quick]
 
 One process, one set of weights, the same workload run alternately with the engine setting
 ``step_detail`` on and off (after one warm-up run; best of ``--rounds`` each, to damp drift on
@@ -58,7 +58,8 @@ def run(model, config, prompts: list[list[int]], out: int) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="bundled")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="engine dtype (auto: bfloat16 where the "
+                    "CPU has native bf16 matmuls, else float32)")
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)

@@ -22,8 +22,8 @@ Target (issue 21): predicted p50 within 15% and p99 within 25% of measured, for 
 Printed: predicted / measured and the ratio for each, and whether each bound held.
 
     python bench/whatif_validation.py [--model bundled|tiny] [--requests 80] [--rate R]
-        [--candidate FILE] [--dtype bfloat16] [--only fidelity|size] [--contention BETA]
-        [--calibration-requests 40] [--no-pin] [--json OUT]
+        [--candidate FILE] [--dtype auto|bfloat16|float32] [--only fidelity|size]
+        [--contention BETA] [--calibration-requests 40] [--no-pin] [--json OUT]
 
 On 2 or more CPUs a single replica runs on the last CPU and the gateway, its store and the load
 generator on the others (``--no-pin``: all share every CPU), so a window's step costs are the
@@ -142,7 +142,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=80)
     ap.add_argument("--rate", type=float, help="arrivals per second (default: bundled 3, "
                     "tiny 25)")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="engine dtype (auto: bfloat16 where the "
+                    "CPU has native bf16 matmuls, else float32)")
     ap.add_argument("--candidate", type=Path,
                     default=ROOT / "evals/configs/bundled-small-chunks.yaml")
     ap.add_argument("--size-factor", type=float, default=1.5)

@@ -372,8 +372,9 @@ class LlamaModel:
         block_size = kv_caches[0][0].shape[1]
         decodes = invariant.DecodePlan(meta.decode_block_tables, meta.decode_context_lens,
                                        block_size) if nd else None
+        rows = invariant.row_multiple(kv_caches[0][0].shape[-1])
         prefills = [(p, invariant.PrefillPlan(p.block_table, p.context_len, p.end - p.start,
-                                              group, block_size)) for p in meta.prefills]
+                                              group, block_size, rows)) for p in meta.prefills]
         for lw, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             q, k, v = self._qkv(lw, h, rope, positions, False)
             kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)

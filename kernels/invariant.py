@@ -9,18 +9,22 @@ machine kind (torch 2.13, 2 threads):
   kernel for 1-32 rows and others above (which differ again among themselves). So
   ``InvariantLinear`` prepacks for oneDNN in both dtypes and feeds it rows in chunks (one row
   is padded to two): up to 512 rows in fp32, up to 32 in bf16. ``invariant_chunk`` probes that
-  premise per weight shape on the CPU at hand when a model loads (``verify_linear``), and falls
+  premise per weight shape on the CPU at hand when a model loads (``verify_linear``; a CPU
+  without native bf16, AVX2 only, has no oneDNN bf16 path: its bf16 weights go through
+  ``F.linear``, probed the same way), and falls
   back to fixed two-row calls if it does not hold.
 - **Attention's reductions run over a length that changes with the batch.** A prefill chunk's
   queries attend over the whole chunk's context, a decode query over its own; SDPA picks its
   blocking by those lengths, and a masked batch of decodes takes another path than one decode.
-  ``decode_attention`` and ``prefill_attention`` compute every query the same way whatever
-  else is in the call (``_attend``): scores per block of ``KEY_BLOCK`` keys as matmuls with at
-  least two rows and a fixed reduction (the head dim), the max (exact in any order), ``exp``,
-  then sums within each block folded across blocks in key order by ``cumsum`` (a sequential
-  scan). Blocks past a query's context are all masked and add exact zeros, so a decode in a
-  batch of longer contexts, or a prefill query tile that stops at its own last position (the
-  causal triangle's empty blocks skipped), gives the same bits. All in fp32.
+  ``decode_attention`` and ``prefill_attention`` compute every query the same way whatever else
+  is in the call (``_attend``): scores per block of ``KEY_BLOCK`` keys as matmuls whose row
+  count is padded to a multiple that rounds alike on the CPU at hand (``row_multiple``, probed
+  once: 2 with AVX-512, 4 with AVX2's MKL) and a fixed reduction (the head dim), the max (exact
+  in any order), ``exp``, then sums within each block folded across blocks in key order by
+  ``cumsum`` (a sequential scan). Blocks past a query's context are all masked and add exact
+  zeros, so a decode in a batch of longer contexts, or a prefill query tile that stops at its
+  own last position (the causal triangle's empty blocks skipped), gives the same bits. All in
+  fp32.
 - **Elementwise ops with a vector tail.** ``F.silu`` gives other bits for elements in the
   scalar tail of a tensor whose size is not a multiple of the vector width; ``silu_and_mul``
   here is built from ``exp`` and exact IEEE ops, which agree in both paths.
@@ -36,6 +40,8 @@ import functools
 
 import torch
 
+from kernels.linear import bf16_matmul_supported
+
 CHUNKS = (512, 32)  # rows per oneDNN call, largest first: the probe picks the first that holds
 CHUNK = 32
 KEY_BLOCK = 64  # keys per partial sum of the softmax and of P @ V
@@ -46,6 +52,8 @@ def _prepack(weight: torch.Tensor) -> torch.Tensor | None:
             torch.ops.mkldnn, "_reorder_linear_weight") or weight.dtype not in (
             torch.float32, torch.bfloat16):
         return None
+    if weight.dtype == torch.bfloat16 and not bf16_matmul_supported():
+        return None  # oneDNN's bf16 reorder raises without AVX-512 (kernels.linear)
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
 
 
@@ -174,12 +182,43 @@ def _blocks(cache: torch.Tensor, index: torch.Tensor, b: int, nb: int) -> torch.
     return rows.view(b, hk, nb, KEY_BLOCK, d)
 
 
-def _two_rows(q: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """At least two rows per matmul (one row is a gemv with other rounding)."""
+# row counts whose matmuls may round alike, tried in this order by ``row_multiple``
+ROW_MULTIPLES = (2, 4, 8, 16)
+
+
+@functools.lru_cache(maxsize=16)
+def row_multiple(head_dim: int) -> int:
+    """The row multiple ``p`` that attention's matmuls are padded to on this CPU: the
+    smallest of ``ROW_MULTIPLES`` for which every call of ``k * p`` rows (at any offset) gives
+    each row the bits one large call gives it, for both of attention's shapes (scores:
+    ``head_dim`` x ``KEY_BLOCK``; P @ V: ``KEY_BLOCK`` x ``head_dim``). Measured: with AVX-512
+    every row count from 2 up agrees (p = 2: one row is a gemv); MKL's AVX2 sgemm rounds 1-3,
+    5-7 and 9-11 rows otherwise than 4, 8 and 12 and more (p = 4). Raises if none holds."""
+    g = torch.Generator().manual_seed(7)
+    n = 16 * 17
+    shapes = ((head_dim, KEY_BLOCK), (KEY_BLOCK, head_dim))
+    probes = [(torch.randn(n + 16, a, generator=g), torch.randn(a, b, generator=g))
+              for a, b in shapes]
+    fulls = [x @ w for x, w in probes]
+    for p in ROW_MULTIPLES:
+        if all(torch.equal(x[s:s + m] @ w, full[s:s + m])
+               for (x, w), full in zip(probes, fulls, strict=True)
+               for m in range(p, n + 1, p) for s in (0, 3)):
+            return p
+    raise RuntimeError(f"batch_invariant: this CPU's fp32 matmuls for attention (head_dim "
+                       f"{head_dim}) are not row-invariant at any row multiple of "
+                       f"{ROW_MULTIPLES}; turn the mode off")
+
+
+def _pad_rows(q: torch.Tensor, p: int) -> tuple[torch.Tensor, int]:
+    """Zero rows up to a multiple of ``p`` (``row_multiple``), so every matmul has a row count
+    that rounds alike (one row is a gemv with other rounding)."""
     r = q.shape[-2]
-    if r >= 2:
+    extra = -r % p
+    if not extra:
         return q, r
-    return torch.cat([q, torch.zeros_like(q)], -2), r
+    pad = q.new_zeros((*q.shape[:-2], extra, q.shape[-1]))
+    return torch.cat([q, pad], -2), r
 
 
 class DecodePlan:
@@ -201,8 +240,9 @@ class PrefillPlan:
     triangle's empty blocks are skipped, which the fold allows)."""
 
     def __init__(self, block_table: torch.Tensor, context_len: int, n: int, group: int,
-                 block_size: int) -> None:
-        self.n, self.group = n, group
+                 block_size: int, rows: int = 2) -> None:
+        """``rows``: the row multiple of this CPU's attention matmuls (``row_multiple``)."""
+        self.n, self.group, self.rows = n, group, rows
         self.nb = -(-context_len // KEY_BLOCK)
         self.index = _block_index(block_table[None], self.nb, block_size)
         first = context_len - n
@@ -211,8 +251,8 @@ class PrefillPlan:
             b = min(a + QUERY_TILE, n)
             nb = -(-(first + b) // KEY_BLOCK)
             q_pos = torch.arange(first + a, first + b).repeat_interleave(group)
-            if q_pos.numel() < 2:
-                q_pos = torch.cat([q_pos, q_pos])
+            if q_pos.numel() % rows:  # the padding rows (zeros) see the last one's keys
+                q_pos = torch.cat([q_pos, q_pos[-1:].expand(-q_pos.numel() % rows)])
             pos = torch.arange(nb * KEY_BLOCK).view(nb, 1, KEY_BLOCK)
             self.tiles.append((a * group, b * group, nb, pos <= q_pos.view(1, -1, 1)))
 
@@ -226,7 +266,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     hk = k_cache.shape[2]
     k = _blocks(k_cache, plan.index, plan.b, plan.nb)
     v = _blocks(v_cache, plan.index, plan.b, plan.nb)
-    rows, r = _two_rows((q.float() * scale).view(b, hk, h // hk, d))
+    rows, r = _pad_rows((q.float() * scale).view(b, hk, h // hk, d), row_multiple(d))
     return _attend(rows, k, v, plan.valid)[:, :, :r].reshape(b, h, d).to(q.dtype)
 
 
@@ -240,7 +280,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     rows = (q.float() * scale).view(n, hk, g, d).transpose(0, 1).reshape(hk, n * g, d)
     out = torch.empty_like(rows)
     for a, b, nb, valid in plan.tiles:
-        tile, r = _two_rows(rows[:, a:b])
+        tile, r = _pad_rows(rows[:, a:b], plan.rows)
         out[:, a:b] = _attend(tile, k[:, :nb], v[:, :nb], valid)[:, :r]
     return out.view(hk, n, g, d).transpose(0, 1).reshape(n, h, d).to(q.dtype)
 
@@ -259,5 +299,5 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """As ``kernels.reference.paged_prefill_attention``, batch-invariant: query ``i`` of the
     chunk gives what it would as a decode at its position."""
     plan = PrefillPlan(block_table, context_len, q.shape[0], q.shape[1] // k_cache.shape[2],
-                       k_cache.shape[1])
+                       k_cache.shape[1], row_multiple(k_cache.shape[-1]))
     return prefill_attention(q, k_cache, v_cache, plan, scale)

@@ -14,9 +14,19 @@ import torch.nn.functional as F
 
 
 def _can_prepack(weight: torch.Tensor) -> bool:
+    """oneDNN's bf16 linear needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: on a CPU with only
+    AVX2 its reorder raises, so there the weight stays a plain tensor and ``F.linear`` runs
+    (slowly: torch emulates bf16 there; ``dtype: auto`` picks float32 on such a CPU)."""
     return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
             and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and bf16_matmul_supported())
+
+
+def bf16_matmul_supported() -> bool:
+    """oneDNN runs bfloat16 matmuls on this CPU (torch's own check)."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else False
 
 
 @torch.library.custom_op("tailscope::prepacked_linear", mutates_args=())
