@@ -65,7 +65,8 @@ class ModelRunner:
             (torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
             for _ in range(c.num_layers)
         ]
-        self.sampler = Sampler()
+        eos = () if c.eos_token_id is None else (c.eos_token_id,)
+        self.sampler = Sampler(eos + tuple(c.extra_eos_token_ids))
         self.compile_s = 0.0
         if compile:
             self._compile()

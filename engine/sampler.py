@@ -1,7 +1,7 @@
 """The sampling pipeline (DESIGN.md §3), one vectorised pass over the batch per tick:
 
-hard mask + logit_bias -> repetition / frequency / presence penalties -> [greedy: argmax]
--> temperature -> top-k -> top-p -> min-p -> typical-p -> renormalise -> draw.
+hard mask + min_tokens' stop mask + logit_bias -> repetition / frequency / presence penalties
+-> [greedy: argmax] -> temperature -> top-k -> top-p -> min-p -> typical-p -> renormalise -> draw.
 
 Semantics:
 * greedy (``temperature < GREEDY_EPS``): argmax of the processed logits, lowest id on ties
@@ -54,7 +54,8 @@ def _rows(mask: list[bool]) -> torch.Tensor:
     return torch.tensor([i for i, m in enumerate(mask) if m], dtype=torch.long)
 
 
-def apply_bias_and_masks(logits: torch.Tensor, reqs: list[Request]) -> None:
+def apply_bias_and_masks(logits: torch.Tensor, reqs: list[Request],
+                         eos_ids: tuple[int, ...] = ()) -> None:
     rows, cols, vals = [], [], []
     for i, r in enumerate(reqs):
         for tok, bias in r.params.logit_bias.items():
@@ -63,9 +64,26 @@ def apply_bias_and_masks(logits: torch.Tensor, reqs: list[Request]) -> None:
             vals.append(bias)
         if r.constraint is not None:
             logits[i].masked_fill_(~r.constraint.allowed_tokens(logits.shape[1]), NEG_INF)
+        if len(r.output_token_ids) < r.params.min_tokens:
+            _mask_stops(logits[i], r, eos_ids)
     if rows:
         logits.index_put_((torch.tensor(rows), torch.tensor(cols)),
                           torch.tensor(vals, dtype=logits.dtype), accumulate=True)
+
+
+def _mask_stops(row: torch.Tensor, r: Request, eos_ids: tuple[int, ...]) -> None:
+    """``min_tokens``: the tokens that would end the request (EOS unless ``ignore_eos``, its
+    ``stop_token_ids``) get no mass yet. A grammar that allows nothing else (its JSON is
+    complete) keeps its EOS: the grammar wins, as a constrained output must stay valid."""
+    ids = [t for t in (() if r.params.ignore_eos else eos_ids) + r.params.stop_token_ids
+           if t < row.shape[0]]
+    if not ids:
+        return
+    idx = torch.tensor(ids)
+    kept = row[idx].clone()
+    row[idx] = NEG_INF
+    if r.constraint is not None and not bool(torch.isfinite(row).any()):
+        row[idx] = kept
 
 
 def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
@@ -225,8 +243,10 @@ def _typical(p: torch.Tensor, typical: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self) -> None:
+    def __init__(self, eos_ids: tuple[int, ...] = ()) -> None:
+        """``eos_ids``: the model's end-of-sequence tokens (``min_tokens`` masks them)."""
         self._generators: dict[str, torch.Generator] = {}
+        self.eos_ids = tuple(eos_ids)
 
     def _generator(self, req: Request) -> torch.Generator:
         g = self._generators.get(req.request_id)
@@ -244,7 +264,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         """``logits`` ``[len(reqs), vocab]`` float32 (modified in place)."""
-        apply_bias_and_masks(logits, reqs)
+        apply_bias_and_masks(logits, reqs, self.eos_ids)
         apply_penalties(logits, reqs)
         greedy = [r.params.greedy for r in reqs]
         tokens = logits.argmax(dim=-1) if any(greedy) else torch.empty(0, dtype=torch.long)

@@ -81,6 +81,10 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    # vLLM's extra: no EOS (unless ignore_eos, which never stops on it anyway) and no
+    # stop_token_ids before this many output tokens (the sampler masks them), and no stop
+    # string matched in their text (the gateway's TextStream)
+    min_tokens: int = 0
     logprobs: bool = False
     top_logprobs: int = 0
     # the prompt tokens' log-probabilities (raw model distribution; the first token has none),
@@ -114,6 +118,9 @@ class SamplingParams:
                f"got {self.priority}")
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
                f"max_tokens must be an integer >= 1, got {self.max_tokens}")
+        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+               "min_tokens", f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}]"
+               f", got {self.min_tokens!r}")
         _check(self.temperature >= 0, "temperature",
                f"temperature must be >= 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}")

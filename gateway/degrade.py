@@ -63,6 +63,9 @@ class DegradeRule:
         if self.max_tokens is not None and params.max_tokens > self.max_tokens:
             changes.append(f"max_tokens {params.max_tokens}->{self.max_tokens}")
             update["max_tokens"] = self.max_tokens
+            if params.min_tokens > self.max_tokens:  # min_tokens <= max_tokens holds
+                changes.append(f"min_tokens {params.min_tokens}->{self.max_tokens}")
+                update["min_tokens"] = self.max_tokens
         if self.n is not None and n > self.n:
             changes.append(f"n {n}->{self.n}")
             n = self.n

@@ -22,6 +22,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from engine.text.chat_template import RESERVED_VARIABLES
+
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 INT32_MAX = (1 << 31) - 1
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
@@ -66,6 +68,9 @@ class SamplingFields(BaseModel):
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
+    # vLLM's extra: at least this many output tokens before EOS, stop_token_ids or a stop
+    # string can end the request (at most max_tokens)
+    min_tokens: Count = 0
     include_stop_str_in_output: bool = False
     # vLLM's extra: each prompt token's logprob and this many alternatives, in the response's
     # top-level "prompt_logprobs" (non-streamed responses)
@@ -119,7 +124,27 @@ def check_content(messages: list[ChatMessage]) -> None:
                                   'a text part is {"type": "text", "text": "..."}')
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(BaseModel):
+    """vLLM's chat-template extras (chat completions and ``/tokenize``)."""
+
+    add_generation_prompt: bool = True
+    # the last message (e.g. a partial assistant turn) is left open for the model to
+    # continue; needs add_generation_prompt: false (vLLM's rule)
+    continue_final_message: bool = False
+    # more variables for the template (e.g. Qwen3's enable_thinking)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_template_fields(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise Unsupported("continue_final_message", "continue_final_message needs "
+                              "add_generation_prompt: false (they cannot both be true)")
+        taken = sorted(RESERVED_VARIABLES & (self.chat_template_kwargs or {}).keys())
+        if taken:
+            raise Unsupported("chat_template_kwargs", f"chat_template_kwargs cannot set "
+                              f"{', '.join(taken)}: the request's own fields set them")
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Count | None = None
     logprobs: bool = False
@@ -131,12 +156,13 @@ class ChatCompletionRequest(SamplingFields):
 
     def unsupported(self) -> None:
         super().unsupported()
+        self.check_template_fields()
         check_content(self.messages)
         if self.top_logprobs and not self.logprobs:  # OpenAI's rule: it would return nothing
             raise Unsupported("top_logprobs", "top_logprobs needs logprobs: true")
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(ChatTemplateFields):
     """vLLM's ``POST /tokenize``: a prompt, or chat messages rendered by the chat template."""
 
     model_config = ConfigDict(extra="forbid")
@@ -145,7 +171,6 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
-    add_generation_prompt: bool = True
     return_token_strs: bool = False
 
 

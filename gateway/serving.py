@@ -394,7 +394,8 @@ class Service:
                 repetition_penalty=req.repetition_penalty,
                 frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
                 logit_bias=bias, seed=req.seed, ignore_eos=req.ignore_eos,
-                stop_token_ids=tuple(req.stop_token_ids or ()), logprobs=logprobs,
+                stop_token_ids=tuple(req.stop_token_ids or ()), min_tokens=req.min_tokens,
+                logprobs=logprobs,
                 top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
                 structured=StructuredOutput.from_response_format(response_format),
                 priority=priority, predicted_tokens=predicted_tokens,
@@ -481,13 +482,16 @@ class Service:
                 raise bad_request(f"{len(req.messages)} messages; at most "
                                   f"{self.limits.max_messages} are accepted", "messages")
             try:
+                req.check_template_fields()
                 check_content(req.messages)
             except Unsupported as exc:
                 raise _unsupported(exc) from None
             messages = [{"role": m.role, "content": m.text(),
                          **({"name": m.name} if m.name else {})} for m in req.messages]
             try:
-                text = self.tokenizer.apply_chat_template(messages, req.add_generation_prompt)
+                text = self.tokenizer.apply_chat_template(
+                    messages, req.add_generation_prompt, req.continue_final_message,
+                    req.chat_template_kwargs)
             except ValueError as exc:
                 raise bad_request(str(exc), "messages") from None
             special = bool(req.add_special_tokens)
@@ -533,7 +537,9 @@ class Service:
             response_format = {"type": "json_schema", "json_schema": {"schema": spec.schema()}}
             grammar_param = "tools"
         try:
-            text = self.tokenizer.apply_chat_template(messages)
+            text = self.tokenizer.apply_chat_template(
+                messages, req.add_generation_prompt, req.continue_final_message,
+                req.chat_template_kwargs)
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from None
         prompt = await self.encode(text, add_special_tokens=False)
@@ -621,7 +627,8 @@ class Service:
                 r.route_reason = "; ".join(filter(None, (trace.route_note, route.reason)))
                 r.prefix_hit_tokens = route.prefix_hit_tokens
                 r.model_revision = route.model_revision or r.model_revision
-            choices.append(Choice(i, engine_id, TextStream(self.tokenizer, stop, include_stop),
+            choices.append(Choice(i, engine_id, TextStream(self.tokenizer, stop, include_stop,
+                                                            min_tokens=p.min_tokens),
                                   queue, route.replica, p, prompt,
                                   logprobs=[] if params.logprobs else None,
                                   cache_salt=cache_salt, deadline=deadline,

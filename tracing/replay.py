@@ -95,6 +95,8 @@ def completion_body(record: dict, model: str) -> dict:
         body["prompt_logprobs"] = e["prompt_logprobs"]
     if e.get("priority"):
         body["priority"] = e["priority"]
+    if e.get("min_tokens"):  # older records have none: 0
+        body["min_tokens"] = e["min_tokens"]
     s = e.get("structured")
     if s:
         body["response_format"] = {"type": "json_object"} if s["kind"] == "json_object" else {

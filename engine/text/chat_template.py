@@ -13,6 +13,11 @@ def _raise(message: str) -> None:
     raise TemplateError(message)
 
 
+# the variables a render sets itself: ``chat_template_kwargs`` cannot replace them
+RESERVED_VARIABLES = frozenset({"messages", "add_generation_prompt", "continue_final_message",
+                                "bos_token", "eos_token"})
+
+
 class ChatTemplate:
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -25,11 +30,39 @@ class ChatTemplate:
         self.eos_token = eos_token
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               **extra: Any) -> str:
+               continue_final_message: bool = False, **extra: Any) -> str:
+        """The prompt text. ``continue_final_message``: the text ends with the last message's
+        content, left open for the model to continue (HF's rule: everything the template adds
+        after that content, such as an end-of-turn token, is cut). ``extra``: more template
+        variables (vLLM's ``chat_template_kwargs``, e.g. ``enable_thinking``). A template that
+        refuses the messages (``raise_exception``, an undefined name) raises ValueError."""
         for i, m in enumerate(messages):
             if "role" not in m or "content" not in m:
                 raise ValueError(f"messages[{i}] needs 'role' and 'content'")
-        return self._template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token, eos_token=self.eos_token, **extra,
-        )
+        taken = sorted(RESERVED_VARIABLES & extra.keys())
+        if taken:
+            raise ValueError(f"template variables {taken} are set by the request itself")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be "
+                             "true (set add_generation_prompt: false)")
+        try:
+            text = self._template.render(
+                **extra, messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token, eos_token=self.eos_token,
+            )
+        except TemplateError as exc:
+            raise ValueError(f"the chat template refused the messages: {exc}") from None
+        if not continue_final_message:
+            return text
+        final = messages[-1]["content"] if messages else ""
+        if not isinstance(final, str) or not final.strip():
+            raise ValueError("continue_final_message needs a last message with text to continue")
+        at = text.rfind(final.strip())
+        if at < 0:
+            raise ValueError("continue_final_message: the last message's content is not in the "
+                             "rendered chat (the template rewrites it)")
+        # the template kept the message's own trailing whitespace: keep it; else cut after
+        # the stripped content
+        kept = final.lstrip()
+        return text[:at + (len(kept) if text[at:at + len(kept)] == kept else
+                           len(final.strip()))]

@@ -27,14 +27,21 @@ class StopChecker:
         self.include = include_stop_str_in_output
         self.buffer = ""
         self.matched: str | None = None
+        # a match must end past this index of the buffer: the text pushed while not armed
+        # (min_tokens) cannot hold a whole match
+        self.unarmed = 0
 
-    def push(self, delta: str) -> StopResult:
+    def push(self, delta: str, armed: bool = True) -> StopResult:
+        """``armed=False``: ``delta`` is text in which no stop string may end (it is still
+        held back while it could begin one that ends in later, armed text)."""
         if self.matched is not None:
             return StopResult("", self.matched)
         self.buffer += delta
+        if not armed:
+            self.unarmed = len(self.buffer)
         best: tuple[int, str] | None = None
-        for s in self.stop:
-            i = self.buffer.find(s)
+        for s in self.stop if armed else ():
+            i = self.buffer.find(s, max(0, self.unarmed - len(s) + 1))
             if i >= 0 and (best is None or i < best[0] or (i == best[0] and len(s) > len(best[1]))):
                 best = (i, s)
         if best is not None:
@@ -46,6 +53,7 @@ class StopChecker:
         hold = self._held_suffix()
         out = self.buffer[: len(self.buffer) - hold]
         self.buffer = self.buffer[len(out):]
+        self.unarmed = max(0, self.unarmed - len(out))
         return StopResult(out, None)
 
     def _held_suffix(self) -> int:

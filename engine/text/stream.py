@@ -24,9 +24,13 @@ class TextDelta:
 class TextStream:
     def __init__(self, tokenizer, stop: Sequence[str] = (),
                  include_stop_str_in_output: bool = False,
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, min_tokens: int = 0) -> None:
+        """``min_tokens``: no stop string ends the stream in the text of its first
+        ``min_tokens`` tokens (vLLM's semantics: stop strings are checked once more tokens than
+        that have been generated; a match must end in a later token's text)."""
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self.stop = StopChecker(stop, include_stop_str_in_output)
+        self.min_tokens = min_tokens
         self.text = ""  # emitted so far
         self.generated_tokens = 0
 
@@ -38,7 +42,8 @@ class TextStream:
         self.generated_tokens += len(token_ids)
         if self.stopped:
             return TextDelta("", self.stop.matched)
-        result = self.stop.push(self.detok.push(token_ids))
+        result = self.stop.push(self.detok.push(token_ids),
+                                armed=self.generated_tokens > self.min_tokens)
         self.text += result.text
         return TextDelta(result.text, result.matched)
 
@@ -74,7 +79,8 @@ def generate_text(engine, tokenizer, request_id: str, prompt_ids: list[int], par
     """Drive an in-process engine for one request until it ends, streaming text to
     ``on_text``. A matched stop string finishes the engine request at once (``engine.stop``),
     so no further tokens are generated for it. Raises ValueError when the engine rejects it."""
-    stream = TextStream(tokenizer, stop, include_stop_str_in_output)
+    stream = TextStream(tokenizer, stop, include_stop_str_in_output,
+                        min_tokens=params.min_tokens if params is not None else 0)
     req = engine.add_request(request_id, prompt_ids, params)
     if req.error and req.is_finished:
         raise ValueError(req.error)

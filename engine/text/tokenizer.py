@@ -48,10 +48,14 @@ class TextTokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
+                            add_generation_prompt: bool = True,
+                            continue_final_message: bool = False,
+                            kwargs: dict[str, Any] | None = None) -> str:
+        """``ChatTemplate.render``; ``kwargs``: more template variables."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template; send a plain prompt instead")
-        return self.chat_template.render(messages, add_generation_prompt)
+        return self.chat_template.render(messages, add_generation_prompt,
+                                         continue_final_message, **(kwargs or {}))
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> TextTokenizer:

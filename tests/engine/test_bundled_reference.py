@@ -84,6 +84,39 @@ def test_token_ids_equal_transformers_tokenizer(bundled_path, bundled_tokenizer)
         messages, tokenize=False, add_generation_prompt=True)
 
 
+@pytest.mark.parametrize("partial", ["The capital of France is", "The capital is ", " Paris\n"])
+def test_continue_final_message_renders_as_transformers_does(bundled_path, bundled_tokenizer,
+                                                              partial):
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(str(bundled_path.parent), gguf_file=bundled_path.name)
+    messages = [{"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": partial}]
+    ours = bundled_tokenizer.apply_chat_template(messages, add_generation_prompt=False,
+                                                 continue_final_message=True)
+    assert ours == ref.apply_chat_template(messages, tokenize=False,
+                                           continue_final_message=True)
+    assert ours.rstrip().endswith(partial.strip())  # open: no end-of-turn after it
+
+
+def test_chat_template_variables_and_refusals():
+    from engine.text.chat_template import ChatTemplate
+
+    t = ChatTemplate("{% if not enable_thinking %}/no_think {% endif %}"
+                     "{% for m in messages %}{% if m.role == 'system' %}"
+                     "{{ raise_exception('System role not supported') }}{% endif %}"
+                     "{{ m.content }}|{% endfor %}")
+    msgs = [{"role": "user", "content": "hi"}]
+    assert t.render(msgs, enable_thinking=True) == "hi|"
+    assert t.render(msgs, enable_thinking=False) == "/no_think hi|"
+    with pytest.raises(ValueError, match="System role not supported"):  # a 400, not a 500
+        t.render([{"role": "system", "content": "x"}, *msgs])
+    with pytest.raises(ValueError, match="bos_token"):
+        t.render(msgs, bos_token="<x>")
+    with pytest.raises(ValueError, match="cannot both be true"):
+        t.render(msgs, add_generation_prompt=True, continue_final_message=True)
+
+
 @pytest.mark.parametrize("weights", ["native", "int4"])
 def test_cli_generate_chat_answers_paris(weights):
     env = {**os.environ, "TAILSCOPE_KV_CACHE_MB": "64", "TAILSCOPE_WEIGHTS": weights}

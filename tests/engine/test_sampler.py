@@ -35,6 +35,39 @@ def test_greedy_tie_goes_to_lowest_index_and_never_divides():
     assert err.value.param == "temperature"
 
 
+class FakeGrammarAllowingOnly:
+    """A fault-free stand-in for a compiled grammar (named fake): allows the given tokens."""
+
+    def __init__(self, *tokens: int) -> None:
+        self.tokens = tokens
+
+    def allowed_tokens(self, vocab: int) -> torch.Tensor:
+        mask = torch.zeros(vocab, dtype=torch.bool)
+        mask[list(self.tokens)] = True
+        return mask
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_masks_eos_and_stop_tokens_until_reached(temperature):
+    eos, stop = 2, 4
+    logits = torch.tensor([[0.0, 1.0, 50.0, 0.0, 40.0]])  # EOS, then the stop token, lead
+    sampler = Sampler(eos_ids=(eos,))
+    p = SamplingParams(temperature=temperature, max_tokens=8, min_tokens=2,
+                       stop_token_ids=(stop,), seed=1)
+    assert sampler.sample(logits.clone(), [req(p, output=[1])]).token_ids == [1]
+    assert sampler.sample(logits.clone(), [req(p, output=[1, 1])]).token_ids == [eos]
+    # ignore_eos: EOS does not end the request, so it is not held off; the stop token is
+    p2 = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=2, stop_token_ids=(stop,),
+                        ignore_eos=True)
+    assert sampler.sample(logits.clone(), [req(p2)]).token_ids == [eos]
+    # a grammar that allows only EOS (its JSON is complete) keeps it: the output stays valid
+    grammar = req(p, output=[1])
+    grammar.constraint = FakeGrammarAllowingOnly(eos)
+    assert sampler.sample(logits.clone(), [grammar]).token_ids == [eos]
+    grammar.constraint = FakeGrammarAllowingOnly(eos, 3)
+    assert sampler.sample(logits.clone(), [grammar]).token_ids == [3]
+
+
 def test_top_p_keeps_smallest_prefix_reaching_p_with_boundary():
     assert support([0.4, 0.3, 0.2, 0.1], top_p=0.65) == {0, 1}
     assert support([0.4, 0.3, 0.2, 0.1], top_p=0.7) == {0, 1}

@@ -9,6 +9,7 @@ import pytest
 from engine import Engine, EngineConfig, IllegalTransition, RequestState, SamplingParams
 from engine.observer import request_stats
 from engine.request import TRANSITIONS, Request
+from engine.sampling_params import SamplingParamsError
 from tracing import timing
 from tracing.record import RecordEvent
 
@@ -99,6 +100,25 @@ def test_eos_and_stop_token_finish_with_stop(engine, tiny_model):
     while engine.has_unfinished():
         engine.step()
     assert req.finish_reason == "stop" and req.output_token_ids == [first]
+
+
+def test_min_tokens_holds_off_stop_tokens_until_then(engine, tiny_model):
+    free = engine.generate([[5, 6, 7]], _params(6))[0].output_token_ids
+    stop = free[0]  # greedy's first token: without min_tokens it ends the request at once
+    req = engine.add_request("m", [5, 6, 7], SamplingParams(max_tokens=6, min_tokens=3,
+                                                            stop_token_ids=(stop,)))
+    while engine.has_unfinished():
+        engine.step()
+    out = req.output_token_ids
+    assert len(out) >= 3 and stop not in out[:3]  # masked: another token was chosen
+    assert out[0] != free[0]
+    if req.finish_reason == "stop":  # it may end on the stop token once past min_tokens
+        assert out[-1] == stop and stop not in out[:-1]
+    else:
+        assert req.finish_reason == "length" and len(out) == 6
+    with pytest.raises(SamplingParamsError) as err:
+        SamplingParams(max_tokens=4, min_tokens=5)
+    assert err.value.param == "min_tokens"
 
 
 @pytest.mark.parametrize("when", [S.QUEUED, S.PREFILLING, S.DECODING])

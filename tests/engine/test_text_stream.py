@@ -44,6 +44,34 @@ def test_stop_strings_spanning_chunks(text, cuts, stops, include):
     assert (checker.matched is not None) == any(s in text for s in stops)
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=ALPHABET, max_size=40), st.integers(0, 40),
+       st.lists(st.integers(1, 6), max_size=40),
+       st.lists(st.sampled_from(STOPS), min_size=1, max_size=3, unique=True), st.booleans())
+def test_no_stop_string_ends_in_unarmed_text(text, k, cuts, stops, include):
+    """min_tokens: the first ``k`` characters arrive unarmed; a match must end after them."""
+    k = min(k, len(text))
+    hits = [(i, -len(s), s) for s in stops
+            if (i := text.find(s, max(0, k - len(s) + 1))) >= 0]
+    expected = text
+    if hits:
+        i, _, s = min(hits)
+        expected = text[: i + len(s)] if include else text[:i]
+    checker, out, pos, sizes = StopChecker(stops, include), "", 0, iter(cuts)
+    while pos < len(text):
+        end = min(len(text), pos + next(sizes, len(text)))
+        if pos < k < end:
+            end = k  # the boundary is a chunk boundary, as a token's text is
+        result = checker.push(text[pos:end], armed=pos >= k)
+        out += result.text
+        assert expected.startswith(out), (out, expected)
+        pos = end
+        if result.matched:
+            break
+    out += checker.finish()
+    assert out == expected
+
+
 def test_stop_string_held_back_then_released():
     c = StopChecker(["STOP"])
     assert c.push("hello ST").text == "hello "

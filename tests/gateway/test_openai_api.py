@@ -247,3 +247,57 @@ def test_streamed_logprobs_match_non_streamed(tiny_server, client):
         if ev.choices and ev.choices[0].logprobs is not None:
             tokens += ev.choices[0].logprobs.tokens
     assert len(tokens) == 5
+
+
+def test_min_tokens_holds_off_stop_strings_in_its_tokens_text(tiny_server, client):
+    """vLLM's ``min_tokens``: a stop string is matched only where it ends in the text of a
+    token after the first ``min_tokens`` (the sampler holds off EOS and stop_token_ids)."""
+    kwargs = dict(model=tiny_server.model, prompt="Once upon a time", temperature=0,
+                  extra_body={"ignore_eos": True})
+    full = client.completions.create(max_tokens=16, **kwargs).choices[0].text
+    k = 4
+    head = client.completions.create(max_tokens=k, **kwargs).choices[0].text
+    assert full.startswith(head) and len(head) < len(full)
+    stop = head.strip()[:1] or head[:1]  # a character of the first k tokens' text
+    assert stop
+    plain = client.completions.create(max_tokens=16, stop=[stop], **kwargs).choices[0]
+    assert plain.text == full[:full.index(stop)]  # the stop string in the head ends it
+    held = client.completions.create(
+        max_tokens=16, stop=[stop], **{**kwargs, "extra_body": {"ignore_eos": True,
+                                                                 "min_tokens": k}}).choices[0]
+    later = full.find(stop, len(head))
+    assert held.text == (full if later < 0 else full[:later])
+    assert held.finish_reason == ("length" if later < 0 else "stop")
+    for bad in ({"min_tokens": 17}, {"min_tokens": -1}):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(max_tokens=16, **{**kwargs, "extra_body": bad})
+        assert refused.value.body["param"] == "min_tokens"
+
+
+def test_chat_template_extras_continue_final_message_and_kwargs(tiny_server, client):
+    """vLLM's chat extras: the last (assistant) message left open for the model to continue,
+    the same prompt on /tokenize and on chat completions; template variables passed on."""
+    messages = [{"role": "user", "content": "Name a colour."},
+                {"role": "assistant", "content": "My favourite colour is"}]
+    extras = {"add_generation_prompt": False, "continue_final_message": True}
+    tok = httpx.post(f"{tiny_server.url}/tokenize", json={"messages": messages, **extras})
+    assert tok.status_code == 200, tok.text
+    ids = tok.json()["tokens"]
+    text = httpx.post(f"{tiny_server.url}/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert text.endswith("My favourite colour is")  # no end-of-turn, no new assistant turn
+    closed = httpx.post(f"{tiny_server.url}/tokenize", json={"messages": messages}).json()
+    assert closed["count"] > len(ids)
+    resp = client.chat.completions.create(
+        model=tiny_server.model, messages=messages, max_tokens=2, temperature=0,
+        extra_body={**extras, "return_token_ids": True,
+                    "chat_template_kwargs": {"enable_thinking": False}})
+    assert resp.model_extra["prompt_token_ids"] == ids
+    assert resp.usage.prompt_tokens == len(ids)
+    for body, param in (({"continue_final_message": True}, "continue_final_message"),
+                        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=tiny_server.model, messages=messages,
+                                           max_tokens=2, extra_body=body)
+        assert refused.value.body["param"] == param
+        r = httpx.post(f"{tiny_server.url}/tokenize", json={"messages": messages, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param

@@ -136,6 +136,10 @@ def test_a_degrade_rule_caps_what_it_names_and_says_what_changed():
     # no lanes (not the priority policy), and a request that already asks for less: unchanged
     same, n, what = rule.apply(SamplingParams(max_tokens=32), 1, lanes=False)
     assert (same, n, what) == (SamplingParams(max_tokens=32), 1, "")
+    # min_tokens stays within the capped max_tokens (and says so)
+    capped, _, what = rule.apply(SamplingParams(max_tokens=512, min_tokens=100), 1, lanes=False)
+    assert (capped.max_tokens, capped.min_tokens) == (64, 64)
+    assert what == "max_tokens 512->64; min_tokens 100->64"
     load = LoadThresholds(queue_depth=8, kv_fraction=0.9)
     assert load.pressure({"r0": {"waiting": 5, "kv_blocks_used": 80, "kv_blocks_total": 100},
                           "r1": {"waiting": 2, "kv_blocks_used": 80,
