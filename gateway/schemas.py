@@ -78,6 +78,9 @@ class SamplingFields(BaseModel):
     # vLLM's extra: the prompt's token ids (chat: top level; completions: per choice) and each
     # choice's generated ids (per chunk when streamed)
     return_token_ids: bool = False
+    # vLLM's extra: keep only the prompt's last k tokens (after the chat template); -1: the
+    # context length's worth
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
     # vLLM's extra: the order under the priority scheduling policy (lower first; default the
     # tenant's); refused when the engine runs another policy
     priority: int | None = Field(None, ge=-1_000_000, le=1_000_000)

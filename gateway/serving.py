@@ -426,6 +426,23 @@ class Service:
                                                                self.tokenizer.vocab_size)
         self._grammar.compile(structured)
 
+    def truncate(self, prompt: list[int], req: SamplingFields) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens (-1: the context
+        length's worth); the record keeps the ids the model saw."""
+        k = req.truncate_prompt_tokens
+        if k is None:
+            return prompt
+        limit = self.pool.max_model_len
+        if k == 0 or (k == -1 and not limit):
+            raise bad_request("truncate_prompt_tokens must be >= 1 (keep the last k prompt "
+                              "tokens) or -1 (the context length)", "truncate_prompt_tokens")
+        if k == -1:
+            k = limit
+        if limit and k > limit:
+            raise bad_request(f"truncate_prompt_tokens {k} exceeds the context length {limit}",
+                              "truncate_prompt_tokens")
+        return prompt[-k:]
+
     @staticmethod
     def stops(req: SamplingFields) -> list[str]:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -542,7 +559,7 @@ class Service:
                 req.chat_template_kwargs)
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from None
-        prompt = await self.encode(text, add_special_tokens=False)
+        prompt = self.truncate(await self.encode(text, add_special_tokens=False), req)
         trace.record.prompt_tokens = len(prompt)  # kept by a request refused from here on
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
@@ -569,9 +586,11 @@ class Service:
             prompt = list(req.prompt)
             if any(not 0 <= t < self.tokenizer.vocab_size for t in prompt):
                 raise bad_request("prompt has token ids outside the vocabulary", "prompt")
-        trace.record.prompt_tokens = len(prompt)  # kept by a request refused from here on
         if not prompt:
             raise bad_request("prompt is empty", "prompt")
+        whole = len(prompt)
+        prompt = self.truncate(prompt, req)
+        trace.record.prompt_tokens = len(prompt)  # kept by a request refused from here on
         scoring = req.max_tokens == 0  # echo only: the prompt and its logprobs, nothing more
         if scoring and not req.echo:
             raise bad_request("max_tokens must be >= 1 (0 only with echo, to score the prompt)",
@@ -584,8 +603,8 @@ class Service:
             predicted_tokens=self.predicted_tokens(tenant, trace.record.endpoint), tenant=tenant)
         echo = None
         if req.echo:
-            echo = req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(
-                prompt, skip_special_tokens=False)
+            echo = req.prompt if isinstance(req.prompt, str) and len(prompt) == whole else \
+                self.tokenizer.decode(prompt, skip_special_tokens=False)  # what the model saw
         return await self.run(request, req, prompt, params, chat=False, tenant=tenant,
                               echo=echo, scoring=scoring)
 

@@ -301,3 +301,28 @@ def test_chat_template_extras_continue_final_message_and_kwargs(tiny_server, cli
         assert refused.value.body["param"] == param
         r = httpx.post(f"{tiny_server.url}/tokenize", json={"messages": messages, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tiny_server, client):
+    """vLLM's ``truncate_prompt_tokens``: left truncation after tokenizing (and after the chat
+    template); the ids the model saw are the ones returned, counted and echoed."""
+    prompt = "one two three four five six seven eight nine ten"
+    ids = httpx.post(f"{tiny_server.url}/tokenize", json={"prompt": prompt}).json()["tokens"]
+    assert len(ids) > 4
+    kwargs = dict(model=tiny_server.model, prompt=prompt, max_tokens=2, temperature=0)
+    cut = client.completions.create(**kwargs, echo=True, extra_body={
+        "truncate_prompt_tokens": 4, "return_token_ids": True, "ignore_eos": True})
+    assert cut.usage.prompt_tokens == 4
+    assert cut.choices[0].model_extra["prompt_token_ids"] == ids[-4:]
+    echoed = httpx.post(f"{tiny_server.url}/detokenize", json={"tokens": ids[-4:]}).json()
+    assert cut.choices[0].text.startswith(echoed["prompt"])
+    whole = client.completions.create(**kwargs, extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == len(ids)  # shorter than the context: all of it
+    chat = client.chat.completions.create(
+        model=tiny_server.model, messages=[{"role": "user", "content": prompt}], max_tokens=1,
+        extra_body={"truncate_prompt_tokens": 3})
+    assert chat.usage.prompt_tokens == 3
+    for k in (0, -2, 10 ** 9):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(**kwargs, extra_body={"truncate_prompt_tokens": k})
+        assert refused.value.body["param"] == "truncate_prompt_tokens"
