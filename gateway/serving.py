@@ -707,7 +707,9 @@ class Service:
             for tok, (lp, top) in zip(delta.token_ids, delta.logprobs, strict=False):
                 c.logprobs.append((tok, lp, top))
         if delta.token_ids and not c.stream.stopped and not c.scoring:
-            d = c.stream.push(delta.token_ids)
+            # the engine stopped on EOS or a stop token (a stop string's reason is its text)
+            by_token = delta.finish_reason == "stop" and not isinstance(delta.stop_reason, str)
+            d = c.stream.push(delta.token_ids, stop_token=by_token)
             text = d.text
             if d.stop_matched is not None:
                 await self.pool.stop(c.engine_id, d.stop_matched)

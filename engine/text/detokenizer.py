@@ -38,6 +38,11 @@ class IncrementalDetokenizer:
         self.text += delta
         return delta
 
+    def skip(self) -> None:
+        """A token that is part of the output but rendered as no text (the stop token that
+        ended a request): it ends where the text so far ends."""
+        self.token_text_end.append(len(self.text))
+
     def finish(self) -> str:
         """End of stream: return what is still held back (e.g. a trailing broken character,
         which ``decode`` itself renders as U+FFFD), so the total equals ``decode(all)``."""

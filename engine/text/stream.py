@@ -38,12 +38,18 @@ class TextStream:
     def stopped(self) -> bool:
         return self.stop.matched is not None
 
-    def push(self, token_ids: list[int]) -> TextDelta:
+    def push(self, token_ids: list[int], stop_token: bool = False) -> TextDelta:
+        """``stop_token``: the last of ``token_ids`` ended the request (EOS or one of its
+        ``stop_token_ids``): it is counted, but its text is not emitted unless
+        ``include_stop_str_in_output`` (vLLM's rule, as for a stop string)."""
         self.generated_tokens += len(token_ids)
         if self.stopped:
             return TextDelta("", self.stop.matched)
-        result = self.stop.push(self.detok.push(token_ids),
+        hidden = stop_token and bool(token_ids) and not self.stop.include
+        result = self.stop.push(self.detok.push(token_ids[:-1] if hidden else token_ids),
                                 armed=self.generated_tokens > self.min_tokens)
+        if hidden:  # still an output token (usage, logprobs), with no text
+            self.detok.skip()
         self.text += result.text
         return TextDelta(result.text, result.matched)
 
@@ -88,7 +94,8 @@ def generate_text(engine, tokenizer, request_id: str, prompt_ids: list[int], par
         for out in engine.step():
             if out.request_id != request_id:
                 continue
-            delta = stream.push(out.new_token_ids)
+            delta = stream.push(out.new_token_ids, stop_token=out.finish_reason == "stop"
+                                and not isinstance(req.stop_reason, str))
             if delta.text and on_text:
                 on_text(delta.text)
             if delta.stop_matched is not None:

@@ -126,3 +126,17 @@ def test_text_stream_counts_generated_and_emitted_tokens(bundled_tokenizer):
     emitted_text = bundled_tokenizer.decode(ids[:stream.emitted_tokens])
     assert out.startswith(emitted_text)
     assert "END" not in emitted_text
+
+
+@pytest.mark.bundled
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_token_is_counted_but_its_text_is_not_emitted(bundled_tokenizer, include):
+    """vLLM's rule: the token that ended a request (EOS or one of stop_token_ids) is an output
+    token (usage, logprobs) whose text is left out unless include_stop_str_in_output."""
+    ids = bundled_tokenizer.encode("Hello world. Goodbye")
+    stream = TextStream(bundled_tokenizer, include_stop_str_in_output=include)
+    out = stream.push(ids[:-2]).text + stream.push(ids[-2:], stop_token=True).text
+    out += stream.finish()
+    expected = bundled_tokenizer.decode(ids if include else ids[:-1])
+    assert out == expected and (include or not out.endswith("Goodbye"))
+    assert stream.generated_tokens == stream.emitted_tokens == len(ids)

@@ -326,3 +326,25 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tiny_server, clien
         with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(**kwargs, extra_body={"truncate_prompt_tokens": k})
         assert refused.value.body["param"] == "truncate_prompt_tokens"
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_token_ends_the_text_before_it_unless_included(tiny_server, client, include):
+    """stop_token_ids as vLLM answers them: the stop token is counted in usage and in the
+    choice's token ids, and its text is left out unless include_stop_str_in_output."""
+    kwargs = dict(model=tiny_server.model, prompt="Once upon a time", temperature=0,
+                  max_tokens=8)
+    free = client.completions.create(**kwargs, extra_body={
+        "ignore_eos": True, "return_token_ids": True}).choices[0]
+    ids = free.model_extra["token_ids"]
+    stop = ids[2]
+    k = ids.index(stop)  # its first occurrence ends the request
+    got = client.completions.create(**kwargs, extra_body={
+        "ignore_eos": True, "return_token_ids": True, "stop_token_ids": [stop],
+        "include_stop_str_in_output": include})
+    choice = got.choices[0]
+    assert choice.finish_reason == "stop" and choice.model_extra["token_ids"] == ids[:k + 1]
+    assert got.usage.completion_tokens == k + 1
+    shown = ids[:k + 1] if include else ids[:k]
+    text = httpx.post(f"{tiny_server.url}/detokenize", json={"tokens": shown}).json()["prompt"]
+    assert choice.text == text
