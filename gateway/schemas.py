@@ -32,7 +32,11 @@ Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
+    # vLLM's extra: every chunk carries the usage so far (with include_usage only)
+    continuous_usage_stats: bool = False
 
 
 class Unsupported(ValueError):
@@ -90,6 +94,10 @@ class SamplingFields(BaseModel):
         if self.stream_options is not None and not self.stream:  # OpenAI's and vLLM's rule
             raise Unsupported("stream_options", "stream_options is only allowed with "
                               "stream: true")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats \
+                and not self.stream_options.include_usage:  # vLLM would ignore it
+            raise Unsupported("stream_options.continuous_usage_stats",
+                              "continuous_usage_stats needs include_usage: true")
         if self.prompt_logprobs is not None and self.stream:
             raise Unsupported("prompt_logprobs", "prompt_logprobs is returned in non-streamed "
                               "responses only (or use echo with logprobs on /v1/completions)")

@@ -1051,6 +1051,7 @@ class Service:
     async def _events(self, req, prompt, choices, chat, rid, obj, created, settle,
                       trace: RequestTrace) -> AsyncIterator[str | bytes]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = include_usage and req.stream_options.continuous_usage_stats
         model = self.config.served_model_name
         chunk_obj = obj + (".chunk" if chat else "")
 
@@ -1077,8 +1078,8 @@ class Service:
                 if c.ids_sent < 0:
                     (payload if chat else body)["prompt_token_ids"] = prompt
                 body["token_ids"] = c.new_ids()
-            if include_usage:
-                payload["usage"] = None
+            if include_usage:  # continuous: the request's usage so far (every choice)
+                payload["usage"] = self.usage(len(prompt), choices) if continuous else None
             return b"data: " + _encode_json(payload) + b"\n\n"
 
         complete = False

@@ -348,3 +348,25 @@ def test_a_stop_token_ends_the_text_before_it_unless_included(tiny_server, clien
     shown = ids[:k + 1] if include else ids[:k]
     text = httpx.post(f"{tiny_server.url}/detokenize", json={"tokens": shown}).json()["prompt"]
     assert choice.text == text
+
+
+def test_continuous_usage_stats_in_every_chunk(tiny_server, client):
+    """vLLM's stream_options.continuous_usage_stats: each chunk carries the usage so far; an
+    unknown stream option is a 400 naming it, not ignored."""
+    kwargs = dict(model=tiny_server.model, prompt="Hi there", max_tokens=5, temperature=0,
+                  stream=True, extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(
+        **kwargs, stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert all(c.usage is not None for c in chunks)
+    assert counts == sorted(counts) and counts[-1] == 5 and counts[0] <= 1
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    assert len({c.usage.prompt_tokens for c in chunks}) == 1
+    plain = list(client.completions.create(**kwargs, stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == 5
+    for options, param in (({"continuous_usage_stats": True},
+                            "stream_options.continuous_usage_stats"),
+                           ({"include_usage": True, "usage_every": 1}, "usage_every")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(**kwargs, stream_options=options)
+        assert param in refused.value.body["param"]
