@@ -76,6 +76,8 @@ class SamplingFields(BaseModel):
     # string can end the request (at most max_tokens)
     min_tokens: Count = 0
     include_stop_str_in_output: bool = False
+    # vLLM's extra: false renders special tokens (e.g. <|im_start|>) in the text
+    skip_special_tokens: bool = True
     # vLLM's extra: each prompt token's logprob and this many alternatives, in the response's
     # top-level "prompt_logprobs" (non-streamed responses)
     prompt_logprobs: Count | None = None

@@ -611,7 +611,8 @@ class Service:
     # ---- the engine side -----------------------------------------------------------------------
     async def start_choices(self, request_id: str, prompt: list[int], params: SamplingParams,
                             n: int, stop: list[str], include_stop: bool,
-                            trace: RequestTrace, cache_salt: str = "") -> list[Choice]:
+                            trace: RequestTrace, cache_salt: str = "",
+                            skip_special_tokens: bool = True) -> list[Choice]:
         """Submit the ``n`` samples: the first is routed, the others follow it to its replica
         as its branches (they share its prompt's KV blocks there)."""
         if not self.pool.ready:
@@ -647,6 +648,7 @@ class Service:
                 r.prefix_hit_tokens = route.prefix_hit_tokens
                 r.model_revision = route.model_revision or r.model_revision
             choices.append(Choice(i, engine_id, TextStream(self.tokenizer, stop, include_stop,
+                                                            skip_special_tokens,
                                                             min_tokens=p.min_tokens),
                                   queue, route.replica, p, prompt,
                                   logprobs=[] if params.logprobs else None,
@@ -858,7 +860,7 @@ class Service:
             trace.record.sampling_params = _encode_json({
                 "engine": params, "n": req.n, "stop": self.stops(req),
                 "include_stop_str_in_output": req.include_stop_str_in_output,
-                "scoring": scoring}).decode()
+                "skip_special_tokens": req.skip_special_tokens, "scoring": scoring}).decode()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         trace.record.response_id = rid
         created = int(time.time())
@@ -869,7 +871,7 @@ class Service:
         try:
             choices = await self.start_choices(rid, prompt, params, req.n, self.stops(req),
                                                req.include_stop_str_in_output, trace,
-                                               tenant.cache_salt)
+                                               tenant.cache_salt, req.skip_special_tokens)
         except APIError:
             registry.give_back_tokens(tenant, params.max_tokens * req.n)
             for i in range(req.n):

@@ -88,6 +88,7 @@ def completion_body(record: dict, model: str) -> dict:
         "stop_token_ids": list(e.get("stop_token_ids") or []),
         "n": p.get("n", 1), "stop": list(p.get("stop") or []),
         "include_stop_str_in_output": bool(p.get("include_stop_str_in_output")),
+        "skip_special_tokens": p.get("skip_special_tokens", True),
         "logprobs": max(REPLAY_LOGPROBS, e.get("top_logprobs") or 0),
         "return_token_ids": True,
     }

@@ -370,3 +370,19 @@ def test_continuous_usage_stats_in_every_chunk(tiny_server, client):
         with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(**kwargs, stream_options=options)
         assert param in refused.value.body["param"]
+
+
+def test_skip_special_tokens_false_renders_them(tiny_server, client):
+    """vLLM's skip_special_tokens: special tokens are left out of the text by default and
+    rendered with false (here one forced by logit_bias, past ignore_eos)."""
+    special = httpx.post(f"{tiny_server.url}/tokenize",
+                         json={"prompt": "<|im_start|>", "add_special_tokens": False}).json()
+    assert special["count"] == 1
+    tok = special["tokens"][0]
+    kwargs = dict(model=tiny_server.model, prompt="Hi", max_tokens=3, temperature=0,
+                  logit_bias={str(tok): 100})
+    hidden = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    shown = client.completions.create(**kwargs, extra_body={"ignore_eos": True,
+                                                            "skip_special_tokens": False})
+    assert hidden.choices[0].text == "" and shown.choices[0].text == "<|im_start|>" * 3
+    assert hidden.usage.completion_tokens == shown.usage.completion_tokens == 3
