@@ -64,6 +64,8 @@ def apply_bias_and_masks(logits: torch.Tensor, reqs: list[Request],
             vals.append(bias)
         if r.constraint is not None:
             logits[i].masked_fill_(~r.constraint.allowed_tokens(logits.shape[1]), NEG_INF)
+        if r.params.allowed_token_ids is not None:
+            _only(logits[i], r.params.allowed_token_ids)
         if len(r.output_token_ids) < r.params.min_tokens:
             _mask_stops(logits[i], r, eos_ids)
     if rows:
@@ -71,10 +73,19 @@ def apply_bias_and_masks(logits: torch.Tensor, reqs: list[Request],
                           torch.tensor(vals, dtype=logits.dtype), accumulate=True)
 
 
+def _only(row: torch.Tensor, allowed: tuple[int, ...]) -> None:
+    """``allowed_token_ids``: every other token gets no mass."""
+    idx = torch.tensor(allowed)
+    kept = row[idx].clone()
+    row.fill_(NEG_INF)
+    row[idx] = kept
+
+
 def _mask_stops(row: torch.Tensor, r: Request, eos_ids: tuple[int, ...]) -> None:
     """``min_tokens``: the tokens that would end the request (EOS unless ``ignore_eos``, its
-    ``stop_token_ids``) get no mass yet. A grammar that allows nothing else (its JSON is
-    complete) keeps its EOS: the grammar wins, as a constrained output must stay valid."""
+    ``stop_token_ids``) get no mass yet. A grammar (or ``allowed_token_ids``) that allows
+    nothing else keeps them: a constrained output must stay valid, and a row without mass
+    cannot be sampled."""
     ids = [t for t in (() if r.params.ignore_eos else eos_ids) + r.params.stop_token_ids
            if t < row.shape[0]]
     if not ids:
@@ -82,7 +93,8 @@ def _mask_stops(row: torch.Tensor, r: Request, eos_ids: tuple[int, ...]) -> None
     idx = torch.tensor(ids)
     kept = row[idx].clone()
     row[idx] = NEG_INF
-    if r.constraint is not None and not bool(torch.isfinite(row).any()):
+    if (r.constraint is not None or r.params.allowed_token_ids is not None) \
+            and not bool(torch.isfinite(row).any()):
         row[idx] = kept
 
 

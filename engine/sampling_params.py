@@ -85,6 +85,8 @@ class SamplingParams:
     # stop_token_ids before this many output tokens (the sampler masks them), and no stop
     # string matched in their text (the gateway's TextStream)
     min_tokens: int = 0
+    # vLLM's extra: only these tokens may be sampled (the others get no mass); None: any
+    allowed_token_ids: tuple[int, ...] | None = None
     logprobs: bool = False
     top_logprobs: int = 0
     # the prompt tokens' log-probabilities (raw model distribution; the first token has none),
@@ -121,6 +123,8 @@ class SamplingParams:
         _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
                "min_tokens", f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}]"
                f", got {self.min_tokens!r}")
+        _check(self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+               "allowed_token_ids", "allowed_token_ids must not be empty")
         _check(self.temperature >= 0, "temperature",
                f"temperature must be >= 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
@@ -174,6 +178,9 @@ class SamplingParams:
         bad = [t for t in self.logit_bias if t >= vocab_size]
         _check(not bad, "logit_bias",
                f"logit_bias has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+        bad = [t for t in self.allowed_token_ids or () if not 0 <= t < vocab_size]
+        _check(not bad, "allowed_token_ids",
+               f"allowed_token_ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         _check(not bad, "stop_token_ids",
                f"stop_token_ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")

@@ -2,9 +2,9 @@
 "Security and limits").
 
 They bound the work one request can put on the gateway's event loop and on a replica: stop
-strings are matched on the event loop for every token, logit_bias and stop_token_ids are
-applied at every engine step, a JSON schema is compiled into a grammar, and a deeply nested
-body would exhaust Python's recursion limit.
+strings are matched on the event loop for every token, logit_bias, stop_token_ids and
+allowed_token_ids are applied at every engine step (and kept in the record), a JSON schema is
+compiled into a grammar, and a deeply nested body would exhaust Python's recursion limit.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ class RequestLimits:
     max_stop_chars: int = 256  # characters per stop string
     max_logit_bias: int = 1024  # logit_bias entries
     max_stop_token_ids: int = 1024  # stop_token_ids entries
+    max_allowed_token_ids: int = 4096  # allowed_token_ids entries
     max_json_depth: int = 64  # nesting of the request body
     max_schema_bytes: int = 64 * 1024  # response_format's JSON schema, serialised
 
@@ -80,3 +81,7 @@ def check_counts(req, limits: RequestLimits) -> None:
     if req.stop_token_ids and len(req.stop_token_ids) > limits.max_stop_token_ids:
         raise bad_request(f"{len(req.stop_token_ids)} stop_token_ids; at most "
                           f"{limits.max_stop_token_ids} are accepted", "stop_token_ids")
+    allowed = getattr(req, "allowed_token_ids", None)
+    if allowed and len(allowed) > limits.max_allowed_token_ids:
+        raise bad_request(f"{len(allowed)} allowed_token_ids; at most "
+                          f"{limits.max_allowed_token_ids} are accepted", "allowed_token_ids")

@@ -75,6 +75,8 @@ class SamplingFields(BaseModel):
     # vLLM's extra: at least this many output tokens before EOS, stop_token_ids or a stop
     # string can end the request (at most max_tokens)
     min_tokens: Count = 0
+    # vLLM's extra: sample only among these tokens
+    allowed_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     # vLLM's extra: false renders special tokens (e.g. <|im_start|>) in the text
     skip_special_tokens: bool = True

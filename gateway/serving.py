@@ -395,6 +395,8 @@ class Service:
                 frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
                 logit_bias=bias, seed=req.seed, ignore_eos=req.ignore_eos,
                 stop_token_ids=tuple(req.stop_token_ids or ()), min_tokens=req.min_tokens,
+                allowed_token_ids=None if req.allowed_token_ids is None
+                else tuple(req.allowed_token_ids),
                 logprobs=logprobs,
                 top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
                 structured=StructuredOutput.from_response_format(response_format),

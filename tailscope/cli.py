@@ -212,6 +212,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                            max_stop_chars=s.max_stop_chars,
                                            max_logit_bias=s.max_logit_bias,
                                            max_stop_token_ids=s.max_stop_token_ids,
+                                           max_allowed_token_ids=s.max_allowed_token_ids,
                                            max_json_depth=s.max_json_depth,
                                            max_schema_bytes=s.max_schema_bytes),
                                        query_limits=_query_limits(s),

@@ -81,6 +81,7 @@ class Settings:
     max_stop_chars: int = 256  # TAILSCOPE_MAX_STOP_CHARS: per stop string
     max_logit_bias: int = 1024  # TAILSCOPE_MAX_LOGIT_BIAS: entries
     max_stop_token_ids: int = 1024  # TAILSCOPE_MAX_STOP_TOKEN_IDS
+    max_allowed_token_ids: int = 4096  # TAILSCOPE_MAX_ALLOWED_TOKEN_IDS
     max_json_depth: int = 64  # TAILSCOPE_MAX_JSON_DEPTH: nesting of a request body
     max_schema_bytes: int = 65536  # TAILSCOPE_MAX_SCHEMA_BYTES: response_format schema
     query_max_execution_s: float = 30.0  # TAILSCOPE_QUERY_MAX_EXECUTION_S: /debug/query

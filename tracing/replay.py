@@ -98,6 +98,8 @@ def completion_body(record: dict, model: str) -> dict:
         body["priority"] = e["priority"]
     if e.get("min_tokens"):  # older records have none: 0
         body["min_tokens"] = e["min_tokens"]
+    if e.get("allowed_token_ids") is not None:
+        body["allowed_token_ids"] = list(e["allowed_token_ids"])
     s = e.get("structured")
     if s:
         body["response_format"] = {"type": "json_object"} if s["kind"] == "json_object" else {

@@ -68,6 +68,25 @@ def test_min_tokens_masks_eos_and_stop_tokens_until_reached(temperature):
     assert sampler.sample(logits.clone(), [grammar]).token_ids == [3]
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_allowed_token_ids_leave_mass_to_those_tokens_only(temperature):
+    logits = torch.tensor([[9.0, 1.0, 5.0, 0.5, 8.0]])
+    sampler = Sampler(eos_ids=(2,))
+    p = SamplingParams(temperature=temperature, allowed_token_ids=(1, 3), seed=2)
+    drawn = {sampler.sample(logits.clone(), [req(p, rid=f"a{i}")]).token_ids[0]
+             for i in range(20)}
+    assert drawn <= {1, 3} and (temperature > 0 or drawn == {1})
+    # min_tokens cannot take away the only allowed token (EOS): the row keeps its mass
+    only_eos = SamplingParams(allowed_token_ids=(2,), min_tokens=3, max_tokens=4)
+    assert sampler.sample(logits.clone(), [req(only_eos)]).token_ids == [2]
+    with pytest.raises(SamplingParamsError) as err:
+        SamplingParams(allowed_token_ids=())
+    assert err.value.param == "allowed_token_ids"
+    with pytest.raises(SamplingParamsError) as err:
+        SamplingParams(allowed_token_ids=(7,)).check_vocab(5)
+    assert err.value.param == "allowed_token_ids"
+
+
 def test_top_p_keeps_smallest_prefix_reaching_p_with_boundary():
     assert support([0.4, 0.3, 0.2, 0.1], top_p=0.65) == {0, 1}
     assert support([0.4, 0.3, 0.2, 0.1], top_p=0.7) == {0, 1}

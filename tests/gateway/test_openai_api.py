@@ -386,3 +386,17 @@ def test_skip_special_tokens_false_renders_them(tiny_server, client):
                                                             "skip_special_tokens": False})
     assert hidden.choices[0].text == "" and shown.choices[0].text == "<|im_start|>" * 3
     assert hidden.usage.completion_tokens == shown.usage.completion_tokens == 3
+
+
+def test_allowed_token_ids_restrict_every_sampled_token(tiny_server, client):
+    allowed = [300, 301, 302]
+    resp = client.completions.create(
+        model=tiny_server.model, prompt="Pick", max_tokens=6, temperature=1.0, seed=4,
+        extra_body={"allowed_token_ids": allowed, "ignore_eos": True, "return_token_ids": True})
+    ids = resp.choices[0].model_extra["token_ids"]
+    assert len(ids) == 6 and set(ids) <= set(allowed)
+    for bad in ([], [10 ** 6], list(range(5000))):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model=tiny_server.model, prompt="Pick", max_tokens=2,
+                                      extra_body={"allowed_token_ids": bad})
+        assert refused.value.body["param"] == "allowed_token_ids"
