@@ -27,7 +27,7 @@ def _error(description: str) -> dict:
 
 
 def _operation(summary: str, body: type[BaseModel], answer: str, stream: bool = False,
-               tag: str = "OpenAI API") -> dict:
+               tag: str = "OpenAI API", example: dict | None = None) -> dict:
     content: dict[str, Any] = {"application/json": {"schema": {"$ref": _REF.format(
         model=answer)}}}
     if stream:
@@ -36,7 +36,8 @@ def _operation(summary: str, body: type[BaseModel], answer: str, stream: bool = 
     return {"post": {
         "summary": summary, "tags": [tag],
         "requestBody": {"required": True, "content": {"application/json": {
-            "schema": {"$ref": _REF.format(model=body.__name__)}}}},
+            "schema": {"$ref": _REF.format(model=body.__name__)},
+            **({"example": example} if example is not None else {})}}},
         "responses": {"200": {"description": "OK", "content": content},
                       "400": _error("invalid request (OpenAI error body, naming the field)"),
                       "401": _error("missing or unknown API key"),
@@ -82,8 +83,14 @@ def build(app: FastAPI, models: list[str], bundled: str) -> dict:
         components[name]["properties"]["model"] = {"anyOf": [
             {"type": "string", "enum": [bundled]}, {"type": "null"}], "title": "Model"}
     paths = doc.setdefault("paths", {})
+    # a request each operation answers (shown in /docs; a fuzzer's explicit case)
+    examples = {
+        "/v1/chat/completions": {"model": bundled, "max_tokens": 8,
+                                 "messages": [{"role": "user", "content": "Hello!"}]},
+        "/v1/completions": {"model": bundled, "prompt": "Once upon a time", "max_tokens": 8},
+        "/tokenize": {"prompt": "Hello!"}, "/detokenize": {"tokens": [19556, 17]}}
     for path, summary, body, answer, stream, tag in _MANUAL:
-        paths[path] = _operation(summary, body, answer, stream, tag)
+        paths[path] = _operation(summary, body, answer, stream, tag, examples.get(path))
     for path, body in _BODIES.items():
         op = paths.get(path, {}).get("post")
         if op is not None:
