@@ -1130,13 +1130,13 @@ class Service:
                                 c.finish_reason, "generation_failed")
                             err = {"error": {"message": c.error, "type": "server_error",
                                              "param": None, "code": code}}
-                            yield f"data: {json.dumps(err)}\n\n"
+                            yield b"data: " + _encode_json(err) + b"\n\n"
                         else:
                             yield chunk(c, None if chat else "", c.finish_reason)
             if include_usage:
                 payload = {"id": rid, "object": chunk_obj, "created": created, "model": model,
                            "choices": [], "usage": self.usage(len(prompt), choices)}
-                yield f"data: {json.dumps(payload)}\n\n"
+                yield b"data: " + _encode_json(payload) + b"\n\n"
             yield "data: [DONE]\n\n"
             complete = True
         finally:  # normal end, error, or the client went away: nothing left running
