@@ -1,4 +1,5 @@
-"""Structured output: JSON-schema grammars compiled to per-step token masks (llguidance).
+"""Structured output: JSON-schema, regex, choice and Lark grammars compiled to per-step token
+masks (llguidance).
 
 llguidance was picked over xgrammar and outlines-core because it needs nothing but the
 ``tokenizers`` JSON (no transformers), builds its tokenizer index in under a second for this
@@ -9,6 +10,7 @@ fed into the sampler's hard-mask step and every sampled token is consumed by the
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING
 
 import llguidance
@@ -48,6 +50,20 @@ class TokenConstraint:
         return self.matcher.is_stopped()
 
 
+def _grammar(structured: StructuredOutput) -> str:
+    """llguidance's grammar for each kind; a choice is a Lark rule of its strings as JSON
+    literals (the escapes Lark's strings take), so no character in them is special."""
+    m = llguidance.LLMatcher
+    if structured.kind == "regex":
+        return m.grammar_from_regex(structured.schema)
+    if structured.kind == "choice":
+        return m.grammar_from_lark("start: " + " | ".join(
+            json.dumps(c, ensure_ascii=False) for c in json.loads(structured.schema)))
+    if structured.kind == "grammar":
+        return m.grammar_from_lark(structured.schema)
+    return m.grammar_from_json_schema(structured.schema)
+
+
 class GrammarCompiler:
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_id: int) -> None:
         self.vocab_size = vocab_size
@@ -62,7 +78,7 @@ class GrammarCompiler:
     def compile(self, structured: StructuredOutput) -> TokenConstraint:
         """Raises ValueError naming the problem when the schema is not usable."""
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(structured.schema)
+            grammar = _grammar(structured)
         except Exception as exc:  # llguidance raises plain exceptions for malformed JSON
             raise ValueError(str(exc)) from None
         error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)

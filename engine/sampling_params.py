@@ -28,10 +28,17 @@ PRIORITY_MAX = 1_000_000
 _COMPACT = {"x-guidance": {"whitespace_flexible": False}}
 
 
+# vLLM's structured_outputs keys this engine takes, each one kind of StructuredOutput
+VLLM_STRUCTURED = ("json", "json_object", "regex", "choice", "grammar")
+
+
 @dataclass(frozen=True)
 class StructuredOutput:
-    """``response_format`` reduced to what the grammar needs: a JSON schema as a string
-    (``{"type": "object"}`` for ``json_object``).
+    """``response_format`` (or vLLM's ``structured_outputs``) reduced to what the grammar
+    needs: ``kind`` ``json_object`` / ``json_schema`` with a JSON schema as a string
+    (``{"type": "object"}`` for ``json_object``); ``regex`` with the expression (Rust regex
+    syntax, llguidance's); ``choice`` with a JSON list of the strings the output must be one
+    of; ``grammar`` with a Lark grammar (llguidance's dialect).
 
     The JSON is written with fixed separators (llguidance's ``x-guidance`` option
     ``whitespace_flexible: false``) unless the schema sets ``x-guidance`` itself: with free
@@ -39,7 +46,7 @@ class StructuredOutput:
     test models always did; vLLM users report it with real ones), and compact JSON is what
     OpenAI's structured outputs return."""
 
-    kind: str  # "json_object" | "json_schema"
+    kind: str  # "json_object" | "json_schema" | "regex" | "choice" | "grammar"
     schema: str
 
     @classmethod
@@ -59,6 +66,46 @@ class StructuredOutput:
         raise SamplingParamsError("response_format",
                                   f"response_format type {kind!r} is not one of text, "
                                   "json_object, json_schema")
+
+    @classmethod
+    def from_structured_outputs(cls, so: dict[str, Any]) -> StructuredOutput:
+        """vLLM's ``structured_outputs``: exactly one of ``json`` (a schema, as an object or
+        a JSON string), ``json_object: true``, ``regex``, ``choice`` (a non-empty list of
+        strings), ``grammar`` (Lark). Another key is refused, naming it."""
+        unknown = sorted(set(so) - set(VLLM_STRUCTURED))
+        if unknown:
+            raise SamplingParamsError(f"structured_outputs.{unknown[0]}",
+                                      f"structured_outputs.{unknown[0]} is not supported "
+                                      f"(supported: {', '.join(VLLM_STRUCTURED)})")
+        given = [k for k in VLLM_STRUCTURED if so.get(k) not in (None, False)]
+        if len(given) != 1:
+            raise SamplingParamsError("structured_outputs", "structured_outputs needs exactly "
+                                      f"one of {', '.join(VLLM_STRUCTURED)}; got "
+                                      f"{given or 'none'}")
+        key, value = given[0], so[given[0]]
+        if key == "json_object":
+            return cls.from_response_format({"type": "json_object"})
+        if key == "json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError:
+                    value = None
+            if not isinstance(value, dict):
+                raise SamplingParamsError("structured_outputs.json", "structured_outputs.json "
+                                          "must be a JSON schema (an object or its JSON text)")
+            return cls.from_response_format({"type": "json_schema",
+                                             "json_schema": {"schema": value}})
+        if key == "choice":
+            if not isinstance(value, list) or not value or \
+                    not all(isinstance(c, str) and c for c in value):
+                raise SamplingParamsError("structured_outputs.choice", "structured_outputs."
+                                          "choice must be a non-empty list of non-empty strings")
+            return cls("choice", json.dumps(value))
+        if not isinstance(value, str) or not value:
+            raise SamplingParamsError(f"structured_outputs.{key}",
+                                      f"structured_outputs.{key} must be a non-empty string")
+        return cls(key, value)
 
 
 def _check(cond: bool, param: str, message: str) -> None:

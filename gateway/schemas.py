@@ -77,6 +77,9 @@ class SamplingFields(BaseModel):
     min_tokens: Count = 0
     # vLLM's extra: sample only among these tokens
     allowed_token_ids: list[TokenId] | None = None
+    # vLLM's extra: one of json, json_object, regex, choice, grammar (Lark), enforced by the
+    # grammar engine (engine.sampling_params.StructuredOutput.from_structured_outputs)
+    structured_outputs: dict[str, Any] | None = None
     include_stop_str_in_output: bool = False
     # vLLM's extra: false renders special tokens (e.g. <|im_start|>) in the text
     skip_special_tokens: bool = True

@@ -388,6 +388,14 @@ class Service:
                 raise bad_request(f"logit_bias key {k!r} is not a token id", "logit_bias")
             bias[int(k)] = v
         try:
+            structured = StructuredOutput.from_response_format(response_format)
+            if req.structured_outputs is not None:
+                if structured is not None:
+                    raise bad_request("structured_outputs cannot be combined with "
+                                      "response_format or a required tool call",
+                                      "structured_outputs")
+                structured = StructuredOutput.from_structured_outputs(req.structured_outputs)
+                grammar_param = "structured_outputs"
             params = SamplingParams(
                 max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                 top_k=req.top_k, min_p=req.min_p, typical_p=req.typical_p,
@@ -399,8 +407,7 @@ class Service:
                 else tuple(req.allowed_token_ids),
                 logprobs=logprobs,
                 top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
-                structured=StructuredOutput.from_response_format(response_format),
-                priority=priority, predicted_tokens=predicted_tokens,
+                structured=structured, priority=priority, predicted_tokens=predicted_tokens,
                 tenant=tenant.name if tenant else "", weight=tenant.weight if tenant else 1.0)
             params.check_vocab(vocab)
         except SamplingParamsError as exc:

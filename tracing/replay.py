@@ -101,7 +101,10 @@ def completion_body(record: dict, model: str) -> dict:
     if e.get("allowed_token_ids") is not None:
         body["allowed_token_ids"] = list(e["allowed_token_ids"])
     s = e.get("structured")
-    if s:
+    if s and s["kind"] in ("regex", "choice", "grammar"):  # sent as vLLM's structured_outputs
+        body["structured_outputs"] = {s["kind"]: json.loads(s["schema"])
+                                      if s["kind"] == "choice" else s["schema"]}
+    elif s:
         body["response_format"] = {"type": "json_object"} if s["kind"] == "json_object" else {
             "type": "json_schema", "json_schema": {"name": "replay",
                                                    "schema": json.loads(s["schema"])}}

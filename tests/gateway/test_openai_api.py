@@ -400,3 +400,42 @@ def test_allowed_token_ids_restrict_every_sampled_token(tiny_server, client):
             client.completions.create(model=tiny_server.model, prompt="Pick", max_tokens=2,
                                       extra_body={"allowed_token_ids": bad})
         assert refused.value.body["param"] == "allowed_token_ids"
+
+
+def test_vllm_structured_outputs_choice_regex_grammar_json(tiny_server, client):
+    """vLLM's structured_outputs, enforced by the grammar engine even on the random tiny model:
+    the text is one of the choices, matches the regex, derives from the Lark grammar, parses
+    as the schema's JSON."""
+    import re
+
+    def ask(so: dict, max_tokens: int = 24, **kw):
+        return client.chat.completions.create(
+            model=tiny_server.model, messages=[{"role": "user", "content": "Answer"}],
+            max_tokens=max_tokens, temperature=1.0, seed=5,
+            extra_body={"structured_outputs": so}, **kw).choices[0]
+
+    choice = ask({"choice": ["alpha", "beta \"gamma\""]})
+    assert choice.message.content in ("alpha", 'beta "gamma"') and choice.finish_reason == "stop"
+    digits = ask({"regex": "[0-9]{3}-[a-z]{2}"})
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", digits.message.content)
+    lark = ask({"grammar": 'start: "ok " DIGIT\nDIGIT: /[0-9]/'})
+    assert re.fullmatch("ok [0-9]", lark.message.content)
+    obj = ask({"json": {"type": "object", "properties": {"n": {"type": "integer"}},
+                        "required": ["n"], "additionalProperties": False}}, max_tokens=40)
+    if obj.finish_reason == "stop":
+        assert isinstance(json.loads(obj.message.content)["n"], int)
+    else:
+        assert obj.message.content.startswith('{"n":')
+    comp = client.completions.create(model=tiny_server.model, prompt="Pick", max_tokens=10,
+                                     extra_body={"structured_outputs": {"choice": ["x", "y"]}})
+    assert comp.choices[0].text in ("x", "y")
+    for so, param in (({"choice": ["a"], "regex": "a"}, "structured_outputs"),
+                      ({"whitespace_pattern": " "}, "structured_outputs.whitespace_pattern"),
+                      ({"choice": []}, "structured_outputs.choice"),
+                      ({"regex": "(unclosed"}, "structured_outputs")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            ask(so)
+        assert refused.value.body["param"] == param, refused.value.body
+    with pytest.raises(openai.BadRequestError) as refused:
+        ask({"choice": ["a"]}, response_format={"type": "json_object"})
+    assert refused.value.body["param"] == "structured_outputs"

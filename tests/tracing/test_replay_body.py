@@ -26,3 +26,17 @@ def test_the_replay_body_carries_min_tokens_allowed_ids_and_skip_special_tokens(
     assert body["prompt"] == [5, 6, 7] and body["max_tokens"] == 9 and body["seed"] == 3
     older = completion_body(_record(), "m")  # recorded before skip_special_tokens was kept
     assert older["skip_special_tokens"] is True
+
+
+def test_the_replay_body_sends_a_regex_or_choice_grammar_as_structured_outputs():
+    from engine.sampling_params import StructuredOutput
+
+    def body_for(so: dict) -> dict:
+        engine = dataclasses.asdict(SamplingParams(
+            structured=StructuredOutput.from_structured_outputs(so)))
+        return completion_body({"input_token_ids": [5], "sampling_params": json.dumps(
+            {"engine": engine, "n": 1, "stop": [], "scoring": False})}, "m")
+
+    assert body_for({"choice": ["a", "b"]})["structured_outputs"] == {"choice": ["a", "b"]}
+    assert body_for({"regex": "[0-9]+"})["structured_outputs"] == {"regex": "[0-9]+"}
+    assert body_for({"json_object": True})["response_format"] == {"type": "json_object"}
