@@ -16,6 +16,7 @@ import hmac
 import json
 import logging
 import threading
+import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -311,8 +312,15 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
     store_api.register(app, handle, memory, require_admin, writer, versions["config_id"],
                        config.served_model_name)
 
+    started = int(time.time())
+
     def model_card(name: str) -> dict:
-        return {"id": name, "object": "model", "created": 0, "owned_by": "tailscope"}
+        """OpenAI's card (``created``: when this gateway started, as vLLM's); the bundled
+        model's also has vLLM's ``max_model_len`` (clients size prompts by it)."""
+        card = {"id": name, "object": "model", "created": started, "owned_by": "tailscope"}
+        if name == service.config.served_model_name and pool.max_model_len:
+            card["max_model_len"] = pool.max_model_len
+        return card
 
     @app.get("/v1/models")
     async def models() -> dict:

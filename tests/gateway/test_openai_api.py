@@ -22,7 +22,10 @@ def test_models_health_ready(tiny_server, client):
 
 
 def test_models_retrieve_and_openai_shaped_route_errors(tiny_server, client):
-    assert client.models.retrieve(tiny_server.model).id == tiny_server.model
+    card = client.models.retrieve(tiny_server.model)
+    assert card.id == tiny_server.model and card.created > 0
+    info = httpx.get(f"{tiny_server.url}/tokenizer_info").json()
+    assert card.model_extra["max_model_len"] == info["model_max_length"] > 0  # vLLM's field
     with pytest.raises(openai.NotFoundError) as missing:
         client.models.retrieve("gpt-4")
     assert missing.value.body["code"] == "model_not_found" and "gpt-4" in missing.value.message
