@@ -54,6 +54,12 @@ class ModelConfig:
                 f"({self.num_kv_heads})"
             )
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a sequence: ``eos_token_id`` and the extra ones."""
+        return (() if self.eos_token_id is None else (self.eos_token_id,)) + \
+            tuple(self.extra_eos_token_ids)
+
     def kv_bytes_per_token(self, dtype: str) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dtype]
 

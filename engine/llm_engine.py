@@ -65,6 +65,7 @@ class Engine:
                              f"{self.config.batch_invariant} but the model was loaded with "
                              f"batch_invariant={model.batch_invariant}")
         self.model = model
+        self._eos_ids = model.config.eos_token_ids  # once: _stop_reason runs per token
         mc = model.config
         self.max_model_len = min(self.config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
@@ -381,8 +382,7 @@ class Engine:
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         p = req.params
-        c = self.model.config
-        if not p.ignore_eos and (token == c.eos_token_id or token in c.extra_eos_token_ids):
+        if not p.ignore_eos and token in self._eos_ids:
             return "stop"
         if token in p.stop_token_ids:
             req.stop_reason = token

@@ -65,8 +65,7 @@ class ModelRunner:
             (torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
             for _ in range(c.num_layers)
         ]
-        eos = () if c.eos_token_id is None else (c.eos_token_id,)
-        self.sampler = Sampler(eos + tuple(c.extra_eos_token_ids))
+        self.sampler = Sampler(c.eos_token_ids)
         self.compile_s = 0.0
         if compile:
             self._compile()

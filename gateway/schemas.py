@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.text.chat_template import RESERVED_VARIABLES
+from engine.text.chat_template import conflict
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 INT32_MAX = (1 << 31) - 1
@@ -153,13 +153,10 @@ class ChatTemplateFields(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def check_template_fields(self) -> None:
-        if self.continue_final_message and self.add_generation_prompt:
-            raise Unsupported("continue_final_message", "continue_final_message needs "
-                              "add_generation_prompt: false (they cannot both be true)")
-        taken = sorted(RESERVED_VARIABLES & (self.chat_template_kwargs or {}).keys())
-        if taken:
-            raise Unsupported("chat_template_kwargs", f"chat_template_kwargs cannot set "
-                              f"{', '.join(taken)}: the request's own fields set them")
+        bad = conflict(self.add_generation_prompt, self.continue_final_message,
+                       self.chat_template_kwargs or {})
+        if bad is not None:
+            raise Unsupported(*bad)
 
 
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields):

@@ -40,7 +40,7 @@ import functools
 
 import torch
 
-from kernels.linear import bf16_matmul_supported
+from kernels.linear import can_prepack
 
 CHUNKS = (512, 32)  # rows per oneDNN call, largest first: the probe picks the first that holds
 CHUNK = 32
@@ -48,12 +48,8 @@ KEY_BLOCK = 64  # keys per partial sum of the softmax and of P @ V
 
 
 def _prepack(weight: torch.Tensor) -> torch.Tensor | None:
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available() or not hasattr(
-            torch.ops.mkldnn, "_reorder_linear_weight") or weight.dtype not in (
-            torch.float32, torch.bfloat16):
+    if not can_prepack(weight, (torch.float32, torch.bfloat16)):
         return None
-    if weight.dtype == torch.bfloat16 and not bf16_matmul_supported():
-        return None  # oneDNN's bf16 reorder raises without AVX-512 (kernels.linear)
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
 
 

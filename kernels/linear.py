@@ -13,14 +13,16 @@ import torch
 import torch.nn.functional as F
 
 
-def _can_prepack(weight: torch.Tensor) -> bool:
-    """oneDNN's bf16 linear needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: on a CPU with only
-    AVX2 its reorder raises, so there the weight stays a plain tensor and ``F.linear`` runs
-    (slowly: torch emulates bf16 there; ``dtype: auto`` picks float32 on such a CPU)."""
-    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+def can_prepack(weight: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)
+                ) -> bool:
+    """oneDNN can prepack ``weight`` (a CPU tensor in one of ``dtypes``). Its bf16 linear needs
+    AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: on a CPU with only AVX2 its reorder raises, so there
+    a bf16 weight stays a plain tensor and ``F.linear`` runs (slowly: torch emulates bf16
+    there; ``dtype: auto`` picks float32 on such a CPU)."""
+    return (weight.dtype in dtypes and weight.device.type == "cpu"
             and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and bf16_matmul_supported())
+            and (weight.dtype != torch.bfloat16 or bf16_matmul_supported()))
 
 
 def bf16_matmul_supported() -> bool:
@@ -48,7 +50,7 @@ class Linear:
     def __init__(self, weight: torch.Tensor) -> None:
         self.shape = tuple(weight.shape)
         self.dtype = weight.dtype
-        self.prepacked = _can_prepack(weight)
+        self.prepacked = can_prepack(weight)
         if self.prepacked:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         else:

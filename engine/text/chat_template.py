@@ -18,6 +18,20 @@ RESERVED_VARIABLES = frozenset({"messages", "add_generation_prompt", "continue_f
                                 "bos_token", "eos_token"})
 
 
+def conflict(add_generation_prompt: bool, continue_final_message: bool,
+             variables: dict[str, Any]) -> tuple[str, str] | None:
+    """The request field at fault and why, when these render options cannot go together
+    (the gateway's 400 and ``ChatTemplate.render``'s ValueError say the same)."""
+    if continue_final_message and add_generation_prompt:
+        return ("continue_final_message", "continue_final_message needs "
+                "add_generation_prompt: false (they cannot both be true)")
+    taken = sorted(RESERVED_VARIABLES & variables.keys())
+    if taken:
+        return ("chat_template_kwargs", f"chat_template_kwargs cannot set {', '.join(taken)}: "
+                "the request's own fields set them")
+    return None
+
+
 class ChatTemplate:
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -39,12 +53,9 @@ class ChatTemplate:
         for i, m in enumerate(messages):
             if "role" not in m or "content" not in m:
                 raise ValueError(f"messages[{i}] needs 'role' and 'content'")
-        taken = sorted(RESERVED_VARIABLES & extra.keys())
-        if taken:
-            raise ValueError(f"template variables {taken} are set by the request itself")
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be "
-                             "true (set add_generation_prompt: false)")
+        bad = conflict(add_generation_prompt, continue_final_message, extra)
+        if bad is not None:
+            raise ValueError(bad[1])
         try:
             text = self._template.render(
                 **extra, messages=messages, add_generation_prompt=add_generation_prompt,
