@@ -200,6 +200,8 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        # the grammar compiler's build holds the GIL ~0.5 s: done while the replicas load
+        warm = asyncio.create_task(asyncio.to_thread(service.warm))
         await pool.start()
         # the stored config also says how this gateway admitted requests (not part of the
         # config_id: that hashes resolved_config alone; the first gateway to store it wins)
@@ -217,6 +219,7 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
         try:
             yield
         finally:
+            warm.cancel()
             if config_row is not None:
                 config_row.cancel()
             await pool.close()
@@ -277,13 +280,15 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
         is alive); ``all_ready`` says every replica is up (what a benchmark waits for), and
         ``replicas`` each one's state."""
         states = pool.states()
-        body = {"ready": pool.ready, "all_ready": all(s == "ready" for s in states.values()),
+        warmed = service.warmed.is_set()  # the startup work that would pause the event loop
+        body = {"ready": pool.ready and warmed,
+                "all_ready": warmed and all(s == "ready" for s in states.values()),
                 "replicas": states}
         if upstreams is not None:  # not needed for ready: they serve other model names
             body["backends"] = {n: d["state"] for n, d in upstreams.describe().items()}
         if writer is not None:
             body["record_writer"] = "alive" if writer.alive else "dead"
-            body["ready"] = pool.ready and writer.alive
+            body["ready"] = body["ready"] and writer.alive
         return JSONResponse(body,
                             status_code=200 if body["ready"] else 503)
 
