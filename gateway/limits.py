@@ -25,6 +25,7 @@ class RequestLimits:
     max_allowed_token_ids: int = 4096  # allowed_token_ids entries
     max_json_depth: int = 64  # nesting of the request body
     max_schema_bytes: int = 64 * 1024  # response_format's JSON schema, serialised
+    max_batch_prompts: int = 64  # prompts of a /v1/completions batch, and prompts x n
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
@@ -81,6 +82,11 @@ def check_counts(req, limits: RequestLimits) -> None:
     if req.stop_token_ids and len(req.stop_token_ids) > limits.max_stop_token_ids:
         raise bad_request(f"{len(req.stop_token_ids)} stop_token_ids; at most "
                           f"{limits.max_stop_token_ids} are accepted", "stop_token_ids")
+    prompts = req.prompts() if hasattr(req, "prompts") else ()
+    if len(prompts) > 1 and len(prompts) * req.n > limits.max_batch_prompts:
+        raise bad_request(f"a batch of {len(prompts)} prompts x n={req.n} is "
+                          f"{len(prompts) * req.n} sequences; at most "
+                          f"{limits.max_batch_prompts} are accepted", "prompt")
     allowed = getattr(req, "allowed_token_ids", None)
     if allowed and len(allowed) > limits.max_allowed_token_ids:
         raise bad_request(f"{len(allowed)} allowed_token_ids; at most "

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.text.chat_template import conflict
 
@@ -197,14 +197,30 @@ class DetokenizeRequest(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    # OpenAI's four shapes; a batch (a list of texts or of token lists) of one prompt is that
-    # prompt (lm-evaluation-harness sends its requests so), a larger batch is refused below
+    # OpenAI's four shapes: a text, token ids, or a batch (a list of texts or of token lists);
+    # a batch of one is that prompt (lm-evaluation-harness sends its requests so); a larger
+    # batch runs every prompt (``n`` samples each) and is a record per prompt
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     logprobs: Count | None = None
     echo: bool = False
     response_format: dict[str, Any] | None = None
     suffix: str | None = None
     best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, p: Any) -> Any:
+        """One clear 400 for a prompt of none of the four shapes (pydantic's own names a
+        union member: ``prompt.str``)."""
+        def ids(x: Any) -> bool:
+            return isinstance(x, list) and all(type(t) is int and 0 <= t <= INT32_MAX
+                                               for t in x)
+
+        if isinstance(p, str) or ids(p) or isinstance(p, list) and (
+                all(isinstance(x, str) for x in p) or all(ids(x) for x in p)):
+            return p
+        raise ValueError("prompt must be a text, a list of token ids (0 to 2**31-1), or a "
+                         "batch: a list of texts or a list of token-id lists")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionRequest:
@@ -213,11 +229,15 @@ class CompletionRequest(SamplingFields):
             self.prompt = p[0]
         return self
 
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request, in order (one unless it is a batch)."""
+        p = self.prompt
+        if isinstance(p, list) and p and not isinstance(p[0], int):
+            return list(p)
+        return [p]
+
     def unsupported(self) -> None:
         super().unsupported()
-        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
-            raise Unsupported("prompt", f"a batch of {len(self.prompt)} prompts: send one "
-                              "prompt per request (each request gets its own trace record)")
         if self.suffix:
             raise Unsupported("suffix", "suffix (insertion) is not supported by the bundled "
                               "engine")

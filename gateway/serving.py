@@ -122,6 +122,7 @@ class Choice:
     # tenant -> prompt tokens other requests' prefill chunks brought into its steps
     neighbours: dict[str, int] = field(default_factory=dict)
     ids_sent: int = -1  # (streams) generated ids sent so far; -1: not even the prompt's
+    trace: RequestTrace | None = None  # its prompt's (a batch has a trace per prompt)
 
     def new_ids(self) -> list[int]:
         """(streams, return_token_ids) the generated ids not sent yet (none when scoring)."""
@@ -129,6 +130,18 @@ class Choice:
         out = ids[max(self.ids_sent, 0):]
         self.ids_sent = len(ids)
         return out
+
+
+@dataclass
+class Part:
+    """One prompt of a request with what it runs with: a /v1/completions batch has one per
+    prompt, each with its own trace (and record); every other request has one."""
+
+    trace: RequestTrace
+    prompt: list[int]
+    params: SamplingParams
+    echo: str | None = None  # completions' echo: the prompt text the model saw
+    choices: list[Choice] = field(default_factory=list)
 
 
 # a streamed chunk's JSON: msgspec's encoder, ~5x json.dumps on these small dicts (UTF-8 kept
@@ -374,13 +387,7 @@ class Service:
                        grammar_param: str = "response_format", priority: int = 0,
                        predicted_tokens: int | None = None,
                        tenant: Tenant | None = None) -> SamplingParams:
-        limit = self.pool.max_model_len
-        if max_tokens is None:
-            max_tokens = max(1, min(DEFAULT_MAX_TOKENS, limit - prompt_len))
-        if limit and prompt_len + max_tokens > limit:
-            raise bad_request(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = "
-                              f"{prompt_len + max_tokens} exceeds the context length {limit}",
-                              "max_tokens")
+        max_tokens = self.max_tokens(prompt_len, max_tokens)
         vocab = self.tokenizer.vocab_size
         if req.top_k > vocab:
             raise bad_request(f"top_k must be -1 (disabled) or at most the vocabulary size "
@@ -430,6 +437,18 @@ class Service:
             except ValueError as exc:
                 raise bad_request(f"invalid {grammar_param}: {exc}", grammar_param) from None
         return params
+
+    def max_tokens(self, prompt_len: int, max_tokens: int | None, what: str = "prompt") -> int:
+        """The request's max_tokens (by default what the context leaves, at most
+        ``DEFAULT_MAX_TOKENS``); a 400 when the prompt and it do not fit the context."""
+        limit = self.pool.max_model_len
+        if max_tokens is None:
+            max_tokens = max(1, min(DEFAULT_MAX_TOKENS, limit - prompt_len))
+        if limit and prompt_len + max_tokens > limit:
+            raise bad_request(f"{what} ({prompt_len} tokens) + max_tokens ({max_tokens}) = "
+                              f"{prompt_len + max_tokens} exceeds the context length {limit}",
+                              "max_tokens")
+        return max_tokens
 
     def build_grammar(self) -> GrammarCompiler:
         """The grammar compiler, built once (the gateway calls it in a thread at startup, so its
@@ -598,7 +617,8 @@ class Service:
                                      priority=self.priority(req, tenant),
                                      predicted_tokens=self.predicted_tokens(
                                          tenant, trace.record.endpoint), tenant=tenant)
-        return await self.run(request, req, prompt, params, chat=True, tenant=tenant,
+        return await self.run(request, req, [Part(trace, prompt, params)], chat=True,
+                              tenant=tenant,
                               tools=spec if spec is not None and spec.mode != "none" else None)
 
     async def completions(self, request: Request, tenant: Tenant) -> Response:
@@ -608,41 +628,57 @@ class Service:
         assert isinstance(req, CompletionRequest)
         trace: RequestTrace = request.state.trace
         trace.mark("ADMITTED")
-        if isinstance(req.prompt, str):
-            prompt = await self.encode(req.prompt)
-        else:
-            prompt = list(req.prompt)
-            if any(not 0 <= t < self.tokenizer.vocab_size for t in prompt):
-                raise bad_request("prompt has token ids outside the vocabulary", "prompt")
-        if not prompt:
-            raise bad_request("prompt is empty", "prompt")
-        whole = len(prompt)
-        prompt = self.truncate(prompt, req)
-        trace.record.prompt_tokens = len(prompt)  # kept by a request refused from here on
         scoring = req.max_tokens == 0  # echo only: the prompt and its logprobs, nothing more
         if scoring and not req.echo:
             raise bad_request("max_tokens must be >= 1 (0 only with echo, to score the prompt)",
                               "max_tokens")
-        params = await self.sampling(
-            req, len(prompt), 1 if scoring else req.max_tokens, req.logprobs is not None,
-            req.logprobs or 0, req.response_format,
-            prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None
-            else req.prompt_logprobs, priority=self.priority(req, tenant),
-            predicted_tokens=self.predicted_tokens(tenant, trace.record.endpoint), tenant=tenant)
-        echo = None
-        if req.echo:
-            echo = req.prompt if isinstance(req.prompt, str) and len(prompt) == whole else \
-                self.tokenizer.decode(prompt, skip_special_tokens=False)  # what the model saw
-        return await self.run(request, req, prompt, params, chat=False, tenant=tenant,
-                              echo=echo, scoring=scoring)
+        texts = req.prompts()
+        parts: list[Part] = []
+        for i, text in enumerate(texts):
+            name = "prompt" if len(texts) == 1 else f"prompt.{i}"  # a batch names the element
+            if isinstance(text, str):
+                prompt = await self.encode(text)
+            else:
+                prompt = list(text)
+                if any(not 0 <= t < self.tokenizer.vocab_size for t in prompt):
+                    raise bad_request(f"{name} has token ids outside the vocabulary", "prompt")
+            if not prompt:
+                raise bad_request(f"{name} is empty", "prompt")
+            whole = len(prompt)
+            prompt = self.truncate(prompt, req)
+            if i == 0:
+                trace.record.prompt_tokens = len(prompt)  # kept by a request refused from here
+            max_tokens = 1 if scoring else req.max_tokens
+            if i == 0:  # the parameters are checked (and a grammar compiled) once
+                params = await self.sampling(
+                    req, len(prompt), max_tokens, req.logprobs is not None, req.logprobs or 0,
+                    req.response_format,
+                    prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None
+                    else req.prompt_logprobs, priority=self.priority(req, tenant),
+                    predicted_tokens=self.predicted_tokens(tenant, trace.record.endpoint),
+                    tenant=tenant)
+            else:  # the same ones, with this prompt's max_tokens
+                params = dataclasses.replace(parts[0].params, max_tokens=self.max_tokens(
+                    len(prompt), max_tokens, name))
+            echo = None
+            if req.echo:
+                echo = text if isinstance(text, str) and len(prompt) == whole else \
+                    self.tokenizer.decode(prompt, skip_special_tokens=False)  # what it saw
+            parts.append(Part(trace, prompt, params, echo))
+        # a trace per further prompt of a batch, once every prompt is valid (a refused batch
+        # is one record)
+        for i, part in enumerate(parts[1:], start=1):
+            part.trace = trace.sibling(i)
+        return await self.run(request, req, parts, chat=False, tenant=tenant, scoring=scoring)
 
     # ---- the engine side -----------------------------------------------------------------------
     async def start_choices(self, request_id: str, prompt: list[int], params: SamplingParams,
                             n: int, stop: list[str], include_stop: bool,
                             trace: RequestTrace, cache_salt: str = "",
-                            skip_special_tokens: bool = True) -> list[Choice]:
+                            skip_special_tokens: bool = True, first: int = 0) -> list[Choice]:
         """Submit the ``n`` samples: the first is routed, the others follow it to its replica
-        as its branches (they share its prompt's KV blocks there)."""
+        as its branches (they share its prompt's KV blocks there). Their choice indexes (and
+        engine ids) start at ``first`` (a batch's later prompts)."""
         if not self.pool.ready:
             raise APIError(503, "no replica is ready yet", "server_error",
                            code="not_ready", headers={"Retry-After": "1"})
@@ -652,7 +688,7 @@ class Service:
         for i in range(n):
             p = params if n == 1 or params.seed is None else \
                 dataclasses.replace(params, seed=_wrap_int64(params.seed + i))
-            engine_id = f"{request_id}-{i}"
+            engine_id = f"{request_id}-{first + i}"
             self._traces[engine_id] = trace.record.trace_id  # before a step can name it
             self._tenant_of[engine_id] = trace.record.tenant
             neighbours = self._neighbours[engine_id] = {}
@@ -675,13 +711,13 @@ class Service:
                 r.route_reason = "; ".join(filter(None, (trace.route_note, route.reason)))
                 r.prefix_hit_tokens = route.prefix_hit_tokens
                 r.model_revision = route.model_revision or r.model_revision
-            choices.append(Choice(i, engine_id, TextStream(self.tokenizer, stop, include_stop,
-                                                            skip_special_tokens,
-                                                            min_tokens=p.min_tokens),
+            text = TextStream(self.tokenizer, stop, include_stop, skip_special_tokens,
+                              min_tokens=p.min_tokens)
+            choices.append(Choice(first + i, engine_id, text,
                                   queue, route.replica, p, prompt,
                                   logprobs=[] if params.logprobs else None,
                                   cache_salt=cache_salt, deadline=deadline,
-                                  neighbours=neighbours))
+                                  neighbours=neighbours, trace=trace))
         # the moment the first sample was sent: the replica's event offsets are placed from it,
         # and the engine cannot have seen the request earlier (a mark taken after the sends
         # could be late by a descheduled moment, placing engine events after END)
@@ -859,59 +895,74 @@ class Service:
         if params.degraded:
             r.lane, r.degraded = "degraded", params.degraded
 
-    def degrade(self, req: SamplingFields, params: SamplingParams, tenant: Tenant
-                ) -> tuple[SamplingFields, SamplingParams]:
+    def degrade(self, req: SamplingFields, parts: list[Part], tenant: Tenant) -> SamplingFields:
         """Degraded admission (``gateway.degrade``): under load, the reductions of a tenant
-        that allows them (the request's ``n`` and its parameters, as they will run)."""
+        that allows them (the request's ``n`` and each prompt's parameters, as they will
+        run); one decision for the whole request."""
         rule = tenant.degrade
         why = self.registry.load.pressure(self.pool.describe()) if rule is not None else ""
         if not why:
-            return req, params
-        params, n, what = rule.apply(params, req.n,
-                                     self.config.engine.scheduling_policy == "priority", why)
-        if what and n != req.n:
+            return req
+        n = req.n
+        for part in parts:
+            part.params, n, what = rule.apply(part.params, req.n,
+                                              self.config.engine.scheduling_policy == "priority",
+                                              why)
+        if n != req.n:
             req = req.model_copy(update={"n": n})
-        return req, params
+        return req
 
     # ---- one request ---------------------------------------------------------------------------
-    async def run(self, request: Request, req: SamplingFields, prompt: list[int],
-                  params: SamplingParams, chat: bool, tenant: Tenant, echo: str | None = None,
-                  scoring: bool = False, tools: ToolSpec | None = None) -> Response:
-        trace: RequestTrace = request.state.trace
-        req, params = self.degrade(req, params, tenant)
-        self._fill_static(trace, params)
-        trace.record.prompt_tokens, trace.record.stream, trace.record.n = \
-            len(prompt), req.stream, req.n
-        if self.config.record_token_ids and tenant.capture == "full":  # what replay rebuilds
-            # msgspec encodes the dataclass as asdict + json.dumps did (int keys as strings),
-            # at a tenth of the cost (asdict deep-copies every field)
-            trace.record.sampling_params = _encode_json({
-                "engine": params, "n": req.n, "stop": self.stops(req),
-                "include_stop_str_in_output": req.include_stop_str_in_output,
-                "skip_special_tokens": req.skip_special_tokens, "scoring": scoring}).decode()
+    async def run(self, request: Request, req: SamplingFields, parts: list[Part], chat: bool,
+                  tenant: Tenant, scoring: bool = False, tools: ToolSpec | None = None
+                  ) -> Response:
+        """Serve ``parts`` (one prompt, or a completions batch's) with ``req.n`` samples each:
+        choice ``k * n + j`` is prompt k's sample j (OpenAI's and vLLM's order)."""
+        req = self.degrade(req, parts, tenant)
+        capture = self.config.record_token_ids and tenant.capture == "full"
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        trace.record.response_id = rid
+        for part in parts:
+            self._fill_static(part.trace, part.params)
+            r = part.trace.record
+            r.prompt_tokens, r.stream, r.n, r.response_id = \
+                len(part.prompt), req.stream, req.n, rid
+            if capture:  # what replay rebuilds
+                # msgspec encodes the dataclass as asdict + json.dumps did (int keys as
+                # strings), at a tenth of the cost (asdict deep-copies every field)
+                r.sampling_params = _encode_json({
+                    "engine": part.params, "n": req.n, "stop": self.stops(req),
+                    "include_stop_str_in_output": req.include_stop_str_in_output,
+                    "skip_special_tokens": req.skip_special_tokens,
+                    "scoring": scoring}).decode()
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         registry = self.registry
-        registry.admit_tokens(tenant, len(prompt), params.max_tokens * req.n)
-        trace.mark("TOKENIZED")
+        budget = sum(part.params.max_tokens for part in parts) * req.n
+        registry.admit_tokens(tenant, sum(len(part.prompt) for part in parts), budget)
+        for part in parts:
+            part.trace.mark("TOKENIZED")
+        choices: list[Choice] = []
         try:
-            choices = await self.start_choices(rid, prompt, params, req.n, self.stops(req),
-                                               req.include_stop_str_in_output, trace,
-                                               tenant.cache_salt, req.skip_special_tokens)
+            for k, part in enumerate(parts):
+                part.choices = await self.start_choices(
+                    rid, part.prompt, part.params, req.n, self.stops(req),
+                    req.include_stop_str_in_output, part.trace, tenant.cache_salt,
+                    req.skip_special_tokens, first=k * req.n)
+                choices += part.choices
         except APIError:
-            registry.give_back_tokens(tenant, params.max_tokens * req.n)
-            for i in range(req.n):
+            await self.abort_all(choices)  # a batch: the earlier prompts' samples
+            registry.give_back_tokens(tenant, budget)
+            for i in range(len(parts) * req.n):
                 self._forget(f"{rid}-{i}")
             raise
-        for c in choices:
-            c.echo, c.scoring, c.tools = echo, scoring, tools
-            c.return_ids = req.return_token_ids
-            if tools is not None and tools.forced:
-                c.tool_stream = ToolStream()
-            elif tools is not None:
-                c.held = ""
+        for part in parts:
+            for c in part.choices:
+                c.echo, c.scoring, c.tools = part.echo, scoring, tools
+                c.return_ids = req.return_token_ids
+                if tools is not None and tools.forced:
+                    c.tool_stream = ToolStream()
+                elif tools is not None:
+                    c.held = ""
 
         held = True
 
@@ -919,24 +970,27 @@ class Service:
             nonlocal held
             if held:
                 held = False
-                unused = sum(params.max_tokens - c.stream.generated_tokens for c in choices)
+                unused = sum(c.params.max_tokens - c.stream.generated_tokens for c in choices)
                 registry.finish(tenant, unused)
                 for c in choices:
                     self._abandon.pop(c.engine_id, None)
                     self._retire(c.engine_id)
 
-        def settle(client_gone: bool) -> None:  # tenant slot, unused token budget, record
+        def settle(client_gone: bool) -> None:  # tenant slot, unused token budget, records
             free_slot()
-            self.fill_record(trace, req, prompt, params, choices, client_gone, tenant)
+            for part in parts:
+                self.fill_record(part.trace, req, part.prompt, part.params, part.choices,
+                                 client_gone, tenant)
 
         for c in choices:  # a client cancelled for not reading frees its slot at once
             self._abandon[c.engine_id] = free_slot
         request.state.settled_by_run = True  # from here on, settle() releases the slot
+        prompt_tokens = sum(len(part.prompt) for part in parts)
         if not req.stream:
-            return await self._complete(request, req, prompt, choices, chat, rid, obj, created,
-                                        settle)
+            return await self._complete(request, req, parts, prompt_tokens, choices, chat, rid,
+                                        obj, created, settle)
         return StreamingResponse(
-            self._events(req, prompt, choices, chat, rid, obj, created, settle, trace),
+            self._events(req, prompt_tokens, choices, chat, rid, obj, created, settle),
             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @staticmethod
@@ -959,8 +1013,8 @@ class Service:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    async def _complete(self, request, req, prompt, choices, chat, rid, obj, created, settle
-                        ) -> Response:
+    async def _complete(self, request, req, parts, prompt_tokens, choices, chat, rid, obj,
+                        created, settle) -> Response:
         texts = ["" for _ in choices]
 
         async def collect_one(c: Choice) -> None:
@@ -1005,6 +1059,7 @@ class Service:
                 raise APIError(500, c.error or "generation failed", "server_error",
                                code="generation_failed")
         body_choices = []
+        lead = {c.index: part.choices[0] for part in parts for c in part.choices}
         for c in choices:
             head, head_lps = self.echoed(c)
             texts[c.index] = head + texts[c.index]
@@ -1023,16 +1078,19 @@ class Service:
                 body_choices.append({"index": c.index, "text": texts[c.index], "logprobs": lp,
                                      "finish_reason": c.finish_reason})
                 if req.return_token_ids:
-                    body_choices[-1]["prompt_token_ids"] = prompt
+                    body_choices[-1]["prompt_token_ids"] = c.prompt
+                if req.prompt_logprobs is not None:  # vLLM's completions: per choice
+                    body_choices[-1]["prompt_logprobs"] = self.vllm_prompt_logprobs(
+                        lead[c.index].prompt_logprobs)
             if req.return_token_ids:
                 body_choices[-1]["token_ids"] = [] if c.scoring else c.token_ids
         body = {"id": rid, "object": obj, "created": created,
                 "model": self.config.served_model_name, "choices": body_choices,
-                "usage": self.usage(len(prompt), choices)}
-        if req.prompt_logprobs is not None and choices:
+                "usage": self.usage(prompt_tokens, choices)}
+        if chat and req.prompt_logprobs is not None and choices:  # vLLM's chat: top level
             body["prompt_logprobs"] = self.vllm_prompt_logprobs(choices[0].prompt_logprobs)
         if req.return_token_ids and chat:
-            body["prompt_token_ids"] = prompt
+            body["prompt_token_ids"] = parts[0].prompt
         return JSONResponse(body)
 
     def vllm_prompt_logprobs(self, entries: list | None) -> list:
@@ -1078,8 +1136,8 @@ class Service:
             for fut in pending:
                 fut.cancel()
 
-    async def _events(self, req, prompt, choices, chat, rid, obj, created, settle,
-                      trace: RequestTrace) -> AsyncIterator[str | bytes]:
+    async def _events(self, req, prompt_tokens, choices, chat, rid, obj, created, settle
+                      ) -> AsyncIterator[str | bytes]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = include_usage and req.stream_options.continuous_usage_stats
         model = self.config.served_model_name
@@ -1106,10 +1164,10 @@ class Service:
                        "choices": [body]}
             if c.return_ids:  # vLLM's shape: the prompt's ids with a choice's first chunk
                 if c.ids_sent < 0:
-                    (payload if chat else body)["prompt_token_ids"] = prompt
+                    (payload if chat else body)["prompt_token_ids"] = c.prompt
                 body["token_ids"] = c.new_ids()
             if include_usage:  # continuous: the request's usage so far (every choice)
-                payload["usage"] = self.usage(len(prompt), choices) if continuous else None
+                payload["usage"] = self.usage(prompt_tokens, choices) if continuous else None
             return b"data: " + _encode_json(payload) + b"\n\n"
 
         complete = False
@@ -1124,12 +1182,12 @@ class Service:
                         c.echo_sent = True
                         head, head_lps = self.echoed(c)
                         yield chunk(c, head, None, head=head_lps)
-                        trace.flush()
+                        c.trace.flush()
                     if c.tool_stream is not None:  # a forced call: its deltas as they come
                         calls = c.tool_stream.feed(text) if text else []
                         if calls:
                             yield chunk(c, None, None, tool_calls=calls)
-                            trace.flush()
+                            c.trace.flush()
                         text = ""
                     elif c.held is not None:  # auto: a call or text? hold until known
                         c.held += text
@@ -1138,7 +1196,7 @@ class Service:
                             text, c.held = c.held, None  # text: from here on as it comes
                     if text:
                         yield chunk(c, text, None)
-                        trace.flush()
+                        c.trace.flush()
                     if finished and c.held is not None:
                         held, c.held = c.held, None
                         calls = self._calls(c, held)
@@ -1147,7 +1205,7 @@ class Service:
                                 {"index": i, **x.body()} for i, x in enumerate(calls)])
                         elif held:
                             yield chunk(c, held, None)
-                        trace.flush()
+                        c.trace.flush()
                     elif finished and c.tool_stream is not None:
                         self._calls(c, c.tool_stream.text)
                     if finished:
@@ -1161,7 +1219,7 @@ class Service:
                             yield chunk(c, None if chat else "", c.finish_reason)
             if include_usage:
                 payload = {"id": rid, "object": chunk_obj, "created": created, "model": model,
-                           "choices": [], "usage": self.usage(len(prompt), choices)}
+                           "choices": [], "usage": self.usage(prompt_tokens, choices)}
                 yield b"data: " + _encode_json(payload) + b"\n\n"
             yield "data: [DONE]\n\n"
             complete = True

@@ -63,6 +63,22 @@ class RequestTrace:
         self.route_note = ""  # why this side of a mixed pool (ahead of the router's reason)
         self.keep_first: set[str] = set()  # marks a second attempt does not move
         self.earlier_tries = 0  # failed elsewhere first (a mixed pool's backend)
+        # the other prompts of a /v1/completions batch: a record each (``sibling``)
+        self.siblings: list[RequestTrace] = []
+
+    def sibling(self, prompt_index: int) -> RequestTrace:
+        """The trace of prompt ``prompt_index`` of this request's batch: the same arrival,
+        marks so far, request id, caller's span and bench run, its own trace and span ids;
+        the middleware ends it with this one and emits its record."""
+        r = self.record
+        t = RequestTrace(r.request_id, secrets.token_hex(16), secrets.token_hex(8),
+                         r.parent_span_id, r.endpoint)
+        t.arrival_ns, t.arrival_wall_us = self.arrival_ns, self.arrival_wall_us
+        t.record.arrival_ts_us, t.record.bench_run = r.arrival_ts_us, r.bench_run
+        t.record.prompt_index = prompt_index
+        t.marks = dict(self.marks)
+        self.siblings.append(t)
+        return t
 
     def mark(self, stage: str, at_ns: int | None = None) -> None:
         if stage in self.keep_first and stage in self.marks:
@@ -81,8 +97,15 @@ class RequestTrace:
     def _wall(self, ns: int) -> int:
         return self.arrival_wall_us + (ns - self.arrival_ns) // 1000
 
-    def finish(self, status: int) -> RequestRecord:
+    def finish(self, status: int, batch: RequestTrace | None = None) -> RequestRecord:
+        """The record, ended with ``status``; a batch's sibling also takes the batch's end
+        and, when it did not end on its own account, the batch's failure."""
         r = self.record
+        if batch is not None:
+            self.end_ns = batch.end_ns
+            if not r.final_state and batch.record.final_state not in ("", "FINISHED"):
+                b = batch.record
+                self.fail(b.final_state, b.finish_reason, b.error_type, b.error_message)
         end = self.end_ns or time.monotonic_ns()
         r.http_status = status
         if not r.final_state:  # never reached the serving code's bookkeeping
@@ -163,12 +186,16 @@ class TraceMiddleware:
                           ] if trace is not None and trace.record.replica else []
                 if trace is not None and trace.record.degraded:  # degraded admission
                     routed.append((b"x-tailscope-degraded", trace.record.degraded.encode()))
+                if trace is not None and trace.siblings:  # a batch: every prompt's trace
+                    routed.append((b"x-tailscope-trace-ids", ",".join(
+                        [trace_id, *(t.record.trace_id for t in trace.siblings)]).encode()))
                 message = {**message, "headers": [*message.get("headers", []), *extra,
                                                   *routed]}
             elif message["type"] == "http.response.body" and not message.get("more_body"):
                 if trace is not None:
-                    if not trace.flushes and status == 200 and not trace.record.stream:
-                        trace.flush()  # a JSON body is the response's one content flush
+                    for t in (trace, *trace.siblings):
+                        if not t.flushes and status == 200 and not t.record.stream:
+                            t.flush()  # a JSON body is the response's one content flush
                     trace.end_ns = time.monotonic_ns()
             await send(message)
 
@@ -195,6 +222,8 @@ class TraceMiddleware:
         finally:
             if trace is not None:
                 self.on_record(trace.finish(status or 500))
+                for sibling in trace.siblings:
+                    self.on_record(sibling.finish(status or 500, batch=trace))
 
 
 async def _send_json(send, status: int, body: dict) -> None:

@@ -74,6 +74,9 @@ class RequestRecord:
     generated_tokens: int = 0  # sampled by the engine (all choices)
     emitted_tokens: int = 0  # sent to the client (billing); excludes a stop string's tokens
     n: int = 1
+    # a /v1/completions batch of k prompts is k records (one per prompt, each its own trace id,
+    # sharing request_id and response_id): this one's place in the batch (0 when not a batch)
+    prompt_index: int = 0
     input_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)  # choice 0
     # choice 0: the engine step (engine_steps.step on its replica) that produced each token

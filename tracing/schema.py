@@ -173,7 +173,7 @@ _NARROW = {"ttl_days": "UInt16", "http_status": "UInt16", "prompt_tokens": "UInt
            "cached_tokens": "UInt32", "generated_tokens": "UInt32", "emitted_tokens": "UInt32",
            "n": "UInt16", "retries": "UInt8", "preemptions": "UInt32", "step": "UInt64",
            "incarnation": "UInt32", "seq": "UInt16", "neighbour_prefill_tokens": "UInt32",
-           "priority": "Int32"}
+           "priority": "Int32", "prompt_index": "UInt16"}
 
 
 def _ch_type(name: str, annotation) -> str:
@@ -312,6 +312,9 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
         "LowCardinality(String) AFTER tenant",
         f"ALTER TABLE {DATABASE}.engine_steps ADD COLUMN IF NOT EXISTS instance "
         "LowCardinality(String) AFTER ttl_days"]),
+    (16, "requests.prompt_index (a /v1/completions batch is a record per prompt)", [
+        f"ALTER TABLE {DATABASE}.requests ADD COLUMN IF NOT EXISTS prompt_index UInt16 "
+        "AFTER n"]),
 ]
 
 __all__ = ["DATABASE", "TABLES", "MIGRATIONS", "ConfigRow", "EngineStepRow", "EventRow",

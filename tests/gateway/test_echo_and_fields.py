@@ -133,7 +133,7 @@ def test_tokenizer_info_in_vllms_shape(client, bundled_tokenizer):
     assert info["vocab_size"] == bundled_tokenizer.vocab_size and info["model_max_length"] > 0
 
 
-def test_a_batch_of_one_prompt_is_that_prompt_and_larger_batches_are_refused(client):
+def test_a_batch_of_one_prompt_is_that_prompt(client):
     one = {"model": MODEL, "max_tokens": 4, "temperature": 0, "logprobs": 0}
     ids = client.post("/tokenize", json={"prompt": "Hello there"}).json()["tokens"]
     plain = client.post("/v1/completions", json={**one, "prompt": "Hello there"}).json()
@@ -142,10 +142,101 @@ def test_a_batch_of_one_prompt_is_that_prompt_and_larger_batches_are_refused(cli
         assert got.status_code == 200, got.text
         assert got.json()["choices"][0]["text"] == plain["choices"][0]["text"]
         assert got.json()["usage"] == plain["usage"]
-    for prompt in (["a", "b"], [ids, ids]):
-        bad = client.post("/v1/completions", json={**one, "prompt": prompt})
-        assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
-        assert bad.json()["error"]["code"] == "unsupported_parameter"
+        assert "x-tailscope-trace-ids" not in got.headers
+
+
+BATCH = ["Hello there", "The sky is", "Once upon a time, in a land far away"]
+
+
+def test_a_batch_runs_every_prompt_and_keeps_a_record_per_prompt(client):
+    """OpenAI's prompt arrays (texts or token lists): choice k * n + j is prompt k's sample j,
+    each the answer that prompt gets alone; usage sums the prompts; a record per prompt, each
+    with its own trace id (all in x-tailscope-trace-ids), sharing request and response id."""
+    common = {"model": MODEL, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+              "return_token_ids": True}
+    alone = [client.post("/v1/completions", json={**common, "prompt": p}).json()
+             for p in BATCH]
+    ids = client.post("/tokenize", json={"prompt": BATCH[1]}).json()["tokens"]
+    for prompt in (BATCH, [BATCH[0], BATCH[1], BATCH[2]]):
+        r = client.post("/v1/completions", json={**common, "prompt": prompt, "n": 2})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert [c["index"] for c in body["choices"]] == list(range(6))
+        for k, single in enumerate(alone):
+            for j in range(2):
+                c = body["choices"][2 * k + j]
+                assert c["text"] == single["choices"][0]["text"]
+                assert c["token_ids"] == single["choices"][0]["token_ids"]
+                assert c["prompt_token_ids"] == single["choices"][0]["prompt_token_ids"]
+        assert body["choices"][2]["prompt_token_ids"] == ids
+        assert body["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+        assert body["usage"]["completion_tokens"] == 3 * 2 * 4
+        traces = r.headers["x-tailscope-trace-ids"].split(",")
+        assert len(set(traces)) == 3 and traces[0] == r.headers["x-tailscope-trace-id"]
+        records = [client.sink.find(t) for t in traces]
+        for k, rec in enumerate(records):
+            assert rec.prompt_index == k and rec.final_state == "FINISHED"
+            assert rec.input_token_ids == body["choices"][2 * k]["prompt_token_ids"]
+            assert rec.output_token_ids == body["choices"][2 * k]["token_ids"]
+            assert rec.prompt_tokens == len(rec.input_token_ids) and rec.n == 2
+            assert rec.generated_tokens == 8 and rec.http_status == 200
+            assert rec.request_id == records[0].request_id
+            assert rec.response_id == body["id"]
+            assert rec.ttft_ms is not None and rec.e2e_ms > 0
+
+
+def test_a_streamed_batch_gives_each_choice_its_own_text(client):
+    common = {"model": MODEL, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+              "prompt": BATCH, "echo": True}
+    whole = client.post("/v1/completions", json=common).json()
+    with client.stream("POST", "/v1/completions", json={
+            **common, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        traces = r.headers["x-tailscope-trace-ids"].split(",")
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    texts = {}
+    for ch in chunks[:-1]:
+        (c,) = ch["choices"]
+        texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert [texts[i] for i in range(3)] == [c["text"] for c in whole["choices"]]
+    for i, prompt in enumerate(BATCH):  # echo: each choice starts with its own prompt
+        assert texts[i].startswith(prompt) and len(texts[i]) > len(prompt)
+    assert chunks[-1]["usage"] == whole["usage"]
+    for k, t in enumerate(traces):
+        rec = client.sink.find(t)
+        assert rec.prompt_index == k and rec.stream and rec.generated_tokens == 5
+        assert rec.ttft_ms is not None and len(rec.itl_ms) >= 1
+
+
+def test_a_batch_is_refused_whole_naming_the_prompt_at_fault(client):
+    body = {"model": MODEL, "max_tokens": 2}
+    before = client.sink.emitted
+    for prompt, says in ((["Hi", ""], "prompt.1 is empty"),
+                         ([[1, 2], [10**8]], "prompt.1 has token ids outside"),
+                         (["Hi"] * 65, "65 sequences; at most 64"),
+                         (["Hi", [1, 2]], "prompt")):
+        bad = client.post("/v1/completions", json={**body, "prompt": prompt})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt", bad.text
+        assert says in bad.json()["error"]["message"], bad.text
+        assert "x-tailscope-trace-ids" not in bad.headers
+    many = client.post("/v1/completions", json={**body, "prompt": ["a"] * 8, "n": 9})
+    assert many.status_code == 400 and "72 sequences" in many.json()["error"]["message"]
+    assert client.sink.emitted == before + 5  # a refused batch is one record
+
+
+def test_prompt_logprobs_on_a_completions_batch_are_per_choice(client, tiny49k):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": BATCH[:2],
+                                             "max_tokens": 1, "prompt_logprobs": 0})
+    assert r.status_code == 200, r.text
+    assert "prompt_logprobs" not in r.json()  # vLLM's completions: in each choice
+    traces = r.headers["x-tailscope-trace-ids"].split(",")
+    for c, t in zip(r.json()["choices"], traces, strict=True):
+        ids = client.sink.find(t).input_token_ids
+        plp = c["prompt_logprobs"]
+        assert len(plp) == len(ids) and plp[0] is None
+        got = [entry[str(ids[i])]["logprob"] for i, entry in enumerate(plp[1:], start=1)]
+        assert got == pytest.approx(dense_logprobs(tiny49k, ids), abs=1e-4)
 
 
 def test_prompt_logprobs_vllm_extra_on_chat(client, tiny49k):

@@ -7,6 +7,7 @@ loglikelihoods must equal the engine's own dense scoring of the same tokens."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Literal
 
@@ -89,9 +90,11 @@ def lm_eval_pair(tok, context: str, continuation: str) -> tuple[list[int], int]:
 
 
 def test_lm_eval_local_completions_loglikelihoods_equal_the_engines(
-        live, tmp_path, tiny49k, bundled_tokenizer, monkeypatch):
+        live, tmp_path, tiny49k, bundled_tokenizer, monkeypatch, records_file):
     import lm_eval
     from lm_eval.tasks import TaskManager
+
+    start_us = time.time_ns() // 1000
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -102,7 +105,8 @@ def test_lm_eval_local_completions_loglikelihoods_equal_the_engines(
         model="local-completions",
         model_args={"base_url": f"{live.url}/v1/completions", "model": MODEL,
                     "tokenizer_backend": "remote",  # our /tokenizer_info and /tokenize
-                    "num_concurrent": 1, "max_retries": 1},
+                    # 4 requests per call: a prompt batch of token-id lists (a record each)
+                    "num_concurrent": 1, "max_retries": 1, "batch_size": 4},
         tasks=["tailscope_tiny_mc"], task_manager=TaskManager(include_path=str(tmp_path)),
         log_samples=True)
     docs = [json.loads(line) for line in (DATA / "tiny_mc.jsonl").read_text().splitlines()]
@@ -122,3 +126,9 @@ def test_lm_eval_local_completions_loglikelihoods_equal_the_engines(
         correct += max(range(len(expected)), key=expected.__getitem__) == doc["answer"]
     assert out["results"]["tailscope_tiny_mc"]["acc,none"] == pytest.approx(
         correct / len(docs))
+    # its requests were batches of 4 prompts: a record per prompt, each scoring one choice
+    records = [r for r in map(json.loads, records_file.read_text().splitlines())
+               if r["arrival_ts_us"] >= start_us and r["endpoint"] == "/v1/completions"]
+    assert len(records) == sum(len(d["choices"]) for d in docs)
+    assert max(r["prompt_index"] for r in records) == 3
+    assert all(r["final_state"] == "FINISHED" and r["http_status"] == 200 for r in records)
