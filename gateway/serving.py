@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -123,6 +124,7 @@ class Choice:
     neighbours: dict[str, int] = field(default_factory=dict)
     ids_sent: int = -1  # (streams) generated ids sent so far; -1: not even the prompt's
     trace: RequestTrace | None = None  # its prompt's (a batch has a trace per prompt)
+    text_offset: int = 0  # completions' logprobs: the token texts' length so far
 
     def new_ids(self) -> list[int]:
         """(streams, return_token_ids) the generated ids not sent yet (none when scoring)."""
@@ -806,7 +808,11 @@ class Service:
     def _token_text(self, tok: int) -> str:
         return self.tokenizer.decode([tok], skip_special_tokens=False)
 
-    def logprobs_body(self, entries: list, chat: bool) -> dict:
+    def logprobs_body(self, entries: list, chat: bool, c: Choice | None = None) -> dict:
+        """OpenAI's logprobs object for ``entries`` (chat's ``content`` list, or completions'
+        parallel lists with ``text_offset``: where each token's text starts in the choice's
+        text, counted from the texts of the tokens before it, an echoed prompt's included, as
+        vLLM counts them; ``c`` carries the count across a stream's chunks)."""
         t, v = self._token_text, _finite_logprob
         if chat:
             return {"content": [
@@ -814,10 +820,17 @@ class Service:
                  "top_logprobs": [{"token": t(i), "logprob": v(x), "bytes": list(t(i).encode())}
                                   for i, x in top]}
                 for tok, lp, top in entries]}
-        return {"tokens": [t(tok) for tok, _, _ in entries],  # an echoed first token: None
+        tokens = [t(tok) for tok, _, _ in entries]
+        offset = c.text_offset if c is not None else 0
+        offsets = list(itertools.accumulate((len(x) for x in tokens[:-1]), initial=offset)) \
+            if tokens else []
+        if c is not None:
+            c.text_offset = offset + sum(map(len, tokens))
+        return {"tokens": tokens,
                 "token_logprobs": [None if lp is None else v(lp) for _, lp, _ in entries],
                 "top_logprobs": [None if top is None else {t(i): v(x) for i, x in top}
-                                 for _, _, top in entries]}
+                                 for _, _, top in entries],  # an echoed first token: None
+                "text_offset": offsets}
 
     def echoed(self, c: Choice) -> tuple[str, list]:
         """An echoing choice's prompt text and (with logprobs) its prompt entries."""
@@ -1063,7 +1076,7 @@ class Service:
         for c in choices:
             head, head_lps = self.echoed(c)
             texts[c.index] = head + texts[c.index]
-            lp = self.logprobs_body(head_lps + self.new_logprobs(c), chat) \
+            lp = self.logprobs_body(head_lps + self.new_logprobs(c), chat, c) \
                 if c.logprobs is not None else None
             if c.calls or (chat and c.tools is not None and c.tools.forced):
                 body_choices.append({"index": c.index, "message": {
@@ -1146,7 +1159,7 @@ class Service:
         def chunk(c: Choice, text: str | None, finish: str | None, first: bool = False,
                   head: list | None = None, tool_calls: list | None = None) -> str:
             entries = head if head is not None else self.new_logprobs(c)
-            lp = self.logprobs_body(entries, chat) if entries else None
+            lp = self.logprobs_body(entries, chat, c) if entries else None
             if chat:
                 delta: dict = {}
                 if first:

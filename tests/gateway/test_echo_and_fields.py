@@ -60,6 +60,16 @@ def test_echo_with_a_completion_streamed_and_not(client):
     assert first["token_logprobs"][0] is None and len(first["tokens"]) >= 2
     n_prompt = len(first["tokens"])
     assert len(whole["logprobs"]["tokens"]) == n_prompt + 3
+    # OpenAI's text_offset: where each token starts in the choice's text (echo included),
+    # carried across a stream's chunks
+    lp = whole["logprobs"]
+    assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(n_prompt + 3)]
+    assert lp["text_offset"][n_prompt] == len("Hello there")
+    streamed = [o for c in chunks if c["choices"][0]["logprobs"]
+                for o in c["choices"][0]["logprobs"]["text_offset"]]
+    assert streamed == lp["text_offset"]
+    plain = client.post("/v1/completions", json={**body, "echo": False}).json()["choices"][0]
+    assert plain["logprobs"]["text_offset"][0] == 0  # without echo, from the completion
 
 
 def test_the_openai_sdk_scores_with_echo(client):
