@@ -48,7 +48,8 @@ from tracing.store import QueryLimits, is_embedded, normalise_dsn
 
 log = logging.getLogger("tailscope.gateway")
 LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
-API_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})  # traced: one record each
+# traced: one record each (a completions batch: one per prompt)
+API_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 
 
 @dataclass
@@ -376,6 +377,9 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
     async def completions(request: Request) -> Response:
         return await gated(request, service.completions)
 
+    async def responses(request: Request) -> Response:
+        return await gated(request, service.responses)
+
     async def tokenize(request: Request) -> Response:
         return await gated(request, service.tokenize)
 
@@ -386,6 +390,7 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
     # FastAPI's per-request dependency solving would be pure overhead on the hot path.
     app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_route("/v1/completions", completions, methods=["POST"])
+    app.add_route("/v1/responses", responses, methods=["POST"])
     # vLLM's utility endpoints (their paths and shapes): the bundled model's tokenizer
     app.add_route("/tokenize", tokenize, methods=["POST"])
     app.add_route("/detokenize", detokenize, methods=["POST"])

@@ -54,6 +54,8 @@ _MANUAL = [
      S.ChatCompletionRequest, "ChatCompletionResponse", True, "OpenAI API"),
     ("/v1/completions", "Text completion (echo, logprobs, streaming)", S.CompletionRequest,
      "CompletionResponse", True, "OpenAI API"),
+    ("/v1/responses", "OpenAI's Responses API, stateless (function tools, text.format, "
+     "streamed typed events)", S.ResponsesRequest, "ResponseObject", True, "OpenAI API"),
     ("/tokenize", "Token ids of a prompt or of chat messages (vLLM's shape)",
      S.TokenizeRequest, "TokenizeResponse", False, "Utility"),
     ("/detokenize", "Text of token ids (vLLM's shape)", S.DetokenizeRequest,
@@ -71,12 +73,12 @@ def build(app: FastAPI, models: list[str], bundled: str) -> dict:
                       description="Tailscope gateway: the OpenAI API over the bundled engine "
                       "and external backends, every request recorded.")
     documented = [m for _, _, m, _, _, _ in _MANUAL] + list(_BODIES.values()) + [
-        S.ChatCompletionResponse, S.CompletionResponse, S.TokenizeResponse,
+        S.ChatCompletionResponse, S.CompletionResponse, S.ResponseObject, S.TokenizeResponse,
         S.DetokenizeResponse, S.ErrorResponse]
     _, defs = models_json_schema([(m, "validation") for m in documented], ref_template=_REF)
     components = doc.setdefault("components", {}).setdefault("schemas", {})
     components.update(defs.get("$defs", {}))
-    for name in ("ChatCompletionRequest", "CompletionRequest"):  # the served names
+    for name in ("ChatCompletionRequest", "CompletionRequest", "ResponsesRequest"):  # served
         components[name]["properties"]["model"] = {"type": "string", "enum": models,
                                                    "title": "Model"}
     for name in ("TokenizeRequest", "DetokenizeRequest"):
@@ -88,6 +90,7 @@ def build(app: FastAPI, models: list[str], bundled: str) -> dict:
         "/v1/chat/completions": {"model": bundled, "max_tokens": 8,
                                  "messages": [{"role": "user", "content": "Hello!"}]},
         "/v1/completions": {"model": bundled, "prompt": "Once upon a time", "max_tokens": 8},
+        "/v1/responses": {"model": bundled, "input": "Hello!", "max_output_tokens": 8},
         "/tokenize": {"prompt": "Hello!"}, "/detokenize": {"tokens": [19556, 17]}}
     for path, summary, body, answer, stream, tag in _MANUAL:
         paths[path] = _operation(summary, body, answer, stream, tag, examples.get(path))

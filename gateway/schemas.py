@@ -246,6 +246,45 @@ class CompletionRequest(SamplingFields):
                               "samples and choose among them")
 
 
+class ResponsesRequest(BaseModel):
+    """OpenAI's Responses API (``POST /v1/responses``), stateless: each request is served
+    through the chat pipeline (``gateway.responses`` translates both ways). What needs stored
+    state or hosted tools (``previous_response_id``, ``conversation``, ``background``,
+    built-in tools, ``reasoning``) is a 400 naming it."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None  # a system message ahead of the input
+    max_output_tokens: Count | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None  # include_obfuscation: false only
+    tools: list[dict[str, Any]] | None = None  # function tools: {type, name, parameters, ...}
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None  # {"format": text | json_object | json_schema}
+    include: list[str] | None = None  # "message.output_text.logprobs" only
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    # accepted, changing nothing in the answer (every request is recorded anyway)
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    # refused unless unset (``gateway.responses.to_chat``)
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    background: bool | None = None
+    reasoning: dict[str, Any] | None = None
+    truncation: Literal["disabled", "auto"] | None = None
+    prompt: dict[str, Any] | None = None
+    max_tool_calls: int | None = None
+
+
 # ---- documented shapes (the OpenAPI document; gateway.openapi) --------------------------------
 class ErrorDetail(BaseModel):
     message: str
@@ -273,6 +312,20 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[dict[str, Any]]  # index, message (content or tool_calls), logprobs, finish
     usage: Usage
+
+
+class ResponseObject(BaseModel):
+    """OpenAI's response object (``gateway.responses``); streamed, its typed events."""
+
+    id: str  # resp_...
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "failed", "in_progress"]
+    model: str
+    # message items (output_text parts) and function_call items
+    output: list[dict[str, Any]]
+    incomplete_details: dict[str, Any] | None = None
+    usage: dict[str, Any] | None = None  # input_tokens, output_tokens, total_tokens, details
 
 
 class CompletionResponse(BaseModel):

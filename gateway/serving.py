@@ -23,6 +23,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import pydantic
@@ -43,10 +44,12 @@ from gateway.backend import (
 )
 from gateway.errors import APIError, bad_request
 from gateway.limits import RequestLimits, check_body, check_counts
+from gateway.responses import ResponseEvents, Shell, param_name, response_object, sse, to_chat
 from gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     SamplingFields,
     TokenizeRequest,
     Unsupported,
@@ -340,12 +343,11 @@ class Service:
                         f"{', '.join(map(repr, self.served_models()))}", param="model",
                         code="model_not_found")
 
-    async def parse(self, request: Request, model: type[SamplingFields]) -> SamplingFields:
-        data, _ = await self.body_json(request)
-        if self.config.sampling_defaults or self.config.sampling_overrides:
-            data = {**self.config.sampling_defaults, **data, **self.config.sampling_overrides}
+    @staticmethod
+    def validated(model: type[pydantic.BaseModel], data: dict) -> Any:
+        """``data`` as ``model``, or the 400 naming the field (an unknown one by its code)."""
         try:
-            parsed = model.model_validate(data)
+            return model.model_validate(data)
         except pydantic.ValidationError as exc:
             err = exc.errors()[0]
             param = ".".join(str(p) for p in err["loc"]) or None
@@ -354,6 +356,12 @@ class Service:
                                "know it (it is refused rather than ignored)",
                                "invalid_request_error", param, code="unknown_parameter") from None
             raise bad_request(f"{param}: {err['msg']}", param) from None
+
+    async def parse(self, request: Request, model: type[SamplingFields]) -> SamplingFields:
+        data, _ = await self.body_json(request)
+        if self.config.sampling_defaults or self.config.sampling_overrides:
+            data = {**self.config.sampling_defaults, **data, **self.config.sampling_overrides}
+        parsed = self.validated(model, data)
         try:
             parsed.unsupported()
         except Unsupported as exc:
@@ -622,6 +630,54 @@ class Service:
         return await self.run(request, req, [Part(trace, prompt, params)], chat=True,
                               tenant=tenant,
                               tools=spec if spec is not None and spec.mode != "none" else None)
+
+    async def responses(self, request: Request, tenant: Tenant) -> Response:
+        """OpenAI's Responses API, served as the chat request it means (``gateway.responses``):
+        a 400 names the Responses field; the answer is the response object, or its events."""
+        data, _ = await self.body_json(request)
+        req = self.validated(ResponsesRequest, data)
+        try:
+            body = to_chat(req)
+        except Unsupported as exc:
+            raise _unsupported(exc) from None
+        request.state.body_json = body, _encode_json(body)  # what chat() (or a backend) reads
+        try:
+            answer = await self.chat(request, tenant)
+        except APIError as exc:
+            exc.param = param_name(exc.param)
+            raise
+        if answer.status_code != 200:  # a backend's error, as it sent it
+            return answer
+        shell = Shell(req)
+        if not isinstance(answer, StreamingResponse):
+            return JSONResponse(response_object(shell, json.loads(answer.body)))
+        return StreamingResponse(self._response_events(shell, answer.body_iterator),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    @staticmethod
+    async def _response_events(shell: Shell, chunks) -> AsyncIterator[bytes]:
+        """The chat stream ``chunks`` as Responses events; closing this closes it (its own
+        ending aborts what runs and writes the record)."""
+        events = ResponseEvents(shell)
+        for kind, payload in events.start():
+            yield sse(kind, payload)
+        failed, buf = False, b""
+        async with contextlib.aclosing(chunks) as source:
+            async for piece in source:
+                buf += piece if isinstance(piece, bytes) else piece.encode()
+                while b"\n\n" in buf:
+                    frame, buf = buf.split(b"\n\n", 1)
+                    for line in frame.split(b"\n"):
+                        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                            continue
+                        data = json.loads(line[6:])
+                        failed = failed or "error" in data
+                        for kind, payload in events.chunk(data):
+                            yield sse(kind, payload)
+        if not failed:
+            for kind, payload in events.end():
+                yield sse(kind, payload)
 
     async def completions(self, request: Request, tenant: Tenant) -> Response:
         if (proxied := await self.proxied(request, tenant, "/completions")) is not None:

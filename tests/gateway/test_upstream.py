@@ -116,6 +116,26 @@ def test_the_sdk_through_the_gateway_gets_what_the_upstream_gives(gateway, upstr
     assert "'tiny-up'" in unknown.value.message and repr(DIRECT) in unknown.value.message
 
 
+def test_the_responses_api_through_a_backend_is_its_chat_answer(gateway, upstream):
+    """/v1/responses for a backend's model: served as the chat request it means, proxied to
+    the backend's chat endpoint, its answer (JSON or stream) translated back."""
+    via = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x")
+    direct = openai.OpenAI(base_url=f"{upstream.url}/v1", api_key="x")
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    d = direct.chat.completions.create(model=DIRECT, messages=msgs, max_completion_tokens=6,
+                                       temperature=0)
+    ask = {"model": "tiny-up", "instructions": "Be brief.", "input": "Hello",
+           "max_output_tokens": 6, "temperature": 0}
+    out = via.responses.create(**ask)
+    assert out.output_text == d.choices[0].message.content != ""
+    assert out.usage.input_tokens == d.usage.prompt_tokens
+    events = list(via.responses.create(**ask, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
+        out.output_text
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert events[-1].response.usage.output_tokens == d.usage.completion_tokens
+
+
 def test_a_proxied_request_has_one_record_joined_to_the_upstreams_trace(gateway, upstream):
     r = post(gateway, "tiny-up", stream=True, temperature=0, ignore_eos=True)
     assert r.status_code == 200

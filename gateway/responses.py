@@ -1,0 +1,373 @@
+"""OpenAI's Responses API (``POST /v1/responses``) over the chat pipeline, stateless.
+
+A Responses request is translated into the chat-completions request it means (``to_chat``:
+``instructions`` a system message, ``input`` items messages, function tools and their calls and
+outputs the chat shapes, ``text.format`` a ``response_format``, ``max_output_tokens`` the
+completion limit) and served by ``Service.chat`` like any chat request, record included (its
+``endpoint`` is ``/v1/responses``); the chat answer is translated back: a response object
+(``response_object``), or for a stream the chat chunks become the typed Responses events
+(``ResponseEvents``: ``response.created`` ... ``response.output_text.delta`` ...
+``response.completed``). LiteLLM serves the Responses API over chat backends the same way.
+
+What needs state this gateway does not keep, or tools it does not host, is refused with a 400
+naming the field: ``previous_response_id``, ``conversation``, ``background``, ``prompt``,
+``reasoning``, ``truncation: auto``, ``max_tool_calls``, built-in tools (web search, file
+search, ...), image, file and audio input, and ``include`` entries other than
+``message.output_text.logprobs``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from gateway.schemas import ResponsesRequest, Unsupported
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+# a chat request's field -> the Responses field it came from (a 400 names the client's field)
+PARAMS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+          "response_format": "text.format", "messages": "input", "logprobs": "include",
+          "stream_options": "stream"}
+
+
+def param_name(param: str | None) -> str | None:
+    """The Responses request's name of a chat request field named in a 400."""
+    if param is None:
+        return None
+    head, _, rest = param.partition(".")
+    if head == "tools":  # a chat tool is {"type", "function": {...}}; a Responses one is flat
+        return param.replace(".function.", ".")
+    return PARAMS.get(head, head) + ("." + rest if rest and head not in PARAMS else "")
+
+
+def _text(content: Any, where: str, roles: tuple[str, ...]) -> str:
+    """A message's content as text: a string, or text parts (``input_text``, and an
+    assistant's ``output_text``); any other part is refused, naming it."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise Unsupported(f"{where}.content", "content is a string or a list of parts")
+    out = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in roles or not isinstance(part.get("text"), str):
+            raise Unsupported(f"{where}.content.{j}.type",
+                              f"content part type {kind!r}: the bundled engine reads text parts "
+                              f"({', '.join(roles)}) only; image, file and audio input are "
+                              "refused rather than dropped")
+        out.append(part["text"])
+    return "".join(out)
+
+
+def _messages(req: ResponsesRequest) -> list[dict]:
+    messages: list[dict] = []
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
+    if isinstance(req.input, str):
+        return [*messages, {"role": "user", "content": req.input}]
+    for i, item in enumerate(req.input):
+        where = f"input.{i}"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise Unsupported(f"{where}.role", f"role {role!r}: one of user, system, "
+                                  "developer, assistant")
+            parts = ("output_text", "input_text") if role == "assistant" else ("input_text",)
+            messages.append({"role": role, "content": _text(item.get("content"), where,
+                                                            parts)})
+        elif kind == "function_call":  # the model's earlier call: an assistant turn's call
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            if not all(isinstance(v, str) for v in (call["id"], *call["function"].values())):
+                raise Unsupported(where, "a function_call item has call_id, name and arguments "
+                                  "(strings)")
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls") \
+                    and not last["content"]:  # parallel calls: one assistant turn
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(item.get("call_id"), str):
+                raise Unsupported(f"{where}.call_id", "a function_call_output names its call_id")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                             "content": _text(output, where, ("input_text",))})
+        else:
+            raise Unsupported(f"{where}.type", f"input item type {kind!r}: message, "
+                              "function_call and function_call_output items are served (a "
+                              "stateless gateway has no stored items to reference)")
+    return messages
+
+
+def _tools(req: ResponsesRequest) -> tuple[list[dict] | None, Any]:
+    tools = None
+    if req.tools is not None:
+        tools = []
+        for i, t in enumerate(req.tools):
+            kind = t.get("type") if isinstance(t, dict) else None
+            if kind != "function":
+                raise Unsupported(f"tools.{i}.type", f"tool type {kind!r}: only function tools "
+                                  "are served (built-in tools such as web search run at "
+                                  "OpenAI, not here)")
+            fn = {k: t[k] for k in ("name", "description", "parameters") if k in t}
+            extra = set(t) - {"type", "name", "description", "parameters", "strict"}
+            if extra:
+                raise Unsupported(f"tools.{i}.{sorted(extra)[0]}", "unknown tool field")
+            tools.append({"type": "function", "function": fn})
+    choice = req.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise Unsupported("tool_choice", 'tool_choice is "none", "auto", "required" or '
+                              '{"type": "function", "name": ...} (hosted tools are not served)')
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    return tools, choice
+
+
+def _format(req: ResponsesRequest) -> dict | None:
+    fmt = (req.text or {}).get("format")
+    extra = set(req.text or {}) - {"format"}
+    if extra:  # e.g. verbosity: a reasoning model's setting
+        raise Unsupported(f"text.{sorted(extra)[0]}", "text takes format only here")
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_object":
+        return {"type": "json_object"}
+    if fmt.get("type") == "json_schema":
+        schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": schema}
+    raise Unsupported("text.format.type", "text.format is text, json_object or json_schema")
+
+
+def to_chat(req: ResponsesRequest) -> dict:
+    """The chat-completions request a Responses request means; ``Unsupported`` (a 400 naming
+    the field) for what a stateless gateway without hosted tools cannot honour."""
+    for field in ("previous_response_id", "conversation", "prompt", "max_tool_calls"):
+        if getattr(req, field) is not None:
+            raise Unsupported(field, f"{field} is not supported: this gateway keeps no "
+                              "response state (send the whole conversation in input)")
+    if req.background:
+        raise Unsupported("background", "background responses are not supported")
+    if req.reasoning and any(v is not None for v in req.reasoning.values()):
+        raise Unsupported("reasoning", "reasoning settings are not supported by the bundled "
+                          "engine")
+    if req.truncation == "auto":
+        raise Unsupported("truncation", "truncation: auto is not supported (a prompt over the "
+                          "context is a 400)")
+    if req.stream_options and (set(req.stream_options) - {"include_obfuscation"} or
+                               req.stream_options.get("include_obfuscation")):
+        raise Unsupported("stream_options", "stream_options takes include_obfuscation: false "
+                          "only")
+    include = set(req.include or ())
+    if include - {LOGPROBS_INCLUDE}:
+        raise Unsupported("include", f"include takes {LOGPROBS_INCLUDE!r} only")
+    if req.top_logprobs and LOGPROBS_INCLUDE not in include:
+        raise Unsupported("top_logprobs", f"top_logprobs needs include: [{LOGPROBS_INCLUDE!r}]")
+    tools, choice = _tools(req)
+    body: dict[str, Any] = {"model": req.model, "messages": _messages(req),
+                            "stream": req.stream}
+    optional = {"max_completion_tokens": req.max_output_tokens, "temperature": req.temperature,
+                "top_p": req.top_p, "tools": tools, "tool_choice": choice,
+                "parallel_tool_calls": req.parallel_tool_calls,
+                "response_format": _format(req), "user": req.user, "metadata": req.metadata,
+                "store": req.store}
+    body.update({k: v for k, v in optional.items() if v is not None})
+    if LOGPROBS_INCLUDE in include:
+        body["logprobs"], body["top_logprobs"] = True, req.top_logprobs or 0
+    if req.stream:  # the final usage goes into response.completed
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+# ---- answers ------------------------------------------------------------------------------------
+def _usage(chat_usage: dict | None) -> dict | None:
+    if not chat_usage:
+        return None
+    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"input_tokens": chat_usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": chat_usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": chat_usage["total_tokens"]}
+
+
+def _logprobs(chat_logprobs: dict | None) -> list:
+    """Chat's logprobs content entries in the Responses shape (the same fields)."""
+    return [{"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"],
+             "top_logprobs": e["top_logprobs"]}
+            for e in (chat_logprobs or {}).get("content") or []]
+
+
+class Shell:
+    """What every response object of one request repeats: its id, creation time and the
+    request's settings, as OpenAI echoes them."""
+
+    def __init__(self, req: ResponsesRequest) -> None:
+        self.id = "resp_" + uuid.uuid4().hex
+        self.created_at = int(time.time())
+        self.req = req
+
+    def response(self, status: str, output: list, usage: dict | None = None,
+                 incomplete: str | None = None, error: dict | None = None) -> dict:
+        r = self.req
+        return {"id": self.id, "object": "response", "created_at": self.created_at,
+                "status": status, "error": error,
+                "incomplete_details": {"reason": incomplete} if incomplete else None,
+                "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
+                "model": r.model, "output": output,
+                "parallel_tool_calls": r.parallel_tool_calls is not False,
+                "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
+                "store": bool(r.store), "temperature": r.temperature, "text": r.text or {
+                    "format": {"type": "text"}}, "tool_choice": r.tool_choice or "auto",
+                "tools": r.tools or [], "top_p": r.top_p, "truncation": "disabled",
+                "usage": usage, "user": r.user, "metadata": r.metadata or {}}
+
+
+def _status(finish_reason: str | None) -> tuple[str, str | None]:
+    if finish_reason == "length":
+        return "incomplete", "max_output_tokens"
+    return "completed", None
+
+
+def _call_item(call: dict, status: str = "completed") -> dict:
+    return {"type": "function_call", "id": "fc_" + uuid.uuid4().hex[:24],
+            "call_id": call["id"], "name": call["function"]["name"],
+            "arguments": call["function"]["arguments"], "status": status}
+
+
+def response_object(shell: Shell, chat: dict) -> dict:
+    """A chat completion (non-streamed) as the response object."""
+    (choice,) = chat["choices"]
+    message = choice["message"]
+    output: list[dict] = []
+    if message.get("content"):
+        output.append({"type": "message", "id": "msg_" + uuid.uuid4().hex, "status":
+                       "completed", "role": "assistant", "content": [{
+                           "type": "output_text", "text": message["content"],
+                           "annotations": [], "logprobs": _logprobs(choice.get("logprobs"))}]})
+    output += [_call_item(c) for c in message.get("tool_calls") or []]
+    status, incomplete = _status(choice.get("finish_reason"))
+    return shell.response(status, output, _usage(chat.get("usage")), incomplete)
+
+
+class ResponseEvents:
+    """A chat stream's chunks (decoded) as the Responses API's typed events, in order: the
+    response created and in progress, each output item added, its text or arguments in
+    deltas, each done, the response completed (or incomplete, or failed) with its usage.
+    Each event is ``(type, payload)``; payloads carry ``type`` and ``sequence_number``."""
+
+    def __init__(self, shell: Shell) -> None:
+        self.shell = shell
+        self.seq = 0
+        self.output: list[dict] = []
+        self.message: dict | None = None  # the text item while it is open
+        self.calls: dict[int, dict] = {}  # chat tool-call index -> function_call item
+        self.finish: str | None = None
+        self.usage: dict | None = None
+
+    def _event(self, kind: str, **payload) -> tuple[str, dict]:
+        out = {"type": kind, "sequence_number": self.seq, **payload}
+        self.seq += 1
+        return kind, out
+
+    def start(self) -> list[tuple[str, dict]]:
+        r = self.shell.response("in_progress", [])
+        return [self._event("response.created", response=r),
+                self._event("response.in_progress", response=r)]
+
+    def chunk(self, data: dict) -> list[tuple[str, dict]]:
+        if "error" in data:  # the chat stream's error event: the response failed
+            return self._fail(data["error"])
+        if data.get("usage"):
+            self.usage = _usage(data["usage"])
+        events: list[tuple[str, dict]] = []
+        for choice in data.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                events += self._text(delta["content"], _logprobs(choice.get("logprobs")))
+            for tc in delta.get("tool_calls") or []:
+                events += self._call(tc)
+            if choice.get("finish_reason"):
+                self.finish = choice["finish_reason"]
+        return events
+
+    def _text(self, delta: str, logprobs: list) -> list[tuple[str, dict]]:
+        events = []
+        if self.message is None:
+            self.message = {"type": "message", "id": "msg_" + uuid.uuid4().hex,
+                            "status": "in_progress", "role": "assistant", "content": []}
+            self.output.append(self.message)
+            index = len(self.output) - 1
+            events.append(self._event("response.output_item.added", output_index=index,
+                                      item={**self.message, "content": []}))
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            self.message["content"].append(part)
+            events.append(self._event("response.content_part.added",
+                                      item_id=self.message["id"], output_index=index,
+                                      content_index=0, part=dict(part)))
+        part = self.message["content"][0]
+        part["text"] += delta
+        part["logprobs"] += logprobs
+        events.append(self._event("response.output_text.delta", item_id=self.message["id"],
+                                  output_index=self.output.index(self.message),
+                                  content_index=0, delta=delta, logprobs=logprobs))
+        return events
+
+    def _call(self, tc: dict) -> list[tuple[str, dict]]:
+        events = []
+        fn = tc.get("function") or {}
+        item = self.calls.get(tc.get("index", 0))
+        if item is None:
+            item = _call_item({"id": tc.get("id") or "", "function": {
+                "name": fn.get("name") or "", "arguments": ""}}, status="in_progress")
+            self.calls[tc.get("index", 0)] = item
+            self.output.append(item)
+            events.append(self._event("response.output_item.added",
+                                      output_index=len(self.output) - 1, item=dict(item)))
+        if fn.get("arguments"):
+            item["arguments"] += fn["arguments"]
+            events.append(self._event("response.function_call_arguments.delta",
+                                      item_id=item["id"],
+                                      output_index=self.output.index(item),
+                                      delta=fn["arguments"]))
+        return events
+
+    def end(self) -> list[tuple[str, dict]]:
+        events = []
+        for index, item in enumerate(self.output):
+            if item["type"] == "message":
+                part = item["content"][0]
+                events.append(self._event("response.output_text.done", item_id=item["id"],
+                                          output_index=index, content_index=0,
+                                          text=part["text"], logprobs=part["logprobs"]))
+                events.append(self._event("response.content_part.done", item_id=item["id"],
+                                          output_index=index, content_index=0,
+                                          part=dict(part)))
+            else:
+                events.append(self._event("response.function_call_arguments.done",
+                                          item_id=item["id"], output_index=index,
+                                          name=item["name"], arguments=item["arguments"]))
+            item["status"] = "completed"
+            events.append(self._event("response.output_item.done", output_index=index,
+                                      item=item))
+        status, incomplete = _status(self.finish)
+        kind = "response.completed" if status == "completed" else "response.incomplete"
+        events.append(self._event(kind, response=self.shell.response(
+            status, self.output, self.usage, incomplete)))
+        return events
+
+    def _fail(self, error: dict) -> list[tuple[str, dict]]:
+        err = {"code": error.get("code") or "server_error", "message": error.get("message")}
+        return [self._event("error", code=err["code"], message=err["message"],
+                            param=error.get("param")),
+                self._event("response.failed", response=self.shell.response(
+                    "failed", self.output, self.usage, error=err))]
+
+
+def sse(kind: str, payload: dict) -> bytes:
+    return f"event: {kind}\ndata: ".encode() + json.dumps(
+        payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
