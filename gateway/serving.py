@@ -643,8 +643,10 @@ class Service:
         request.state.body_json = body, _encode_json(body)  # what chat() (or a backend) reads
         try:
             answer = await self.chat(request, tenant)
-        except APIError as exc:
-            exc.param = param_name(exc.param)
+        except APIError as exc:  # named as the client named it
+            was, exc.param = exc.param, param_name(exc.param)
+            if was and exc.param != was:
+                exc.message = exc.message.replace(was.split(".")[0], exc.param.split(".")[0])
             raise
         if answer.status_code != 200:  # a backend's error, as it sent it
             return answer

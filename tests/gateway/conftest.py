@@ -17,10 +17,12 @@ from tracing.client import (  # noqa: F401
 
 
 @contextmanager
-def inprocess_client(model, tokenizer_path, engine_config, tokenizer=None) -> Iterator:
+def inprocess_client(model, tokenizer_path, engine_config, tokenizer=None, **config
+                     ) -> Iterator:
     """A TestClient on a gateway over the in-process backend (a real engine of ``model``, no
     replica subprocess), with its records in ``client.sink``; ``tokenizer`` (the engine's)
-    gives the engine a grammar compiler for response_format and tool calls."""
+    gives the engine a grammar compiler for response_format and tool calls; ``config``: more
+    ``GatewayConfig`` fields."""
     from starlette.testclient import TestClient
 
     from engine import Engine
@@ -33,7 +35,7 @@ def inprocess_client(model, tokenizer_path, engine_config, tokenizer=None) -> It
         tokenizer, model.config.vocab_size)
     sink = MemorySink(100)
     app = create_app(GatewayConfig(model="tiny:49152", tokenizer=str(tokenizer_path),
-                                   engine=engine_config), extra_sinks=[sink],
+                                   engine=engine_config, **config), extra_sinks=[sink],
                      backend=InProcessBackend(Engine(model, engine_config, grammar=grammar)))
     with TestClient(app) as client:
         client.sink = sink

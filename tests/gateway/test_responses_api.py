@@ -154,6 +154,26 @@ def test_logprobs_come_with_include(sdk):
     assert all(lp.logprob <= 0 and len(lp.top_logprobs) == 2 for lp in lps)
 
 
+def test_a_generation_that_fails_mid_stream_ends_in_response_failed(
+        tiny49k, bundled_path, bundled_tokenizer):
+    """The gateway's deadline passes mid-stream: the chat stream's error event becomes
+    OpenAI's ``error`` event and ``response.failed``; the record says TIMED_OUT."""
+    with inprocess_client(tiny49k, bundled_path, CFG, tokenizer=bundled_tokenizer,
+                          request_timeout_s=0.3) as client:
+        sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client,
+                            max_retries=0)
+        events = list(sdk.responses.create(model=MODEL, input="Tell me a long story",
+                                           max_output_tokens=900, stream=True))
+        kinds = [e.type for e in events]
+        assert kinds[-2:] == ["error", "response.failed"], kinds[-5:]
+        assert "response.output_text.delta" in kinds  # it failed mid-stream
+        assert events[-2].code == "timeout"
+        failed = events[-1].response
+        assert failed.status == "failed" and failed.error.code == "timeout"
+        rec = next(r for r in client.sink.records if r.endpoint == "/v1/responses")
+        assert rec.final_state == "TIMED_OUT"
+
+
 @pytest.mark.parametrize(("extra", "param"), [
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
     ({"background": True}, "background"),
@@ -163,10 +183,11 @@ def test_logprobs_come_with_include(sdk):
      "input.0.content.0.type"),
     ({"include": ["file_search_call.results"]}, "include"),
     ({"text": {"format": {"type": "grammar"}}}, "text.format.type"),
-    ({"max_output_tokens": 10**6}, "max_output_tokens"),
+    ({"max_output_tokens": 5000}, "max_output_tokens"),
     ({"frequency_penalty": 1.0}, "frequency_penalty"),
 ])
 def test_what_a_stateless_gateway_cannot_honour_is_a_400_naming_it(client, extra, param):
     r = client.post("/v1/responses", json={"model": MODEL, "input": "Hi", **extra})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+    assert param.split(".")[0] in r.json()["error"]["message"]  # named as the client did
