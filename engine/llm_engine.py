@@ -20,7 +20,7 @@ from engine.observer import OutputObserver, RequestStats, StepMember, StepStats
 from engine.request import Request, RequestState
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler, SchedulerOutput, prefill_context
 
 log = logging.getLogger(__name__)
 S = RequestState
@@ -283,11 +283,12 @@ class Engine:
         self.swaps += sum(1 for p in sched.preempted if p.mode == "swap")
         if sched.is_empty:
             return self._drain_ended([])
+        context = prefill_context(sched)  # before the run moves the computed counts
         result = self._run(sched)
         if result is None:
             return self._drain_ended([])
         outputs = self._postprocess(sched, result)
-        self._record_step(sched, result, start, wall)
+        self._record_step(sched, result, start, wall, context)
         return self._drain_ended(outputs)
 
     def _expire(self, now: int) -> None:
@@ -356,7 +357,7 @@ class Engine:
         return outputs
 
     def _record_step(self, sched: SchedulerOutput, result: RunnerResult, start: int,
-                     wall: int) -> None:
+                     wall: int, context: int = 0) -> None:
         self.step_count += 1
         usage = self.kv.usage()
         c = self.kv.pool.counters
@@ -373,6 +374,7 @@ class Engine:
             members=tuple([StepMember(s.request.request_id, 0, 1) for s in sched.decodes]
                           + [StepMember(s.request.request_id, s.num_new_tokens, 0)
                              for s in sched.prefills]) if self.config.step_detail else (),
+            prefill_context=context,
         ))
 
     def _drain_ended(self, outputs: list[RequestOutput]) -> list[RequestOutput]:

@@ -64,6 +64,10 @@ class StepStats(msgspec.Struct, frozen=True):
     evictions: int = 0
     preemptions: int = 0
     members: tuple[StepMember, ...] = ()  # who ran in this step, and with how many tokens
+    # the keys its prefill tokens attend to: each chunk's tokens x its context length at the
+    # chunk's end (``prefill_context``): what a chunk costs beyond its token count grows with
+    # the prompt already computed before it (the what-if's step cost reads it)
+    prefill_context: int = 0
 
 
 def request_stats(req: Request) -> RequestStats:

@@ -94,6 +94,14 @@ class SchedulerOutput:
         return self.decodes + self.prefills
 
 
+def prefill_context(sched: SchedulerOutput) -> int:
+    """The keys the step's prefill tokens attend to: each chunk's tokens x the context at the
+    chunk's end (read before the step runs). The engine records it with the step and the
+    what-if's step cost prices it: chunk k of a long prompt costs more than chunk 1."""
+    return sum(s.num_new_tokens * (s.request.num_computed_tokens + s.num_new_tokens)
+               for s in sched.prefills)
+
+
 class Scheduler:
     """Owns the waiting queue (in its policy's order) and the running set; ``schedule`` returns
     what runs this tick and which requests it preempted (their KV already released or queued

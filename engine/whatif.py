@@ -12,7 +12,11 @@ cost of a step. (Simulators such as Vidur re-implement a scheduler; this one can
 the engine's, because it is the engine's.)
 
 ``StepCost.fit`` is non-negative least squares (``scipy.optimize.nnls``) of a step's duration
-on [1, prefill tokens, decode tokens, sequences, KV blocks in use], each step weighted by
+on [1, prefill tokens, decode tokens, sequences, KV blocks in use, prefill context] (the last:
+each prefill chunk's tokens x its context length at the chunk's end, ``engine.scheduler.
+prefill_context``: the attention a chunk does grows with the prompt computed before it, so a
+smaller token budget's many chunks of a long prompt cost more than its token count says; a
+window stored before the engine recorded it prices it at 0), each step weighted by
 1 / duration (relative error: a window's few 700 ms prefill steps otherwise decide the fit and
 its 70 ms decode steps are priced at 120), then scaled so that the training steps' total
 predicted time equals their measured total (a relative fit under-prices the long steps a
@@ -43,9 +47,10 @@ import numpy as np
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_manager import KVCacheManager
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import SchedulerOutput, prefill_context
 
-FEATURES = ("intercept", "prefill_tokens", "decode_tokens", "num_seqs", "kv_blocks_used")
+FEATURES = ("intercept", "prefill_tokens", "decode_tokens", "num_seqs", "kv_blocks_used",
+            "prefill_context")
 PLACEHOLDER_TOKEN = 100  # what a simulated request "samples": only its count matters
 
 
@@ -66,22 +71,35 @@ class FitError:
 class StepCost:
     """A step's duration in ms as a linear function of its ``FEATURES``."""
 
-    coef: tuple[float, ...]  # one per FEATURES entry
+    coef: tuple[float, ...]  # one per FEATURES entry (fewer: the missing ones cost nothing)
     error: FitError | None = None
 
-    def predict(self, prefill: int, decode: int, seqs: int, kv_blocks: int) -> float:
-        x = (1.0, prefill, decode, seqs, kv_blocks)
+    def __post_init__(self) -> None:
+        if len(self.coef) < len(FEATURES):  # a cost stated before prefill_context was one
+            object.__setattr__(self, "coef", (*self.coef,
+                                              *[0.0] * (len(FEATURES) - len(self.coef))))
+
+    def predict(self, prefill: int, decode: int, seqs: int, kv_blocks: int,
+                prefill_context: int = 0) -> float:
+        x = (1.0, prefill, decode, seqs, kv_blocks, prefill_context)
         return max(0.0, sum(c * v for c, v in zip(self.coef, x, strict=True)))
+
+    def step(self, s: dict) -> float:
+        """The cost of a recorded step (an ``engine_steps`` row; a row stored before
+        ``prefill_context`` was recorded has none)."""
+        return self.predict(s["prefill_tokens"], s["decode_tokens"], s["num_seqs"],
+                            s["kv_blocks_used"], s.get("prefill_context") or 0)
 
     @classmethod
     def fit(cls, steps: Sequence[dict], holdout_every: int = 5) -> StepCost:
         """From recorded steps (``engine_steps`` rows: duration_ms, prefill_tokens,
-        decode_tokens, num_seqs, kv_blocks_used); refuses fewer than 10."""
+        decode_tokens, num_seqs, kv_blocks_used, prefill_context); refuses fewer than 10."""
         if len(steps) < 10:
             raise ValueError(f"{len(steps)} steps are too few to fit a step-cost model "
                              "(need at least 10; widen the window)")
         x = np.array([[1.0, s["prefill_tokens"], s["decode_tokens"], s["num_seqs"],
-                       s["kv_blocks_used"]] for s in steps], dtype=np.float64)
+                       s["kv_blocks_used"], s.get("prefill_context") or 0] for s in steps],
+                     dtype=np.float64)
         y = np.array([s["duration_ms"] for s in steps], dtype=np.float64)
         from scipy.optimize import nnls
 
@@ -158,8 +176,7 @@ def fit_contention(steps: Sequence[dict], cost: StepCost, min_steps: int = 10
     if int(mask.sum()) < min_steps:
         return None
     sel = [s for s, m in zip(steps, mask, strict=True) if m]
-    base = np.array([cost.predict(s["prefill_tokens"], s["decode_tokens"], s["num_seqs"],
-                                  s["kv_blocks_used"]) for s in sel])
+    base = np.array([cost.step(s) for s in sel])
     y = np.array([s["duration_ms"] for s in sel], dtype=np.float64)
     weighted = float((b[mask] * base).sum())
     return max(0.0, float((y - base).sum()) / weighted) if weighted > 0 else None
@@ -245,7 +262,7 @@ class CostRunner:
         start = self.now_ms
         usage = kv.usage()
         ms = self.cost.predict(sched.num_prefill_tokens, len(sched.decodes), len(sched.all),
-                               usage.blocks_used)
+                               usage.blocks_used, prefill_context(sched))
         if self.contention and self.others_busy is not None:
             ms *= 1.0 + self.contention * self.others_busy()
         self.step_start_ms = start

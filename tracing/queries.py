@@ -432,7 +432,8 @@ WHATIF_REQUESTS = (
     "'TIMED_OUT') ORDER BY arrival_ts")
 WHATIF_STEPS = (
     "SELECT replica, toUnixTimestamp64Micro(ts) AS ts_us, duration_ms, prefill_tokens, "
-    "decode_tokens, num_seqs, kv_blocks_used, kv_blocks_total FROM tailscope.engine_steps WHERE "
+    "decode_tokens, num_seqs, kv_blocks_used, kv_blocks_total, prefill_context "
+    "FROM tailscope.engine_steps WHERE "
     "replica IN {rs:Array(String)} AND "
     "ts >= fromUnixTimestamp64Micro({start:Int64}, 'UTC') AND "
     "ts < fromUnixTimestamp64Micro({end:Int64}, 'UTC') ORDER BY replica, ts, step")

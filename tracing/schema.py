@@ -60,6 +60,9 @@ class EngineStepRow:
     member_decode: list[int] = dataclasses.field(default_factory=list)  # its decode tokens
     ttl_days: int = 30
     instance: str = ""  # the gateway whose replica ran the step
+    # keys its prefill tokens attended to (engine.scheduler.prefill_context); 0 before it was
+    # recorded
+    prefill_context: int = 0
 
 
 @dataclass(slots=True)
@@ -173,7 +176,7 @@ _NARROW = {"ttl_days": "UInt16", "http_status": "UInt16", "prompt_tokens": "UInt
            "cached_tokens": "UInt32", "generated_tokens": "UInt32", "emitted_tokens": "UInt32",
            "n": "UInt16", "retries": "UInt8", "preemptions": "UInt32", "step": "UInt64",
            "incarnation": "UInt32", "seq": "UInt16", "neighbour_prefill_tokens": "UInt32",
-           "priority": "Int32", "prompt_index": "UInt16"}
+           "priority": "Int32", "prompt_index": "UInt16", "prefill_context": "UInt64"}
 
 
 def _ch_type(name: str, annotation) -> str:
@@ -315,6 +318,9 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
     (16, "requests.prompt_index (a /v1/completions batch is a record per prompt)", [
         f"ALTER TABLE {DATABASE}.requests ADD COLUMN IF NOT EXISTS prompt_index UInt16 "
         "AFTER n"]),
+    (17, "engine_steps.prefill_context (the what-if step cost)", [
+        f"ALTER TABLE {DATABASE}.engine_steps ADD COLUMN IF NOT EXISTS prefill_context UInt64 "
+        "AFTER instance"]),
 ]
 
 __all__ = ["DATABASE", "TABLES", "MIGRATIONS", "ConfigRow", "EngineStepRow", "EventRow",

@@ -312,7 +312,8 @@ class Store:
                 for stmt in statements:
                     self.client.command(stmt)
                 self.client.command(f"INSERT INTO {DATABASE}.schema_migrations (version, name) "
-                                    f"VALUES ({int(version)}, {name!r})")
+                                    "VALUES ({v:UInt32}, {n:String})",
+                                    parameters={"v": version, "n": name})
                 applied.append(version)
             return applied
 

@@ -12,7 +12,8 @@ from bench.loadgen import percentile
 from engine import Engine, EngineConfig, SamplingParams
 from engine.whatif import Arrival, StepCost, simulate
 
-TRUE = (2.0, 0.05, 0.4, 0.3, 0.01)  # ms: intercept, per prefill token, decode, seq, KV block
+# ms: intercept, per prefill token, decode, seq, KV block, prefill context (key per token)
+TRUE = (2.0, 0.05, 0.4, 0.3, 0.01, 0.0001)
 
 
 def _steps(n: int, noise: float, seed: int = 0) -> list[dict]:
@@ -21,9 +22,11 @@ def _steps(n: int, noise: float, seed: int = 0) -> list[dict]:
     for _ in range(n):
         p, d = rng.choice([0, 16, 64, 256, 512]), rng.randrange(0, 32)
         s, kv = d + (p > 0) * rng.randrange(1, 4), rng.randrange(10, 400)
-        ms = sum(c * x for c, x in zip(TRUE, (1, p, d, s, kv), strict=True))
+        ctx = p * (p + rng.choice([0, 0, 256, 1024, 2048]))  # a chunk late in a long prompt
+        ms = sum(c * x for c, x in zip(TRUE, (1, p, d, s, kv, ctx), strict=True))
         out.append({"duration_ms": ms * (1 + rng.gauss(0, noise)), "prefill_tokens": p,
-                    "decode_tokens": d, "num_seqs": s, "kv_blocks_used": kv})
+                    "decode_tokens": d, "num_seqs": s, "kv_blocks_used": kv,
+                    "prefill_context": ctx})
     return out
 
 
@@ -36,6 +39,29 @@ def test_the_step_cost_fit_recovers_the_costs_and_reports_its_held_out_error():
     assert 0.01 < noisy.error.median_rel < 0.06 and noisy.error.p95_rel < 0.15
     with pytest.raises(ValueError, match="too few"):
         StepCost.fit(_steps(5, 0.0))
+    # steps stored before the engine recorded prefill_context: that feature costs nothing
+    old = [{k: v for k, v in x.items() if k != "prefill_context"} for x in _steps(100, 0.0)]
+    assert StepCost.fit(old).coef[5] == 0.0
+    assert StepCost(TRUE[:5]).predict(64, 1, 2, 10, 10**6) == StepCost(TRUE[:5]).predict(
+        64, 1, 2, 10)
+
+
+def test_the_engine_records_each_steps_prefill_context(tiny49k):
+    """A 40-token prompt in 16-token chunks: its chunks attend to 16, 32 and 40 keys per
+    token, and each step's record says so (the what-if prices the same sum per step)."""
+    engine = Engine(tiny49k, EngineConfig(num_kv_blocks=64, block_size=4,
+                                          max_batched_tokens=16))
+    engine.add_request("a", list(range(5, 45)), SamplingParams(max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    steps = list(engine.observer.steps)
+    assert [s.prefill_tokens for s in steps] == [16, 16, 8, 0]
+    assert [s.prefill_context for s in steps] == [16 * 16, 16 * 32, 8 * 40, 0]
+    _, (replica,) = simulate([Arrival("a", 0.0, list(range(5, 45)), 2)],
+                             EngineConfig(num_kv_blocks=64, block_size=4,
+                                          max_batched_tokens=16),
+                             StepCost((0, 0, 0, 0, 0, 1.0)), tiny49k.config)
+    assert replica.runner.now_ms == 16 * 16 + 16 * 32 + 8 * 40  # each step: its context
 
 
 def _arrivals(seed: int = 1) -> list[tuple[int, str, list[int], int]]:
