@@ -31,8 +31,10 @@ def _operation(summary: str, body: type[BaseModel], answer: str, stream: bool = 
     content: dict[str, Any] = {"application/json": {"schema": {"$ref": _REF.format(
         model=answer)}}}
     if stream:
-        content["text/event-stream"] = {"schema": {"type": "string", "description":
-                                                   "SSE: data: <chunk JSON> ... data: [DONE]"}}
+        content["text/event-stream"] = {"schema": {"type": "string", "description": (
+            "SSE: event: <type> / data: <event JSON> per typed event, from response.created to "
+            "response.completed" if answer == "ResponseObject" else
+            "SSE: data: <chunk JSON> ... data: [DONE]")}}
     return {"post": {
         "summary": summary, "tags": [tag],
         "requestBody": {"required": True, "content": {"application/json": {
