@@ -192,6 +192,8 @@ def test_a_batch_runs_every_prompt_and_keeps_a_record_per_prompt(client):
             assert rec.generated_tokens == 8 and rec.http_status == 200
             assert rec.request_id == records[0].request_id
             assert rec.response_id == body["id"]
+            assert (rec.tenant, rec.ttl_days, rec.arrival_ts_us) == (
+                records[0].tenant, records[0].ttl_days, records[0].arrival_ts_us) and rec.tenant
             assert rec.ttft_ms is not None and rec.e2e_ms > 0
 
 
