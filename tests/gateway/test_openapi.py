@@ -26,8 +26,8 @@ def live(bundled_path):
 def test_the_document_describes_every_api_endpoint_with_its_models(live):
     doc = httpx.get(f"{live.url}/openapi.json").json()
     paths = doc["paths"]
-    for path in ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize",
-                 "/v1/models", "/debug/query", "/debug/requests/{trace_id}",
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize",
+                 "/detokenize", "/v1/models", "/debug/query", "/debug/requests/{trace_id}",
                  "/debug/replicas", "/debug/config"):
         assert path in paths, path
     chat = paths["/v1/chat/completions"]["post"]
@@ -82,5 +82,5 @@ def test_fuzz_every_operation_no_server_error_and_openai_shaped_errors(live):
         fuzz(operation)
     assert not failures, "\n".join(failures[:10])
     # the fuzz reached the engine (the documented model names are served), not only the gate
-    for path in ("/v1/chat/completions", "/v1/completions", "/tokenize"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize"):
         assert (path, 200) in seen, sorted(set(seen))
