@@ -84,11 +84,16 @@ class StepCost:
         x = (1.0, prefill, decode, seqs, kv_blocks, prefill_context)
         return max(0.0, sum(c * v for c, v in zip(self.coef, x, strict=True)))
 
+    @staticmethod
+    def features(s: dict) -> tuple[int, int, int, int, int]:
+        """A recorded step's ``predict`` arguments (an ``engine_steps`` row; a row stored
+        before ``prefill_context`` was recorded has none)."""
+        return (s["prefill_tokens"], s["decode_tokens"], s["num_seqs"], s["kv_blocks_used"],
+                s.get("prefill_context") or 0)
+
     def step(self, s: dict) -> float:
-        """The cost of a recorded step (an ``engine_steps`` row; a row stored before
-        ``prefill_context`` was recorded has none)."""
-        return self.predict(s["prefill_tokens"], s["decode_tokens"], s["num_seqs"],
-                            s["kv_blocks_used"], s.get("prefill_context") or 0)
+        """The cost of a recorded step."""
+        return self.predict(*self.features(s))
 
     @classmethod
     def fit(cls, steps: Sequence[dict], holdout_every: int = 5) -> StepCost:
@@ -97,9 +102,7 @@ class StepCost:
         if len(steps) < 10:
             raise ValueError(f"{len(steps)} steps are too few to fit a step-cost model "
                              "(need at least 10; widen the window)")
-        x = np.array([[1.0, s["prefill_tokens"], s["decode_tokens"], s["num_seqs"],
-                       s["kv_blocks_used"], s.get("prefill_context") or 0] for s in steps],
-                     dtype=np.float64)
+        x = np.array([(1.0, *cls.features(s)) for s in steps], dtype=np.float64)
         y = np.array([s["duration_ms"] for s in steps], dtype=np.float64)
         from scipy.optimize import nnls
 
