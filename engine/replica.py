@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -282,6 +283,12 @@ def main(argv: list[str] | None = None) -> int:
     replica = Replica(args.id, Engine(model, config, grammar=grammar), args.inbox, args.outbox,
                       parent_pid, key)
     replica.warm_up()
+    # Everything loaded so far (torch, the model, the tokenizer index) lives as long as the
+    # process: keep it out of the collector's full passes, which otherwise walked it all between
+    # two engine steps and stalled the step loop for 40-120 ms at a time under load (every
+    # request waiting then, seen in bench/policies.py's light tenant's tail).
+    gc.collect()
+    gc.freeze()
     replica.serve()
     return 0
 
