@@ -64,6 +64,7 @@ class GatewayConfig:
     max_inflight_per_replica: int | None = None  # load shedding threshold (4 x max_num_seqs)
     queue_timeout_s: float | None = 60.0  # engine queue wait before TIMED_OUT (504)
     max_buffered_deltas: int = 256  # per request, before the replica pauses it
+    responses_store_mb: float = 64.0  # /v1/responses kept for previous_response_id (0: none)
     slow_client_timeout_s: float = 30.0  # paused this long: cancelled
     records_jsonl: str | None = None  # append every request record to this file
     record_token_ids: bool = True  # privacy: False leaves token ids out of records
@@ -386,11 +387,66 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
     async def detokenize(request: Request) -> Response:
         return await gated(request, service.detokenize)
 
+    # Stored responses (gateway.responses.ResponseStore): OpenAI's retrieve, delete and
+    # input-items list; a response is found by the tenant that created it only
+    def stored(request: Request, response_id: str, allowed: tuple[str, ...] = ()):
+        tenant, _ = registry.authenticate(request.headers.get("authorization"))
+        extra = sorted(set(request.query_params) - set(allowed))
+        if extra:
+            raise APIError(400, f"query parameter {extra[0]!r} is not supported here"
+                           + (f" (only {', '.join(allowed)})" if allowed else ""), param=extra[0])
+        got = service.stored_response(tenant, response_id)
+        if got is None:
+            raise APIError(404, f"No response with id '{response_id}' found (responses are "
+                           "kept in this gateway's memory, within TAILSCOPE_RESPONSES_STORE_MB, "
+                           "unless created with store: false).", param="response_id",
+                           code="not_found")
+        return tenant, got
+
+    async def get_response(request: Request) -> Response:
+        _, got = stored(request, request.path_params["response_id"])
+        return JSONResponse(got.response)
+
+    async def delete_response(request: Request) -> Response:
+        rid = request.path_params["response_id"]
+        tenant, _ = stored(request, rid)
+        service.stored_responses.delete(tenant.name, rid)
+        return JSONResponse({"id": rid, "object": "response", "deleted": True})
+
+    async def response_input_items(request: Request) -> Response:
+        _, got = stored(request, request.path_params["response_id"], ("after", "limit", "order"))
+        q = request.query_params
+        order = q.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise APIError(400, "order is 'asc' or 'desc'", param="order")
+        try:
+            limit = int(q.get("limit", "20"))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 100:
+            raise APIError(400, "limit is an integer from 1 to 100", param="limit")
+        items = got.items if order == "asc" else got.items[::-1]
+        if "after" in q:
+            ids = [it["id"] for it in items]
+            if q["after"] not in ids:
+                raise APIError(400, f"after: no input item {q['after']!r} in this response",
+                               param="after")
+            items = items[ids.index(q["after"]) + 1:]
+        page = items[:limit]
+        return JSONResponse({"object": "list", "data": page,
+                             "first_id": page[0]["id"] if page else None,
+                             "last_id": page[-1]["id"] if page else None,
+                             "has_more": len(items) > limit})
+
     # Plain Starlette routes: the endpoints parse their own bodies (pydantic, OpenAI errors), so
     # FastAPI's per-request dependency solving would be pure overhead on the hot path.
     app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_route("/v1/completions", completions, methods=["POST"])
     app.add_route("/v1/responses", responses, methods=["POST"])
+    app.add_route("/v1/responses/{response_id}", get_response, methods=["GET"])
+    app.add_route("/v1/responses/{response_id}", delete_response, methods=["DELETE"])
+    app.add_route("/v1/responses/{response_id}/input_items", response_input_items,
+                  methods=["GET"])
     # vLLM's utility endpoints (their paths and shapes): the bundled model's tokenizer
     app.add_route("/tokenize", tokenize, methods=["POST"])
     app.add_route("/detokenize", detokenize, methods=["POST"])

@@ -56,13 +56,46 @@ _MANUAL = [
      S.ChatCompletionRequest, "ChatCompletionResponse", True, "OpenAI API"),
     ("/v1/completions", "Text completion (echo, logprobs, streaming)", S.CompletionRequest,
      "CompletionResponse", True, "OpenAI API"),
-    ("/v1/responses", "OpenAI's Responses API, stateless (function tools, text.format, "
-     "streamed typed events)", S.ResponsesRequest, "ResponseObject", True, "OpenAI API"),
+    ("/v1/responses", "OpenAI's Responses API (previous_response_id, function tools, "
+     "text.format, streamed typed events)", S.ResponsesRequest, "ResponseObject", True,
+     "OpenAI API"),
     ("/tokenize", "Token ids of a prompt or of chat messages (vLLM's shape)",
      S.TokenizeRequest, "TokenizeResponse", False, "Utility"),
     ("/detokenize", "Text of token ids (vLLM's shape)", S.DetokenizeRequest,
      "DetokenizeResponse", False, "Utility"),
 ]
+def _stored_operations() -> dict[str, dict]:
+    """The stored responses' retrieve, delete and input-items list (OpenAI's shapes)."""
+    rid = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    errors = {"400": _error("a query parameter it does not take"),
+              "401": _error("missing or unknown API key"),
+              "404": _error("no such response kept for this tenant")}
+
+    def op(summary: str, answer: dict, params: list[dict] = ()) -> dict:
+        return {"summary": summary, "tags": ["OpenAI API"], "parameters": [rid, *params],
+                "responses": {"200": {"description": "OK", "content": {
+                    "application/json": {"schema": answer}}}, **errors}}
+
+    obj = {"$ref": _REF.format(model="ResponseObject")}
+    deleted = {"type": "object", "required": ["id", "object", "deleted"], "properties": {
+        "id": {"type": "string"}, "object": {"const": "response"},
+        "deleted": {"type": "boolean"}}}
+    listed = {"type": "object", "required": ["object", "data", "has_more"], "properties": {
+        "object": {"const": "list"}, "data": {"type": "array", "items": {"type": "object"}},
+        "first_id": {"type": ["string", "null"]}, "last_id": {"type": ["string", "null"]},
+        "has_more": {"type": "boolean"}}}
+    query = [{"name": "limit", "in": "query", "schema": {
+                 "type": "integer", "minimum": 1, "maximum": 100, "default": 20}},
+             {"name": "order", "in": "query", "schema": {
+                 "type": "string", "enum": ["asc", "desc"], "default": "desc"}},
+             {"name": "after", "in": "query", "schema": {"type": "string"}}]
+    return {"/v1/responses/{response_id}": {
+                "get": op("A stored response (created without store: false)", obj),
+                "delete": op("Delete a stored response", deleted)},
+            "/v1/responses/{response_id}/input_items": {
+                "get": op("A stored response's input items", listed, query)}}
+
+
 # debug endpoints whose handlers validate a raw body with these models
 _BODIES = {"/debug/query": S.DebugQuery, "/debug/bench-runs": S.BenchRunBody,
            "/debug/eval-runs": S.EvalRunBody, "/debug/whatif-runs": S.WhatIfRunBody}
@@ -96,6 +129,7 @@ def build(app: FastAPI, models: list[str], bundled: str) -> dict:
         "/tokenize": {"prompt": "Hello!"}, "/detokenize": {"tokens": [19556, 17]}}
     for path, summary, body, answer, stream, tag in _MANUAL:
         paths[path] = _operation(summary, body, answer, stream, tag, examples.get(path))
+    paths.update(_stored_operations())
     for path, body in _BODIES.items():
         op = paths.get(path, {}).get("post")
         if op is not None:

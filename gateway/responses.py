@@ -1,26 +1,40 @@
-"""OpenAI's Responses API (``POST /v1/responses``) over the chat pipeline, stateless.
+"""OpenAI's Responses API (``POST /v1/responses``) over the chat pipeline.
 
 A Responses request is translated into the chat-completions request it means (``to_chat``:
 ``instructions`` a system message, ``input`` items messages, function tools and their calls and
 outputs the chat shapes, ``text.format`` a ``response_format``, ``max_output_tokens`` the
 completion limit) and served by ``Service.chat`` like any chat request, record included (its
-``endpoint`` is ``/v1/responses``); the chat answer is translated back: a response object
-(``response_object``), or for a stream the chat chunks become the typed Responses events
-(``ResponseEvents``: ``response.created`` ... ``response.output_text.delta`` ...
-``response.completed``). LiteLLM serves the Responses API over chat backends the same way.
+``endpoint`` is ``/v1/responses``, its ``response_id`` the ``resp_...`` id); the chat answer is
+translated back: a response object (``response_object``), or for a stream the chat chunks become
+the typed Responses events (``ResponseEvents``: ``response.created`` ...
+``response.output_text.delta`` ... ``response.completed``). LiteLLM serves the Responses API
+over chat backends the same way.
+
+Stored responses (``ResponseStore``): unless the request says ``store: false``, a completed
+(or incomplete) response is kept in the gateway's memory, with the conversation it ends (every
+earlier turn, this input and this output, as chat messages), so that ``previous_response_id``
+continues it (``instructions`` are not carried over, as at OpenAI), and ``GET`` / ``DELETE
+/v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` find it; only the tenant that
+created a response sees it. The store is bounded in bytes (``TAILSCOPE_RESPONSES_STORE_MB``),
+the least recently used response goes first, and it is per gateway: behind several gateways a
+client continues a conversation on the gateway that holds it (or sends the whole conversation
+in ``input`` with ``store: false``, as Codex CLI does).
 
 What needs state this gateway does not keep, or tools it does not host, is refused with a 400
-naming the field: ``previous_response_id``, ``conversation``, ``background``, ``prompt``,
-``reasoning``, ``truncation: auto``, ``max_tool_calls``, built-in tools (web search, file
-search, ...), image, file and audio input, and ``include`` entries other than
+naming the field: ``conversation``, ``background``, ``prompt``, ``reasoning``, ``truncation:
+auto``, ``max_tool_calls``, built-in tools (web search, file search, ...), item references,
+image, file and audio input, and ``include`` entries other than
 ``message.output_text.logprobs``.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 from gateway.schemas import ResponsesRequest, Unsupported
@@ -62,28 +76,34 @@ def _text(content: Any, where: str, roles: tuple[str, ...]) -> str:
     return "".join(out)
 
 
-def _messages(req: ResponsesRequest) -> list[dict]:
-    messages: list[dict] = []
-    if req.instructions:
-        messages.append({"role": "system", "content": req.instructions})
+def input_items(req: ResponsesRequest) -> list[dict]:
+    """The request's ``input`` as a list of items (a string is one user message)."""
     if isinstance(req.input, str):
-        return [*messages, {"role": "user", "content": req.input}]
-    for i, item in enumerate(req.input):
-        where = f"input.{i}"
+        return [{"type": "message", "role": "user",
+                 "content": [{"type": "input_text", "text": req.input}]}]
+    return list(req.input)
+
+
+def to_messages(items: list[dict], where: str = "input") -> list[dict]:
+    """Responses items (a request's input, or a response's output) as chat messages: messages,
+    the model's function calls (an assistant turn's ``tool_calls``; parallel calls one turn) and
+    their outputs (tool messages); anything else is refused, naming it."""
+    messages: list[dict] = []
+    for i, item in enumerate(items):
+        at = f"{where}.{i}"
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
-                raise Unsupported(f"{where}.role", f"role {role!r}: one of user, system, "
+                raise Unsupported(f"{at}.role", f"role {role!r}: one of user, system, "
                                   "developer, assistant")
             parts = ("output_text", "input_text") if role == "assistant" else ("input_text",)
-            messages.append({"role": role, "content": _text(item.get("content"), where,
-                                                            parts)})
+            messages.append({"role": role, "content": _text(item.get("content"), at, parts)})
         elif kind == "function_call":  # the model's earlier call: an assistant turn's call
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
             if not all(isinstance(v, str) for v in (call["id"], *call["function"].values())):
-                raise Unsupported(where, "a function_call item has call_id, name and arguments "
+                raise Unsupported(at, "a function_call item has call_id, name and arguments "
                                   "(strings)")
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and last.get("tool_calls") \
@@ -94,13 +114,14 @@ def _messages(req: ResponsesRequest) -> list[dict]:
         elif kind == "function_call_output":
             output = item.get("output")
             if not isinstance(item.get("call_id"), str):
-                raise Unsupported(f"{where}.call_id", "a function_call_output names its call_id")
+                raise Unsupported(f"{at}.call_id", "a function_call_output names its call_id")
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
-                             "content": _text(output, where, ("input_text",))})
+                             "content": _text(output, at, ("input_text",))})
         else:
-            raise Unsupported(f"{where}.type", f"input item type {kind!r}: message, "
-                              "function_call and function_call_output items are served (a "
-                              "stateless gateway has no stored items to reference)")
+            raise Unsupported(f"{at}.type", f"input item type {kind!r}: message, "
+                              "function_call and function_call_output items are served (an "
+                              "earlier turn is continued with previous_response_id, not by "
+                              "item reference)")
     return messages
 
 
@@ -143,13 +164,14 @@ def _format(req: ResponsesRequest) -> dict | None:
     raise Unsupported("text.format.type", "text.format is text, json_object or json_schema")
 
 
-def to_chat(req: ResponsesRequest) -> dict:
-    """The chat-completions request a Responses request means; ``Unsupported`` (a 400 naming
-    the field) for what a stateless gateway without hosted tools cannot honour."""
-    for field in ("previous_response_id", "conversation", "prompt", "max_tool_calls"):
+def to_chat(req: ResponsesRequest, history: list[dict] | None = None) -> dict:
+    """The chat-completions request a Responses request means, continuing ``history`` (the
+    chat messages of the conversation its ``previous_response_id`` ended; the caller looks
+    it up); ``Unsupported`` (a 400 naming the field) for what this gateway cannot honour."""
+    for field in ("conversation", "prompt", "max_tool_calls"):
         if getattr(req, field) is not None:
-            raise Unsupported(field, f"{field} is not supported: this gateway keeps no "
-                              "response state (send the whole conversation in input)")
+            raise Unsupported(field, f"{field} is not supported (continue a conversation with "
+                              "previous_response_id, or send all of it in input)")
     if req.background:
         raise Unsupported("background", "background responses are not supported")
     if req.reasoning and any(v is not None for v in req.reasoning.values()):
@@ -168,19 +190,95 @@ def to_chat(req: ResponsesRequest) -> dict:
     if req.top_logprobs and LOGPROBS_INCLUDE not in include:
         raise Unsupported("top_logprobs", f"top_logprobs needs include: [{LOGPROBS_INCLUDE!r}]")
     tools, choice = _tools(req)
-    body: dict[str, Any] = {"model": req.model, "messages": _messages(req),
-                            "stream": req.stream}
+    system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    body: dict[str, Any] = {"model": req.model, "stream": req.stream, "messages": [
+        *system, *(history or []), *to_messages(input_items(req))]}
     optional = {"max_completion_tokens": req.max_output_tokens, "temperature": req.temperature,
                 "top_p": req.top_p, "tools": tools, "tool_choice": choice,
                 "parallel_tool_calls": req.parallel_tool_calls,
-                "response_format": _format(req), "user": req.user, "metadata": req.metadata,
-                "store": req.store}
+                "response_format": _format(req), "user": req.user, "metadata": req.metadata}
     body.update({k: v for k, v in optional.items() if v is not None})
     if LOGPROBS_INCLUDE in include:
         body["logprobs"], body["top_logprobs"] = True, req.top_logprobs or 0
     if req.stream:  # the final usage goes into response.completed
         body["stream_options"] = {"include_usage": True}
     return body
+
+
+# ---- stored responses ---------------------------------------------------------------------------
+@dataclass
+class Stored:
+    tenant: str
+    response: dict  # the response object as the client got it
+    conversation: list[dict]  # chat messages: earlier turns, this input, this output
+    items: list[dict]  # this request's input items, with ids (GET .../input_items)
+    size: int  # bytes, as JSON
+
+
+class ResponseStore:
+    """Responses kept for ``previous_response_id`` and retrieval, in this gateway's memory,
+    at most ``max_bytes`` of them (their JSON size): the least recently used goes first. A
+    response is found only by the tenant that created it."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._kept: OrderedDict[str, Stored] = OrderedDict()
+        self._lock = threading.Lock()  # the event loop and a stream's end may both touch it
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def put(self, tenant: str, response: dict, conversation: list[dict], items: list[dict]
+            ) -> bool:
+        """Keep ``response``; False when it alone is over the bound (then nothing is kept)."""
+        size = len(json.dumps([response, conversation, items], ensure_ascii=False))
+        if size > self.max_bytes:
+            return False
+        with self._lock:
+            self._drop(response["id"])
+            self._kept[response["id"]] = Stored(tenant, response, conversation, items, size)
+            self.bytes += size
+            while self.bytes > self.max_bytes:
+                self._drop(next(iter(self._kept)))
+        return True
+
+    def get(self, tenant: str, response_id: str) -> Stored | None:
+        with self._lock:
+            got = self._kept.get(response_id)
+            if got is None or got.tenant != tenant:
+                return None
+            self._kept.move_to_end(response_id)
+            return got
+
+    def delete(self, tenant: str, response_id: str) -> bool:
+        with self._lock:
+            got = self._kept.get(response_id)
+            if got is None or got.tenant != tenant:
+                return False
+            self._drop(response_id)
+            return True
+
+    def _drop(self, response_id: str) -> None:
+        got = self._kept.pop(response_id, None)
+        if got is not None:
+            self.bytes -= got.size
+
+
+def with_ids(items: list[dict]) -> list[dict]:
+    """Input items as OpenAI lists them: each with an ``id`` (kept when the client gave one)
+    and a message's string content as an ``input_text`` part."""
+    out = []
+    for item in items:
+        item = {"type": "message", **item}
+        prefix = {"message": "msg_", "function_call": "fc_",
+                  "function_call_output": "fco_"}.get(item["type"], "item_")
+        item.setdefault("id", prefix + uuid.uuid4().hex)
+        if item["type"] == "message" and isinstance(item.get("content"), str):
+            kind = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": kind, "text": item["content"]}]
+        out.append(item)
+    return out
 
 
 # ---- answers ------------------------------------------------------------------------------------
@@ -206,10 +304,11 @@ class Shell:
     """What every response object of one request repeats: its id, creation time and the
     request's settings, as OpenAI echoes them."""
 
-    def __init__(self, req: ResponsesRequest) -> None:
+    def __init__(self, req: ResponsesRequest, stored: bool = False) -> None:
         self.id = "resp_" + uuid.uuid4().hex
         self.created_at = int(time.time())
         self.req = req
+        self.stored = stored  # kept in the gateway's ResponseStore once it ends
 
     def response(self, status: str, output: list, usage: dict | None = None,
                  incomplete: str | None = None, error: dict | None = None) -> dict:
@@ -220,8 +319,9 @@ class Shell:
                 "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
                 "model": r.model, "output": output,
                 "parallel_tool_calls": r.parallel_tool_calls is not False,
-                "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
-                "store": bool(r.store), "temperature": r.temperature, "text": r.text or {
+                "previous_response_id": r.previous_response_id,
+                "reasoning": {"effort": None, "summary": None}, "store": self.stored,
+                "temperature": r.temperature, "text": r.text or {
                     "format": {"type": "text"}}, "tool_choice": r.tool_choice or "auto",
                 "tools": r.tools or [], "top_p": r.top_p, "truncation": "disabled",
                 "usage": usage, "user": r.user, "metadata": r.metadata or {}}

@@ -247,10 +247,10 @@ class CompletionRequest(SamplingFields):
 
 
 class ResponsesRequest(BaseModel):
-    """OpenAI's Responses API (``POST /v1/responses``), stateless: each request is served
-    through the chat pipeline (``gateway.responses`` translates both ways). What needs stored
-    state or hosted tools (``previous_response_id``, ``conversation``, ``background``,
-    built-in tools, ``reasoning``) is a 400 naming it."""
+    """OpenAI's Responses API (``POST /v1/responses``): each request is served through the
+    chat pipeline (``gateway.responses`` translates both ways); ``previous_response_id``
+    continues a response the gateway keeps. What needs state it does not keep or hosted tools
+    (``conversation``, ``background``, built-in tools, ``reasoning``) is a 400 naming it."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 

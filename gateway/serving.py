@@ -44,7 +44,18 @@ from gateway.backend import (
 )
 from gateway.errors import APIError, bad_request
 from gateway.limits import RequestLimits, check_body, check_counts
-from gateway.responses import ResponseEvents, Shell, param_name, response_object, sse, to_chat
+from gateway.responses import (
+    ResponseEvents,
+    ResponseStore,
+    Shell,
+    input_items,
+    param_name,
+    response_object,
+    sse,
+    to_chat,
+    to_messages,
+    with_ids,
+)
 from gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -190,6 +201,9 @@ class Service:
         # sjf policy: running mean of choice 0's output tokens per (tenant, endpoint)
         self._lengths: dict[tuple[str, str], float] = {}
         self._grammar_lock = threading.Lock()
+        # /v1/responses kept for previous_response_id and retrieval (none when the bound is 0)
+        mb = config.responses_store_mb
+        self.stored_responses = ResponseStore(int(mb * 2**20)) if mb > 0 else None
 
     def trace_of(self, engine_id: str) -> str:
         """The trace id of an in-flight or recently ended engine request (else the id)."""
@@ -633,11 +647,20 @@ class Service:
 
     async def responses(self, request: Request, tenant: Tenant) -> Response:
         """OpenAI's Responses API, served as the chat request it means (``gateway.responses``):
-        a 400 names the Responses field; the answer is the response object, or its events."""
+        a 400 names the Responses field; the answer is the response object, or its events.
+        Unless ``store`` is false, the response is kept (``ResponseStore``) once it ends."""
         data, _ = await self.body_json(request)
         req = self.validated(ResponsesRequest, data)
+        history: list[dict] = []
+        if req.previous_response_id is not None:
+            prev = self.stored_response(tenant, req.previous_response_id)
+            if prev is None:
+                raise APIError(400, f"Previous response with id '{req.previous_response_id}' "
+                               "not found.", param="previous_response_id",
+                               code="previous_response_not_found")
+            history = prev.conversation
         try:
-            body = to_chat(req)
+            body = to_chat(req, history)
         except Unsupported as exc:
             raise _unsupported(exc) from None
         request.state.body_json = body, _encode_json(body)  # what chat() (or a backend) reads
@@ -650,17 +673,37 @@ class Service:
             raise
         if answer.status_code != 200:  # a backend's error, as it sent it
             return answer
-        shell = Shell(req)
+        shell = Shell(req, stored=self.stored_responses is not None and req.store is not False)
+        request.state.trace.record.response_id = shell.id
+
+        def keep(response: dict) -> None:
+            """Store a response that ended (not one that failed); one larger than the whole
+            bound is not kept, and then says so (``store: false``)."""
+            if shell.stored and response["status"] in ("completed", "incomplete"):
+                turn = to_messages(input_items(req)) + to_messages(response["output"], "output")
+                if not self.stored_responses.put(tenant.name, response, history + turn,
+                                                 with_ids(input_items(req))):
+                    response["store"] = False
+
         if not isinstance(answer, StreamingResponse):
-            return JSONResponse(response_object(shell, json.loads(answer.body)))
-        return StreamingResponse(self._response_events(shell, answer.body_iterator),
+            obj = response_object(shell, json.loads(answer.body))
+            keep(obj)
+            return JSONResponse(obj)
+        return StreamingResponse(self._response_events(shell, answer.body_iterator, keep),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
+    def stored_response(self, tenant: Tenant, response_id: str):
+        """A response this tenant created and the gateway still keeps (else None)."""
+        if self.stored_responses is None:
+            return None
+        return self.stored_responses.get(tenant.name, response_id)
+
     @staticmethod
-    async def _response_events(shell: Shell, chunks) -> AsyncIterator[bytes]:
+    async def _response_events(shell: Shell, chunks, keep: Callable[[dict], None]
+                               ) -> AsyncIterator[bytes]:
         """The chat stream ``chunks`` as Responses events; closing this closes it (its own
-        ending aborts what runs and writes the record)."""
+        ending aborts what runs and writes the record). The final response goes to ``keep``."""
         events = ResponseEvents(shell)
         for kind, payload in events.start():
             yield sse(kind, payload)
@@ -678,7 +721,9 @@ class Service:
                         for kind, payload in events.chunk(data):
                             yield sse(kind, payload)
         if not failed:
-            for kind, payload in events.end():
+            final = events.end()
+            keep(final[-1][1]["response"])  # kept before the client hears it ended
+            for kind, payload in final:
                 yield sse(kind, payload)
 
     async def completions(self, request: Request, tenant: Tenant) -> Response:

@@ -206,6 +206,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                        sampling_overrides=file.sampling_overrides if file else {},
                                        config_name=file.name if file else "",
                                        max_body_bytes=s.max_body_bytes,
+                                       responses_store_mb=s.responses_store_mb,
                                        limits=RequestLimits(
                                            max_messages=s.max_messages,
                                            max_stop_strings=s.max_stop_strings,

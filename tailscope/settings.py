@@ -85,6 +85,7 @@ class Settings:
     max_json_depth: int = 64  # TAILSCOPE_MAX_JSON_DEPTH: nesting of a request body
     max_schema_bytes: int = 65536  # TAILSCOPE_MAX_SCHEMA_BYTES: response_format schema
     max_batch_prompts: int = 64  # TAILSCOPE_MAX_BATCH_PROMPTS: a completions batch x n
+    responses_store_mb: float = 64.0  # TAILSCOPE_RESPONSES_STORE_MB: kept /v1/responses
     query_max_execution_s: float = 30.0  # TAILSCOPE_QUERY_MAX_EXECUTION_S: /debug/query
     query_max_result_rows: int = 500_000  # TAILSCOPE_QUERY_MAX_RESULT_ROWS
     query_max_rows_to_read: int = 2_000_000_000  # TAILSCOPE_QUERY_MAX_ROWS_TO_READ

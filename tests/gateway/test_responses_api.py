@@ -1,8 +1,8 @@
 """OpenAI's Responses API (``POST /v1/responses``) through the OpenAI SDK's own
 ``client.responses`` over the in-process backend (the real engine and tokenizer): each answer
 is the one the same request gets as a chat completion, streamed events add up to it, function
-tools round-trip, ``text.format`` constrains, the record is kept, and what a stateless gateway
-cannot honour is a 400 naming the field."""
+tools round-trip, ``text.format`` constrains, the record is kept, and what the gateway cannot
+honour is a 400 naming the field (stored responses: test_responses_state.py)."""
 
 from __future__ import annotations
 
@@ -175,7 +175,8 @@ def test_a_generation_that_fails_mid_stream_ends_in_response_failed(
 
 
 @pytest.mark.parametrize(("extra", "param"), [
-    ({"previous_response_id": "resp_123"}, "previous_response_id"),
+    ({"conversation": "conv_123"}, "conversation"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type"),
     ({"background": True}, "background"),
     ({"reasoning": {"effort": "low"}}, "reasoning"),
     ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
@@ -186,7 +187,7 @@ def test_a_generation_that_fails_mid_stream_ends_in_response_failed(
     ({"max_output_tokens": 5000}, "max_output_tokens"),
     ({"frequency_penalty": 1.0}, "frequency_penalty"),
 ])
-def test_what_a_stateless_gateway_cannot_honour_is_a_400_naming_it(client, extra, param):
+def test_what_the_gateway_cannot_honour_is_a_400_naming_it(client, extra, param):
     r = client.post("/v1/responses", json={"model": MODEL, "input": "Hi", **extra})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
