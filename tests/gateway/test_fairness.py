@@ -115,7 +115,7 @@ def test_fair_keeps_the_light_tenants_tail_where_fcfs_lets_the_flood_blow_it_up(
     process on the other). The bounds are on the engine's part of the TTFT (queue + prefill,
     from the records): what the policy decides. The client's TTFT and the engine's p99 also
     catch the moments the replica is paused, under every policy alike (the engine p99 ratio
-    measured 0.86-1.6x, the p90 ratio 1.2-1.5x, with 32 tokens per step and the replica's
+    measured 0.86-1.87x, the p90 ratio 1.2-1.7x, with 32 tokens per step and the replica's
     start-up heap frozen out of the collector; with 64 tokens per step a CI run on fp32 put the
     p90 at 2.2x, and before the freeze one run's p99 was 14x: bench/policies.py's engine_env
     says why). Over ~110 light requests the p99 is the second-largest sample, so one pause
