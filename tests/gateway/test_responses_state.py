@@ -11,16 +11,10 @@ import json
 import openai
 import pytest
 
-from engine import EngineConfig
 from gateway.responses import ResponseStore
 from tests.gateway.conftest import inprocess_client
+from tests.gateway.test_responses_api import CFG, MODEL, WEATHER
 
-CFG = EngineConfig(num_kv_blocks=128, block_size=16)
-MODEL = "SmolLM2-135M-Instruct"
-WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
-           "parameters": {"type": "object",
-                          "properties": {"city": {"type": "string", "maxLength": 8}},
-                          "required": ["city"], "additionalProperties": False}}
 TENANTS = """
 [[tenants]]
 name = "alpha"
