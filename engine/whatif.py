@@ -18,8 +18,8 @@ prefill_context``: the attention a chunk does grows with the prompt computed bef
 smaller token budget's many chunks of a long prompt cost more than its token count says),
 decode attention blocks] (the last: the step's decodes x the widest of their block tables,
 ``engine.scheduler.decode_attention_blocks``: the CPU kernels pad every decode to the widest
-context, so eleven 30-token decodes beside one of 1,900 tokens took 301 ms where twelve of
-200 tokens took 52, bundled bf16; without it the fit priced every KV block in use, and a
+context, so twelve short decodes beside one 1,900-token context cost 300 ms where twelve
+short ones cost 50, bundled bf16; without it the fit priced every KV block in use, and a
 4-sequence candidate's decode steps came out 1.3x too dear. A window stored before the engine
 recorded either prices it at 0), each step weighted by
 1 / duration (relative error: a window's few 700 ms prefill steps otherwise decide the fit and
