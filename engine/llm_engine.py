@@ -20,12 +20,7 @@ from engine.observer import OutputObserver, RequestStats, StepMember, StepStats
 from engine.request import Request, RequestState
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import (
-    Scheduler,
-    SchedulerOutput,
-    decode_attention_blocks,
-    prefill_context,
-)
+from engine.scheduler import Scheduler, SchedulerOutput, prefill_context
 
 log = logging.getLogger(__name__)
 S = RequestState
@@ -288,8 +283,7 @@ class Engine:
         self.swaps += sum(1 for p in sched.preempted if p.mode == "swap")
         if sched.is_empty:
             return self._drain_ended([])
-        # before the run moves the computed counts (and a finished decode frees its blocks)
-        context = prefill_context(sched), decode_attention_blocks(sched, self.kv)
+        context = prefill_context(sched)  # before the run moves the computed counts
         result = self._run(sched)
         if result is None:
             return self._drain_ended([])
@@ -363,7 +357,7 @@ class Engine:
         return outputs
 
     def _record_step(self, sched: SchedulerOutput, result: RunnerResult, start: int,
-                     wall: int, context: tuple[int, int] = (0, 0)) -> None:
+                     wall: int, context: int = 0) -> None:
         self.step_count += 1
         usage = self.kv.usage()
         c = self.kv.pool.counters
@@ -380,7 +374,7 @@ class Engine:
             members=tuple([StepMember(s.request.request_id, 0, 1) for s in sched.decodes]
                           + [StepMember(s.request.request_id, s.num_new_tokens, 0)
                              for s in sched.prefills]) if self.config.step_detail else (),
-            prefill_context=context[0], decode_attention_blocks=context[1],
+            prefill_context=context,
         ))
 
     def _drain_ended(self, outputs: list[RequestOutput]) -> list[RequestOutput]:

@@ -68,9 +68,6 @@ class StepStats(msgspec.Struct, frozen=True):
     # chunk's end (``prefill_context``): what a chunk costs beyond its token count grows with
     # the prompt already computed before it (the what-if's step cost reads it)
     prefill_context: int = 0
-    # the KV blocks its decode attention read: decodes x the widest block table (all of them
-    # are padded to it; ``engine.scheduler.decode_attention_blocks``)
-    decode_attention_blocks: int = 0
 
 
 def request_stats(req: Request) -> RequestStats:

@@ -102,18 +102,6 @@ def prefill_context(sched: SchedulerOutput) -> int:
                for s in sched.prefills)
 
 
-def decode_attention_blocks(sched: SchedulerOutput, kv) -> int:
-    """The KV blocks the step's decode attention reads: its decodes x the widest of their
-    block tables (``ModelRunner`` pads every table to the widest and the CPU kernels attend
-    over all of it, masked). Read before the step runs; the engine records it with the step
-    and the what-if's step cost prices it: twelve decodes beside one long context cost about
-    what twelve long contexts cost (300 ms against 50 for twelve short ones, bundled bf16)."""
-    if not sched.decodes:
-        return 0
-    return len(sched.decodes) * max(len(kv.block_table(s.request.request_id).blocks)
-                                    for s in sched.decodes)
-
-
 class Scheduler:
     """Owns the waiting queue (in its policy's order) and the running set; ``schedule`` returns
     what runs this tick and which requests it preempted (their KV already released or queued

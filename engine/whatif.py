@@ -15,13 +15,8 @@ the engine's, because it is the engine's.)
 on [1, prefill tokens, decode tokens, sequences, KV blocks in use, prefill context] (the last:
 each prefill chunk's tokens x its context length at the chunk's end, ``engine.scheduler.
 prefill_context``: the attention a chunk does grows with the prompt computed before it, so a
-smaller token budget's many chunks of a long prompt cost more than its token count says),
-decode attention blocks] (the last: the step's decodes x the widest of their block tables,
-``engine.scheduler.decode_attention_blocks``: the CPU kernels pad every decode to the widest
-context, so twelve short decodes beside one 1,900-token context cost 300 ms where twelve
-short ones cost 50, bundled bf16; without it the fit priced every KV block in use, and a
-4-sequence candidate's decode steps came out 1.3x too dear. A window stored before the engine
-recorded either prices it at 0), each step weighted by
+smaller token budget's many chunks of a long prompt cost more than its token count says; a
+window stored before the engine recorded it prices it at 0), each step weighted by
 1 / duration (relative error: a window's few 700 ms prefill steps otherwise decide the fit and
 its 70 ms decode steps are priced at 120), then scaled so that the training steps' total
 predicted time equals their measured total (a relative fit under-prices the long steps a
@@ -52,10 +47,10 @@ import numpy as np
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_manager import KVCacheManager
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput, decode_attention_blocks, prefill_context
+from engine.scheduler import SchedulerOutput, prefill_context
 
 FEATURES = ("intercept", "prefill_tokens", "decode_tokens", "num_seqs", "kv_blocks_used",
-            "prefill_context", "decode_attention_blocks")
+            "prefill_context")
 PLACEHOLDER_TOKEN = 100  # what a simulated request "samples": only its count matters
 
 
@@ -80,21 +75,21 @@ class StepCost:
     error: FitError | None = None
 
     def __post_init__(self) -> None:
-        if len(self.coef) < len(FEATURES):  # a cost stated before the last features were
+        if len(self.coef) < len(FEATURES):  # a cost stated before prefill_context was one
             object.__setattr__(self, "coef", (*self.coef,
                                               *[0.0] * (len(FEATURES) - len(self.coef))))
 
     def predict(self, prefill: int, decode: int, seqs: int, kv_blocks: int,
-                prefill_context: int = 0, decode_attention_blocks: int = 0) -> float:
-        x = (1.0, prefill, decode, seqs, kv_blocks, prefill_context, decode_attention_blocks)
+                prefill_context: int = 0) -> float:
+        x = (1.0, prefill, decode, seqs, kv_blocks, prefill_context)
         return max(0.0, sum(c * v for c, v in zip(self.coef, x, strict=True)))
 
     @staticmethod
-    def features(s: dict) -> tuple[int, int, int, int, int, int]:
+    def features(s: dict) -> tuple[int, int, int, int, int]:
         """A recorded step's ``predict`` arguments (an ``engine_steps`` row; a row stored
-        before ``prefill_context`` or ``decode_attention_blocks`` was recorded has none)."""
+        before ``prefill_context`` was recorded has none)."""
         return (s["prefill_tokens"], s["decode_tokens"], s["num_seqs"], s["kv_blocks_used"],
-                s.get("prefill_context") or 0, s.get("decode_attention_blocks") or 0)
+                s.get("prefill_context") or 0)
 
     def step(self, s: dict) -> float:
         """The cost of a recorded step."""
@@ -103,8 +98,7 @@ class StepCost:
     @classmethod
     def fit(cls, steps: Sequence[dict], holdout_every: int = 5) -> StepCost:
         """From recorded steps (``engine_steps`` rows: duration_ms, prefill_tokens,
-        decode_tokens, num_seqs, kv_blocks_used, prefill_context, decode_attention_blocks);
-        refuses fewer than 10."""
+        decode_tokens, num_seqs, kv_blocks_used, prefill_context); refuses fewer than 10."""
         if len(steps) < 10:
             raise ValueError(f"{len(steps)} steps are too few to fit a step-cost model "
                              "(need at least 10; widen the window)")
@@ -271,8 +265,7 @@ class CostRunner:
         start = self.now_ms
         usage = kv.usage()
         ms = self.cost.predict(sched.num_prefill_tokens, len(sched.decodes), len(sched.all),
-                               usage.blocks_used, prefill_context(sched),
-                               decode_attention_blocks(sched, kv))
+                               usage.blocks_used, prefill_context(sched))
         if self.contention and self.others_busy is not None:
             ms *= 1.0 + self.contention * self.others_busy()
         self.step_start_ms = start

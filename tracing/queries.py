@@ -432,8 +432,7 @@ WHATIF_REQUESTS = (
     "'TIMED_OUT') ORDER BY arrival_ts")
 WHATIF_STEPS = (
     "SELECT replica, toUnixTimestamp64Micro(ts) AS ts_us, duration_ms, prefill_tokens, "
-    "decode_tokens, num_seqs, kv_blocks_used, kv_blocks_total, prefill_context, "
-    "decode_attention_blocks "
+    "decode_tokens, num_seqs, kv_blocks_used, kv_blocks_total, prefill_context "
     "FROM tailscope.engine_steps WHERE "
     "replica IN {rs:Array(String)} AND "
     "ts >= fromUnixTimestamp64Micro({start:Int64}, 'UTC') AND "

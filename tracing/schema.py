@@ -63,8 +63,6 @@ class EngineStepRow:
     # keys its prefill tokens attended to (engine.scheduler.prefill_context); 0 before it was
     # recorded
     prefill_context: int = 0
-    # decodes x the widest block table (engine.scheduler.decode_attention_blocks); 0 before
-    decode_attention_blocks: int = 0
 
 
 @dataclass(slots=True)
@@ -178,8 +176,7 @@ _NARROW = {"ttl_days": "UInt16", "http_status": "UInt16", "prompt_tokens": "UInt
            "cached_tokens": "UInt32", "generated_tokens": "UInt32", "emitted_tokens": "UInt32",
            "n": "UInt16", "retries": "UInt8", "preemptions": "UInt32", "step": "UInt64",
            "incarnation": "UInt32", "seq": "UInt16", "neighbour_prefill_tokens": "UInt32",
-           "priority": "Int32", "prompt_index": "UInt16", "prefill_context": "UInt64",
-           "decode_attention_blocks": "UInt32"}
+           "priority": "Int32", "prompt_index": "UInt16", "prefill_context": "UInt64"}
 
 
 def _ch_type(name: str, annotation) -> str:
@@ -324,9 +321,6 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
     (17, "engine_steps.prefill_context (the what-if step cost)", [
         f"ALTER TABLE {DATABASE}.engine_steps ADD COLUMN IF NOT EXISTS prefill_context UInt64 "
         "AFTER instance"]),
-    (18, "engine_steps.decode_attention_blocks (the what-if step cost)", [
-        f"ALTER TABLE {DATABASE}.engine_steps ADD COLUMN IF NOT EXISTS decode_attention_blocks "
-        "UInt32 AFTER prefill_context"]),
 ]
 
 __all__ = ["DATABASE", "TABLES", "MIGRATIONS", "ConfigRow", "EngineStepRow", "EventRow",

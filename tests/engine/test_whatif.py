@@ -12,9 +12,8 @@ from bench.loadgen import percentile
 from engine import Engine, EngineConfig, SamplingParams
 from engine.whatif import Arrival, StepCost, simulate
 
-# ms: intercept, per prefill token, decode, seq, KV block, prefill context (key per token),
-# decode attention block (decodes x the widest table)
-TRUE = (2.0, 0.05, 0.4, 0.3, 0.01, 0.0001, 0.002)
+# ms: intercept, per prefill token, decode, seq, KV block, prefill context (key per token)
+TRUE = (2.0, 0.05, 0.4, 0.3, 0.01, 0.0001)
 
 
 def _steps(n: int, noise: float, seed: int = 0) -> list[dict]:
@@ -24,11 +23,10 @@ def _steps(n: int, noise: float, seed: int = 0) -> list[dict]:
         p, d = rng.choice([0, 16, 64, 256, 512]), rng.randrange(0, 32)
         s, kv = d + (p > 0) * rng.randrange(1, 4), rng.randrange(10, 400)
         ctx = p * (p + rng.choice([0, 0, 256, 1024, 2048]))  # a chunk late in a long prompt
-        att = d * rng.randrange(1, 130)  # the decodes x the widest of their tables
-        ms = sum(c * x for c, x in zip(TRUE, (1, p, d, s, kv, ctx, att), strict=True))
+        ms = sum(c * x for c, x in zip(TRUE, (1, p, d, s, kv, ctx), strict=True))
         out.append({"duration_ms": ms * (1 + rng.gauss(0, noise)), "prefill_tokens": p,
                     "decode_tokens": d, "num_seqs": s, "kv_blocks_used": kv,
-                    "prefill_context": ctx, "decode_attention_blocks": att})
+                    "prefill_context": ctx})
     return out
 
 
@@ -41,13 +39,11 @@ def test_the_step_cost_fit_recovers_the_costs_and_reports_its_held_out_error():
     assert 0.01 < noisy.error.median_rel < 0.06 and noisy.error.p95_rel < 0.15
     with pytest.raises(ValueError, match="too few"):
         StepCost.fit(_steps(5, 0.0))
-    # steps stored before the engine recorded prefill_context and decode_attention_blocks:
-    # those features cost nothing
-    late = ("prefill_context", "decode_attention_blocks")
-    old = [{k: v for k, v in x.items() if k not in late} for x in _steps(100, 0.0)]
-    assert StepCost.fit(old).coef[5:] == (0.0, 0.0)
-    assert StepCost(TRUE[:5]).predict(64, 1, 2, 10, 10**6, 10**6) == StepCost(
-        TRUE[:5]).predict(64, 1, 2, 10)
+    # steps stored before the engine recorded prefill_context: that feature costs nothing
+    old = [{k: v for k, v in x.items() if k != "prefill_context"} for x in _steps(100, 0.0)]
+    assert StepCost.fit(old).coef[5] == 0.0
+    assert StepCost(TRUE[:5]).predict(64, 1, 2, 10, 10**6) == StepCost(TRUE[:5]).predict(
+        64, 1, 2, 10)
 
 
 def test_the_engine_records_each_steps_prefill_context(tiny49k):
@@ -66,27 +62,6 @@ def test_the_engine_records_each_steps_prefill_context(tiny49k):
                                           max_batched_tokens=16),
                              StepCost((0, 0, 0, 0, 0, 1.0)), tiny49k.config)
     assert replica.runner.now_ms == 16 * 16 + 16 * 32 + 8 * 40  # each step: its context
-
-
-def test_the_engine_records_each_steps_decode_attention_blocks(tiny49k):
-    """Three decodes of 5, 9 and 30 prompt tokens (blocks of 4): every decode's table is padded
-    to the widest, so a step reads 3 x 8 blocks, then 2 x 8 once the shortest has finished;
-    the what-if prices the same product per simulated step."""
-    cfg = EngineConfig(num_kv_blocks=64, block_size=4, max_batched_tokens=64)
-    engine = Engine(tiny49k, cfg)
-    prompts = {"a": list(range(5, 10)), "b": list(range(5, 14)), "c": list(range(5, 35))}
-    outputs = {"a": 2, "b": 3, "c": 3}
-    for rid, p in prompts.items():
-        engine.add_request(rid, p, SamplingParams(max_tokens=outputs[rid], ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
-    steps = list(engine.observer.steps)
-    # step 1 prefills all three; then c's table (30 + 1 tokens: 8 blocks) is the widest
-    assert [(s.decode_tokens, s.decode_attention_blocks) for s in steps] == [
-        (0, 0), (3, 3 * 8), (2, 2 * 8)]
-    _, (replica,) = simulate([Arrival(rid, 0.0, p, outputs[rid]) for rid, p in prompts.items()],
-                             cfg, StepCost((0, 0, 0, 0, 0, 0, 1.0)), tiny49k.config)
-    assert replica.runner.now_ms == 3 * 8 + 2 * 8
 
 
 def _arrivals(seed: int = 1) -> list[tuple[int, str, list[int], int]]:
