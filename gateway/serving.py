@@ -680,9 +680,10 @@ class Service:
             """Store a response that ended (not one that failed); one larger than the whole
             bound is not kept, and then says so (``store: false``)."""
             if shell.stored and response["status"] in ("completed", "incomplete"):
-                turn = to_messages(input_items(req)) + to_messages(response["output"], "output")
+                items = input_items(req)
+                turn = to_messages(items) + to_messages(response["output"], "output")
                 if not self.stored_responses.put(tenant.name, response, history + turn,
-                                                 with_ids(input_items(req))):
+                                                 with_ids(items)):
                     response["store"] = False
 
         if not isinstance(answer, StreamingResponse):

@@ -34,6 +34,18 @@ def sdk(client):
                          max_retries=0)
 
 
+def weather_answered(call_id: str, arguments: str) -> dict:
+    """The chat request's tools and messages of the weather call answered with "18C, sunny"
+    (what a Responses turn with that call and its output means)."""
+    return {"tools": [{"type": "function", "function": {
+        k: WEATHER[k] for k in ("name", "description", "parameters")}}], "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [{
+            "id": call_id, "type": "function", "function": {
+                "name": "get_weather", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": "18C, sunny"}]}
+
+
 def chat(client, **body) -> dict:
     r = client.post("/v1/chat/completions", json={"model": MODEL, **body})
     assert r.status_code == 200, r.text
@@ -115,14 +127,8 @@ def test_function_tools_round_trip(sdk, client):
                 "arguments": calls[0].arguments},
                {"type": "function_call_output", "call_id": calls[0].call_id,
                 "output": "18C, sunny"}])
-    same = chat(client, tools=[{"type": "function", "function": {
-        k: WEATHER[k] for k in ("name", "description", "parameters")}}],
-        max_completion_tokens=6, temperature=0, messages=[
-            {"role": "user", "content": "Weather in Paris?"},
-            {"role": "assistant", "content": "", "tool_calls": [{
-                "id": calls[0].call_id, "type": "function", "function": {
-                    "name": "get_weather", "arguments": calls[0].arguments}}]},
-            {"role": "tool", "tool_call_id": calls[0].call_id, "content": "18C, sunny"}])
+    same = chat(client, max_completion_tokens=6, temperature=0,
+                **weather_answered(calls[0].call_id, calls[0].arguments))
     assert follow.usage.input_tokens == same["usage"]["prompt_tokens"]
     # streamed: the call's arguments arrive in deltas and add up
     events = list(sdk.responses.create(model=MODEL, input="Weather in Paris?", tools=[WEATHER],

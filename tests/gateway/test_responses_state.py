@@ -13,7 +13,7 @@ import pytest
 
 from gateway.responses import ResponseStore
 from tests.gateway.conftest import inprocess_client
-from tests.gateway.test_responses_api import CFG, MODEL, WEATHER
+from tests.gateway.test_responses_api import CFG, MODEL, WEATHER, weather_answered
 
 TENANTS = """
 [[tenants]]
@@ -148,14 +148,8 @@ def test_a_function_call_is_continued_with_its_output(client):
                                   max_output_tokens=6, temperature=0, input=[
                                       {"type": "function_call_output", "call_id": fc.call_id,
                                        "output": "18C, sunny"}])
-    same = chat(client, tools=[{"type": "function", "function": {
-        k: WEATHER[k] for k in ("name", "description", "parameters")}}],
-        max_completion_tokens=6, temperature=0, messages=[
-            {"role": "user", "content": "Weather in Paris?"},
-            {"role": "assistant", "content": "", "tool_calls": [{
-                "id": fc.call_id, "type": "function", "function": {
-                    "name": "get_weather", "arguments": fc.arguments}}]},
-            {"role": "tool", "tool_call_id": fc.call_id, "content": "18C, sunny"}])
+    same = chat(client, max_completion_tokens=6, temperature=0,
+                **weather_answered(fc.call_id, fc.arguments))
     assert follow.usage.input_tokens == same["usage"]["prompt_tokens"]
     assert follow.output_text == same["choices"][0]["message"]["content"]
 
