@@ -17,12 +17,13 @@ as an OpenAI-style error: connecting (``connect_timeout_s``), the first byte of 
 504 before the response started, an SSE ``error`` event after. An upstream error answer keeps
 its status and message; an upstream that breaks the protocol or closes mid-stream is 502 (or an
 SSE ``error`` event once streaming). A request that has received nothing yet is retried once on
-another backend of the same model; one whose pooled connection the upstream had just closed is
-sent again on a fresh one. After ``eject_after`` failures in a row a backend is ejected for
-``eject_s`` seconds (a circuit breaker), then tried again by the next request or health probe
-(half-open): a success closes it, a failure ejects it again. Health probes (``GET /health``,
-else ``/v1/models``, every ``probe_interval_s``) find a dead backend before a request does, and
-the first one reads the served model's revision and the server's version for the records. The
+another backend of the same model; one whose connection broke before a byte of response came
+back (the upstream closed a pooled keep-alive connection as it was reused) is sent again once.
+After ``eject_after`` failures in a row a backend is ejected for ``eject_s`` seconds (a circuit
+breaker), then tried again by the next request or health probe (half-open): a success closes
+it, a failure ejects it again. Health probes (``GET /health``, else ``/v1/models``, every
+``probe_interval_s``) find a dead backend before a request does, and the first one reads the
+served model's revision and the server's version for the records. The
 router takes the backend with the fewest requests in flight (ties: fewest failures, then the
 name); a model the bundled replicas serve too is a mixed pool (``gateway.serving`` decides the
 side).
@@ -169,7 +170,7 @@ class Upstream:
     probes: int = 0
     probe_failures: int = 0
     probe_streak: int = 0  # failed probes in the current run of failures
-    resends: int = 0  # requests sent again after a pooled connection turned out closed
+    resends: int = 0  # requests sent again after their connection broke before an answer
     last_probe: str = ""  # what the latest probe found
 
     @property
@@ -504,17 +505,21 @@ class UpstreamPool:
 
     @staticmethod
     async def _send(up: Upstream, req: httpx.Request) -> httpx.Response:
-        """Send on a pooled connection; when the server had just closed it (it disconnects
-        without a byte of response: llama-server does this now and then between keep-alive
-        requests), send once more on a fresh one: nothing reached the engine."""
+        """Send on a pooled connection; when the connection breaks before a byte of response
+        came back, send once more (the broken connection is dropped from the pool, so on a
+        fresh one). The usual cause is a keep-alive race: the server closed an idle connection
+        just as it was reused (llama-server does this now and then; uvicorn, under vLLM and
+        SGLang, closes after 5 s idle, the health probes' period): it disconnects without a
+        response, or resets the connection. A server that did take the request and then broke
+        the connection generates it twice at most; the client still gets one answer (the
+        OpenAI SDK retries these errors the same way). A refused connection is not sent again:
+        the server is down."""
         try:
             return await up.client.send(req, stream=True)
-        except httpx.RemoteProtocolError as exc:
-            if "without sending a response" not in str(exc):
-                raise
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
             up.resends += 1
-            log.info("backend %s closed a pooled connection as it was reused; sending again",
-                     up.config.name)
+            log.info("backend %s broke the connection before answering (%s: %s); sending "
+                     "again", up.config.name, type(exc).__name__, exc)
             return await up.client.send(req, stream=True)
 
     @staticmethod

@@ -6,8 +6,11 @@ streams and broken connections."""
 from __future__ import annotations
 
 import json
+import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -51,13 +54,59 @@ def faults():
     proc.wait()
 
 
+class ResettingUpstream:
+    """A FAULT INJECTOR on a raw socket: every odd connection has its request read and is then
+    reset (RST, no byte of answer), as a server does to a keep-alive connection it closed just
+    as the client reused it; every even one gets a plain completion. ``connections`` counts
+    them."""
+
+    ANSWER = json.dumps({"id": "cmpl-reset", "object": "text_completion", "choices": [
+        {"index": 0, "text": "after a reset", "finish_reason": "stop"}]}).encode()
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.connections = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                head, _, body = data.partition(b"\r\n\r\n")
+                length = next((int(h.split(b":")[1]) for h in head.split(b"\r\n")
+                               if h.lower().startswith(b"content-length:")), 0)
+                while len(body) < length:
+                    body += conn.recv(65536)
+                if self.connections % 2:
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    continue  # closed with a reset
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Connection: close\r\nContent-Length: %d\r\n\r\n%s"
+                             % (len(self.ANSWER), self.ANSWER))
+
+
+@pytest.fixture(scope="module")
+def resetting():
+    server = ResettingUpstream()
+    yield server
+    server.sock.close()
+
+
 def _backend(name: str, url: str, upstream_model: str, **kw) -> list[str]:
     extra = "".join(f",{k}={v}" for k, v in kw.items())
     return ["--backend", f"{name}={url},upstream_model={upstream_model}{extra}"]
 
 
 @pytest.fixture(scope="module")
-def gateway(bundled_path, upstream, faults):
+def gateway(bundled_path, upstream, faults, resetting):
     args = ["--model", "tiny:49152", "--tokenizer", str(bundled_path),
             *_backend("up", upstream.url, DIRECT, model="tiny-up", return_token_ids="true"),
             *_backend("echo", faults, "echo"),
@@ -75,7 +124,8 @@ def gateway(bundled_path, upstream, faults):
             *_backend("vllm", faults, "vllm", return_token_ids="true"),
             *_backend("vllmlp", faults, "vllm"),
             *_backend("dead", f"http://127.0.0.1:{free_port()}", "echo", probe_interval_s=0.2,
-                      eject_after=2, eject_s=600)]
+                      eject_after=2, eject_s=600),
+            *_backend("reset", resetting.url, "reset", probe_interval_s=0)]
     server = start_server(*args)
     yield server
     stop_server(server)
@@ -264,11 +314,21 @@ def test_nothing_received_yet_is_retried_on_another_backend_of_the_model(gateway
     assert rec["replica"] == "flaky-b" and rec["retries"] == 1
 
 
+def test_a_connection_reset_before_any_answer_is_sent_again_once(gateway, resetting):
+    r = post(gateway, "reset")
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == "after a reset"
+    assert resetting.connections == 2  # the reset one, then the one that answered
+    assert httpx.get(f"{gateway.url}/debug/replicas").json()["reset"]["resends"] == 1
+    rec = record(gateway.url, r.headers["x-tailscope-trace-id"])["record"]
+    assert (rec["final_state"], rec["replica"], rec["retries"]) == ("FINISHED", "reset", 0)
+
+
 def test_a_client_that_leaves_closes_the_upstream_stream_at_once(gateway, faults):
     before = httpx.get(f"{faults}/stats").json()["cancelled"]
     with httpx.stream("POST", f"{gateway.url}/v1/completions", timeout=30, json={
             "model": "slow", "prompt": "Hi", "stream": True}) as r:
-        assert r.status_code == 200
+        assert r.status_code == 200, r.read()
         trace_id = r.headers["x-tailscope-trace-id"]
         for line in r.iter_lines():
             if line.startswith("data: "):
