@@ -339,11 +339,19 @@ class LlamaModel:
         if self.batch_invariant:
             return self._forward_invariant(h, positions, ropes[0], meta, kv_caches,
                                            logits_indices)
+        # on the torch kernels, decodes attend in groups of similar length (shared by every
+        # layer); the Triton kernel walks each sequence's own blocks, with no padding to cut
+        groups = reference.decode_groups(meta.decode_block_tables, meta.decode_context_lens,
+                                         kv_caches[0][0].shape[1]) \
+            if nd and attention is reference else None
         for lw, rope, (k_cache, v_cache) in zip(self.layers, ropes, kv_caches, strict=True):
             q, k, v = self._qkv(lw, h, rope, positions, triton)
             attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = torch.empty_like(q)
-            if nd:
+            if groups:
+                attn[:nd] = reference.grouped_decode_attention(q[:nd], k_cache, v_cache,
+                                                               groups, self.scale)
+            elif nd:
                 attn[:nd] = attention.paged_decode_attention(
                     q[:nd], k_cache, v_cache, meta.decode_block_tables,
                     meta.decode_context_lens, self.scale,

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import kernels
+from kernels import reference
 
 
 def dense_attention(q, k, v, scale):
@@ -53,6 +54,38 @@ def test_decode_attention_over_ragged_paged_contexts(heads, kv_heads, block_size
                                          torch.tensor(lens), scale)
     for i, (k, v) in enumerate(seqs):
         torch.testing.assert_close(out[i], dense_attention(q[i:i + 1], k, v, scale)[0])
+
+
+@pytest.mark.parametrize("lens,groups", [
+    ([1, 7, 16, 33], 1),  # little padding to save: one group, in the step's own order
+    ([30, 2000, 31, 29, 1500, 3], 2),  # long ones, then short ones (widest 31: + 3 merged)
+    ([5000, 40, 1200, 300, 9], 3),  # each run at most 2x wide, merged while padding is cheap
+    ([2000], 1),
+])
+def test_decodes_attend_in_groups_of_similar_length_as_if_alone(lens, groups):
+    """The torch path splits a step's decodes by context length (a short sequence does not
+    attend over the padding of the longest); each gets what it would alone."""
+    g = torch.Generator().manual_seed(len(lens))
+    heads, kv_heads, d, bs, scale = 6, 2, 8, 16, 8 ** -0.5
+    seqs = [(torch.randn(n, kv_heads, d, dtype=torch.float64, generator=g),
+             torch.randn(n, kv_heads, d, dtype=torch.float64, generator=g)) for n in lens]
+    k_cache, v_cache, tables = paged_copy(seqs, bs, sum(-(-n // bs) for n in lens) + 4, g)
+    width = max(map(len, tables))
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    plan = reference.decode_groups(block_tables, torch.tensor(lens), bs)
+    assert len(plan) == groups
+    rows = sorted(r for p in plan for r in (range(len(lens)) if p.rows is None
+                                             else p.rows.tolist()))
+    assert rows == list(range(len(lens)))  # every decode in exactly one group
+    for p in plan:  # each group gathers only as far as its widest sequence
+        mine = range(len(lens)) if p.rows is None else p.rows.tolist()
+        assert p.block_tables.shape[1] == -(-max(lens[i] for i in mine) // bs)
+    q = torch.randn(len(lens), heads, d, dtype=torch.float64, generator=g)
+    out = reference.grouped_decode_attention(q, k_cache, v_cache, plan, scale)
+    for i, (k, v) in enumerate(seqs):
+        torch.testing.assert_close(out[i], dense_attention(q[i:i + 1], k, v, scale)[0])
+    torch.testing.assert_close(out, kernels.paged_decode_attention(
+        q, k_cache, v_cache, block_tables, torch.tensor(lens), scale))
 
 
 @pytest.mark.parametrize("context_len,chunk", [(9, 9), (20, 5), (33, 1), (17, 16)])
