@@ -330,20 +330,23 @@ class LlamaModel:
         """Run one step over the flattened tokens; returns float32 logits only at
         ``logits_indices`` (the positions that sample a token this step)."""
         attention = kernels.implementation(self.embed)  # write_kv and paged attention
-        if self._compiled_decode is not None and not meta.prefills and attention is reference:
-            return self._decode(input_ids, positions, meta, kv_caches)[logits_indices]
-        triton = attention is not reference and not self.torch_only  # norms, RoPE, activation
-        h = self._embed(input_ids)
         nd = meta.num_decodes
-        ropes = self._rope_tables(positions)
-        if self.batch_invariant:
-            return self._forward_invariant(h, positions, ropes[0], meta, kv_caches,
-                                           logits_indices)
         # on the torch kernels, decodes attend in groups of similar length (shared by every
         # layer); the Triton kernel walks each sequence's own blocks, with no padding to cut
         groups = reference.decode_groups(meta.decode_block_tables, meta.decode_context_lens,
                                          kv_caches[0][0].shape[1]) \
-            if nd and attention is reference else None
+            if nd and attention is reference and not self.batch_invariant else None
+        # a compiled step masks one batch padded to its widest: decodes of very different
+        # lengths run eagerly instead, in their groups
+        if self._compiled_decode is not None and not meta.prefills and attention is reference \
+                and groups is not None and len(groups) == 1:
+            return self._decode(input_ids, positions, meta, kv_caches)[logits_indices]
+        triton = attention is not reference and not self.torch_only  # norms, RoPE, activation
+        h = self._embed(input_ids)
+        ropes = self._rope_tables(positions)
+        if self.batch_invariant:
+            return self._forward_invariant(h, positions, ropes[0], meta, kv_caches,
+                                           logits_indices)
         for lw, rope, (k_cache, v_cache) in zip(self.layers, ropes, kv_caches, strict=True):
             q, k, v = self._qkv(lw, h, rope, positions, triton)
             attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams, load_model
+from engine import model as model_module
+from kernels import reference
 
 # lengths across the 16-token blocks: contexts grow past one, two and three blocks while decoding
 PROMPTS = [[5, 17, 300, 42, 9, 88, 123, 7], [3, 4, 5], list(range(40, 70)),
@@ -59,6 +61,41 @@ def test_compiled_decode_steps_give_the_eager_engines_tokens(weights):
     # every decode step went through the compiled graphs, and none was compiled mid-serving
     assert counter.calls >= 3 * 23 and {1, 4, 8} <= counter.rows
     assert counters["frames"]["ok"] == frames
+
+
+def test_decodes_of_very_different_lengths_run_eagerly_in_their_groups(monkeypatch):
+    """A compiled step masks one batch padded to its longest context; a step whose decodes
+    fall into several length groups (``kernels.reference.decode_groups``) runs eagerly
+    instead, each group attending only as far as its own longest, with the same tokens."""
+    config = dict(num_kv_blocks=160, max_num_seqs=8, max_batched_tokens=2048)
+    eager = Engine(load_model("tiny"), EngineConfig(**config))
+    compiled = Engine(load_model("tiny"), EngineConfig(**config, compile=True))
+    counter = CountingDecode(compiled.model._compiled_decode)
+    compiled.model._compiled_decode = counter
+    split = []  # decode steps that fell into more than one group
+    plan = reference.decode_groups
+
+    def groups(*args):
+        out = plan(*args)
+        split.append(len(out) > 1)
+        return out
+
+    monkeypatch.setattr(model_module.reference, "decode_groups", groups)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    long = [(7 * i) % 400 + 3 for i in range(900)]
+    prompts = [long, *PROMPTS[:3]]  # one of 900 tokens beside three of 3-30
+    want = eager.generate(prompts, params)
+    split.clear()
+    got = compiled.generate(prompts, params)
+    assert [r.output_token_ids for r in got] == [r.output_token_ids for r in want]
+    # the steps where the long one decoded beside short ones ran eagerly; only the long one
+    # alone (its last steps) went through the compiled graph
+    assert any(split) and counter.rows <= {1}, (split, counter.rows)
+    calls = counter.calls
+    got = compiled.generate(PROMPTS[:3], params)  # without the long one: compiled again
+    assert [r.output_token_ids for r in got] == [
+        r.output_token_ids for r in eager.generate(PROMPTS[:3], params)]
+    assert counter.calls >= calls + 11 and 3 in counter.rows
 
 
 def test_compile_is_refused_with_batch_invariant():
