@@ -204,6 +204,7 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
     async def lifespan(_: FastAPI):
         # the grammar compiler's build holds the GIL ~0.5 s: done while the replicas load
         warm = asyncio.create_task(asyncio.to_thread(service.warm))
+        metrics.stalls.start()
         await pool.start()
         # the stored config also says how this gateway admitted requests (not part of the
         # config_id: that hashes resolved_config alone; the first gateway to store it wins)
@@ -222,6 +223,7 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
             yield
         finally:
             warm.cancel()
+            metrics.stalls.stop()
             if config_row is not None:
                 config_row.cancel()
             await pool.close()

@@ -8,6 +8,10 @@ from the pool at scrape time, so nothing is updated on the token path.
 
 from __future__ import annotations
 
+import asyncio
+import gc
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -165,6 +169,7 @@ class GatewayMetrics:
         self.prefill = hist("tailscope:request_prefill_time_seconds", "Engine prefill time")
         self.decode = hist("tailscope:request_decode_time_seconds", "Engine decode time")
         r.register(_PoolCollector(pool))
+        self.stalls = LoopStalls(r)
 
     def watch_backends(self, upstreams) -> None:
         self.registry.register(_BackendCollector(upstreams))
@@ -192,3 +197,54 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# seconds: a stall of the gateway's event loop holds every stream it serves at once
+_STALL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+class LoopStalls:
+    """The gateway's own stalls, which delay every request it serves at that moment and show
+    up in no engine stage: ``tailscope:event_loop_lag_seconds`` (how late a 50 ms timer on the
+    event loop fires: a blocking call, a long callback, the GIL held by another thread) and
+    ``tailscope:gc_pause_seconds{generation}`` (each collection of Python's cyclic garbage
+    collector of generation 1 or 2, in any thread of the process: it stops them all; the
+    frequent, short generation-0 ones are not timed). Started and stopped with the app."""
+
+    PERIOD_S = 0.05
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.lag = Histogram("tailscope:event_loop_lag_seconds", "How late a timer on the "
+                             "gateway's event loop fired (sampled every 50 ms)",
+                             buckets=_STALL_BUCKETS, registry=registry)
+        self.gc = Histogram("tailscope:gc_pause_seconds", "Cyclic garbage collections of "
+                            "generation 1 and 2 in the gateway process", ["generation"],
+                            buckets=_STALL_BUCKETS, registry=registry)
+        self._gc_start = 0.0
+        self._task: asyncio.Task | None = None
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if info["generation"] == 0:
+            return
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif self._gc_start:
+            self.gc.labels(str(info["generation"])).observe(time.perf_counter() - self._gc_start)
+            self._gc_start = 0.0
+
+    async def _sample(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + self.PERIOD_S
+            await asyncio.sleep(self.PERIOD_S)
+            self.lag.observe(max(0.0, loop.time() - due))
+
+    def start(self) -> None:
+        gc.callbacks.append(self._on_gc)
+        self._task = asyncio.get_running_loop().create_task(self._sample())
+
+    def stop(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+        if self._task is not None:
+            self._task.cancel()

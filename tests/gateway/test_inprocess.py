@@ -76,3 +76,33 @@ def test_sjf_predicts_from_the_tenants_finished_lengths_per_endpoint(tiny49k, bu
         # the chat endpoint has its own estimate
         assert send("/v1/chat/completions", 3, messages=[{"role": "user", "content": "x"}]) \
             is None
+
+
+def test_the_gateways_own_stalls_are_in_metrics(tiny49k, bundled_path):
+    """A blocked event loop and the garbage collector's pauses: they hold every request the
+    gateway serves at once, and no engine stage shows them."""
+    import gc
+    import re
+    import time
+
+    from gateway.metrics import LoopStalls
+
+    def series(text: str, name: str) -> dict[str, float]:
+        return {labels: float(v) for labels, v in
+                re.findall(r"^" + re.escape(name) + r"(\{[^}]*\})? (\S+)$", text, re.M)}
+
+    with inprocess_client(tiny49k, bundled_path, CFG) as client:
+        gc.collect()  # a full collection, timed by the gateway's hook (any thread counts)
+        client.portal.call(time.sleep, 0.3)  # the event loop blocked for 0.3 s
+        time.sleep(0.15)  # the lag sampler's next timer fires, 0.3 s late
+        text = client.get("/metrics").text
+        gc_counts = series(text, "tailscope:gc_pause_seconds_count")
+        assert gc_counts.get('{generation="2"}', 0) >= 1, gc_counts
+        lag = series(text, "tailscope:event_loop_lag_seconds_bucket")
+        total = series(text, "tailscope:event_loop_lag_seconds_count")[""]
+        assert total >= 2  # sampled every 50 ms
+        assert lag['{le="0.16"}'] <= total - 1  # one sample 0.25 s late or more
+        assert lag['{le="0.64"}'] == total
+    # the app is gone: its hook is no longer called by every collection of the process
+    assert not [cb for cb in gc.callbacks if isinstance(getattr(cb, "__self__", None),
+                                                        LoopStalls)]
