@@ -1,7 +1,7 @@
 """Engine throughput vs ``transformers.generate``, side by side in one run.
 
     python bench/engine_throughput.py [--dtype float32|bfloat16] [--weights native|int4|int8]
-        [--compile] [--threads 2] [--quick]
+        [--compile] [--threads 2] [--quick] [--reference-dtype float32|bfloat16]
     python bench/engine_throughput.py --batch-invariant [--dtype ...]
 
 With ``--batch-invariant`` the engine runs twice, with ``engine.batch_invariant`` off and on
@@ -166,7 +166,9 @@ def report_invariant(off: dict, on: dict, args: argparse.Namespace) -> None:
 
 
 def child(part: str, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, __file__, "--part", part, "--dtype", args.dtype, "--weights",
+    dtype = args.reference_dtype if part == "transformers" and args.reference_dtype \
+        else args.dtype
+    cmd = [sys.executable, __file__, "--part", part, "--dtype", dtype, "--weights",
            args.weights, "--threads", str(args.threads)] + (["--quick"] if args.quick else []) \
         + (["--compile"] if args.compile else [])
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -184,6 +186,9 @@ def report(e: dict, h: dict | None, args: argparse.Namespace) -> None:
     theirs_load = f", transformers {h['load_s']:.1f} s" if h else ""
     compiled = f" (of which compile {e['compile_s']:.1f} s)" if args.compile else ""
     print(f"load: engine {e['load_s']:.1f} s{compiled}{theirs_load}")
+    ref = args.reference_dtype or args.dtype
+    if h and ref != args.dtype:
+        print(f"transformers runs in {ref}, the engine in {args.dtype}")
     print(f"{'measure':<40}{'engine':>12}{'transformers':>14}{'ratio':>8}")
     for label, key in _measures(args.quick):
         ratio = ""
@@ -208,6 +213,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="small workload (smoke run)")
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--reference-dtype", choices=["float32", "bfloat16"],
+                   help="transformers' dtype (default: --dtype), e.g. the engine in bfloat16 "
+                        "against transformers in float32")
     p.add_argument("--batch-invariant", action="store_true",
                    help="measure engine.batch_invariant's cost (mode off vs on) instead of "
                         "transformers")
