@@ -77,14 +77,18 @@ class ResettingUpstream:
                 return
             self.connections += 1
             with conn:
-                data = b""
-                while b"\r\n\r\n" not in data:
-                    data += conn.recv(65536)
+                data, chunk = b"", b"-"
+                while chunk and b"\r\n\r\n" not in data:
+                    chunk = conn.recv(65536)
+                    data += chunk
                 head, _, body = data.partition(b"\r\n\r\n")
                 length = next((int(h.split(b":")[1]) for h in head.split(b"\r\n")
                                if h.lower().startswith(b"content-length:")), 0)
-                while len(body) < length:
-                    body += conn.recv(65536)
+                while chunk and len(body) < length:
+                    chunk = conn.recv(65536)
+                    body += chunk
+                if not chunk:  # the caller left before its request was whole
+                    continue
                 if self.connections % 2:
                     conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                     continue  # closed with a reset
