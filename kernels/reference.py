@@ -40,6 +40,18 @@ def paged_decode_attention(
     any valid block id), ``context_lens`` ``[B]`` counts the keys each query may see.
     ``masked``: a batch of one is masked like any other rather than cut to its length (no
     read of ``context_lens`` on the host: what a traced step needs)."""
+    if q.shape[0] == 1 and not masked:  # one sequence: cut to its length instead of masking
+        return _attend(q, k_cache, v_cache, block_tables, None, int(context_lens[0]), scale)
+    keys = block_tables.shape[1] * k_cache.shape[1]
+    mask = torch.arange(keys, device=q.device)[None, :] < context_lens[:, None]
+    return _attend(q, k_cache, v_cache, block_tables, mask[:, None, None, :], 0, scale)
+
+
+def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            block_tables: torch.Tensor, mask: torch.Tensor | None, length: int, scale: float
+            ) -> torch.Tensor:
+    """One query token per sequence over its gathered blocks: masked by ``mask``
+    ``[B, 1, 1, keys]``, or (None) cut to the first ``length`` keys."""
     b, h, d = q.shape
     hk = k_cache.shape[2]
     k = _gather(k_cache, block_tables)
@@ -47,13 +59,11 @@ def paged_decode_attention(
     # The query heads sharing one KV head ride along as a "query length" of h // hk: no K/V
     # repetition, and every one of them sees the same keys.
     qg = q.view(b, hk, h // hk, d)
-    if b == 1 and not masked:  # one sequence: cut to its length instead of masking
-        n = int(context_lens[0])
-        out = F.scaled_dot_product_attention(qg, k[:, :, :n], v[:, :, :n], scale=scale)
-    else:
-        mask = torch.arange(k.shape[2], device=q.device)[None, :] < context_lens[:, None]
-        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[:, None, None, :],
+    if mask is None:
+        out = F.scaled_dot_product_attention(qg, k[:, :, :length], v[:, :, :length],
                                              scale=scale)
+    else:
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
     return out.reshape(b, h, d)
 
 
@@ -140,23 +150,13 @@ def grouped_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                              groups: list[DecodeGroup], scale: float) -> torch.Tensor:
     """``paged_decode_attention`` over ``decode_groups``: each group gathers and attends only
     as far as its own widest sequence."""
-    b, h, d = q.shape
-    hk = k_cache.shape[2]
-    out = q.new_empty(b, h, d) if len(groups) > 1 else None
+    if len(groups) == 1:
+        g = groups[0]
+        return _attend(q, k_cache, v_cache, g.block_tables, g.mask, g.length, scale)
+    out = torch.empty_like(q)
     for g in groups:
-        qg = q if g.rows is None else q.index_select(0, g.rows)
-        n = qg.shape[0]
-        k = _gather(k_cache, g.block_tables)
-        v = _gather(v_cache, g.block_tables)
-        qg = qg.view(n, hk, h // hk, d)
-        if g.mask is None:
-            o = F.scaled_dot_product_attention(qg, k[:, :, :g.length], v[:, :, :g.length],
-                                               scale=scale)
-        else:
-            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=scale)
-        if out is None:
-            return o.reshape(b, h, d)
-        out.index_copy_(0, g.rows, o.reshape(n, h, d))
+        out.index_copy_(0, g.rows, _attend(q.index_select(0, g.rows), k_cache, v_cache,
+                                           g.block_tables, g.mask, g.length, scale))
     return out
 
 

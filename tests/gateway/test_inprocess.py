@@ -82,18 +82,14 @@ def test_the_gateways_own_stalls_are_in_metrics(tiny49k, bundled_path):
     """A blocked event loop and the garbage collector's pauses: they hold every request the
     gateway serves at once, and no engine stage shows them."""
     import gc
-    import re
     import time
 
     from gateway.metrics import LoopStalls
-
-    def series(text: str, name: str) -> dict[str, float]:
-        return {labels: float(v) for labels, v in
-                re.findall(r"^" + re.escape(name) + r"(\{[^}]*\})? (\S+)$", text, re.M)}
+    from tests.gateway.test_records import metric
 
     def late(text: str) -> float:  # samples more than 0.16 s late
-        count = series(text, "tailscope:event_loop_lag_seconds_count")[""]
-        return count - series(text, "tailscope:event_loop_lag_seconds_bucket")['{le="0.16"}']
+        return metric(text, "tailscope:event_loop_lag_seconds_count") - metric(
+            text, "tailscope:event_loop_lag_seconds_bucket", le="0.16")
 
     with inprocess_client(tiny49k, bundled_path, CFG) as client:
         # counted from here: start-up can be late already (the grammar compiler's warm-up
@@ -104,9 +100,8 @@ def test_the_gateways_own_stalls_are_in_metrics(tiny49k, bundled_path):
         client.portal.call(time.sleep, 0.3)  # the event loop blocked for 0.3 s
         time.sleep(0.15)  # the lag sampler's next timer fires, 0.3 s late
         text = client.get("/metrics").text
-        gc_counts = series(text, "tailscope:gc_pause_seconds_count")
-        assert gc_counts.get('{generation="2"}', 0) >= 1, gc_counts
-        assert series(text, "tailscope:event_loop_lag_seconds_count")[""] >= 2  # every 50 ms
+        assert metric(text, "tailscope:gc_pause_seconds_count", generation="2") >= 1
+        assert metric(text, "tailscope:event_loop_lag_seconds_count") >= 2  # every 50 ms
         assert late(text) >= late(before) + 1  # the blocked loop: one sample 0.25 s late
     # the app is gone: its hook is no longer called by every collection of the process
     assert not [cb for cb in gc.callbacks if isinstance(getattr(cb, "__self__", None),
