@@ -23,10 +23,9 @@ After ``eject_after`` failures in a row a backend is ejected for ``eject_s`` sec
 breaker), then tried again by the next request or health probe (half-open): a success closes
 it, a failure ejects it again. Health probes (``GET /health``, else ``/v1/models``, every
 ``probe_interval_s``) find a dead backend before a request does, and the first one reads the
-served model's revision and the server's version for the records. The
-router takes the backend with the fewest requests in flight (ties: fewest failures, then the
-name); a model the bundled replicas serve too is a mixed pool (``gateway.serving`` decides the
-side).
+served model's revision and the server's version for the records. The router takes the
+backend with the fewest requests in flight (ties: fewest failures, then the name); a model the
+bundled replicas serve too is a mixed pool (``gateway.serving`` decides the side).
 
 The record: ``replica`` is the backend's name, ``route_reason`` why, the timeline has ROUTED
 (request sent), UPSTREAM_HEADERS (status and headers back: the upstream's time to first byte),
