@@ -257,6 +257,7 @@ class CostRunner:
         self.others_busy = others_busy  # other replicas on the host mid-step at this instant
         self.sampler = _NoSampler()
         self.steps: list[list[tuple[str, int]]] = []  # each step's (request, tokens)
+        self.step_ms: list[float] = []  # and what it cost
 
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager):
         from engine.model_runner import RunnerResult
@@ -271,6 +272,7 @@ class CostRunner:
         self.step_start_ms = start
         self.now_ms += ms
         self.steps.append([(s.request.request_id, s.num_new_tokens) for s in sched.all])
+        self.step_ms.append(ms)
         sampled = []
         for s in sched.all:
             req = s.request

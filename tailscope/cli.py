@@ -521,10 +521,29 @@ def _print_columns(title: str, cols: dict[str, dict | None]) -> None:
     for key in ("preemptions", "shed", "timed_out"):
         print(f"{key:<14}" + "".join(f"{c.get(key, '') if c else '':>28}"
                                      for c in cols.values()))
+    print(f"{'extrapolated':<14}" + "".join(  # tailscope.whatif.extrapolated
+        f"{c['extrapolated']:.0%}".rjust(28) if c and "extrapolated" in c else f"{'':>28}"
+        for c in cols.values()))
     if any(c and "slo" in c for c in cols.values()):
         print(f"{'SLO met':<14}" + "".join(
             f"{c['slo']['attainment']:.1%} ({c['slo']['goodput_rps']:.2f}/s)".rjust(28)
             if c else f"{'':>28}" for c in cols.values()))
+
+
+def _warn_extrapolated(points: list[dict]) -> None:
+    """A warning for each prediction that spends much of its time in step shapes the window
+    barely recorded (``tailscope.whatif.extrapolated``)."""
+    from tailscope.whatif import EXTRAPOLATED_WARN, SEEN_MIN
+
+    for p in points:
+        for key in ("recorded_config", "candidate"):
+            share = p[key].get("extrapolated", 0.0)
+            if share > EXTRAPOLATED_WARN:
+                print(f"warning: {share:.0%} of the {key.replace('_', ' ')}'s predicted busy "
+                      f"time (x{p['rate_scale']:g}) is in steps of batch sizes the window had "
+                      f"fewer than {SEEN_MIN} steps of: their cost is extrapolated; a window "
+                      "with quieter stretches (smaller batches) pins it down",
+                      file=sys.stderr)
 
 
 def _keep_run(args: argparse.Namespace, s: Settings, target, kind: str, w, params: dict,
@@ -574,6 +593,7 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     if args.plot:
         W.plot_frontier(points, args.plot, f"what-if: {changed or 'recorded config'}, "
                         f"{n_cand} replica(s)")
+    _warn_extrapolated(points)
     if args.json:
         print(json.dumps({"run_id": stored, "replicas": w.replicas, "window_us":
                           [w.start_us, w.end_us], "config_id": w.config_id,
@@ -594,7 +614,8 @@ def cmd_whatif(args: argparse.Namespace) -> int:
                                "predicted (recorded cfg)": p["recorded_config"],
                                "predicted (candidate)": p["candidate"]})
     print("\n(each cell p50/p90/p99 ms; TTFT and E2E as the client sees them, the rest the "
-          "engine's; 'queue' runs from arrival to the first step that ran the request)")
+          "engine's; 'queue' runs from arrival to the first step that ran the request; "
+          "'extrapolated': the share of busy time in step batch sizes the window barely had)")
     if args.plot:
         print(f"frontier plot: {args.plot}")
     if stored:

@@ -20,6 +20,15 @@ N = ceil(lambda_peak / (c * rho)), where c is one replica's goodput (the highest
 this traffic's mix at which the SLO attainment stays at its target, found by what-if runs on
 one replica) and rho the utilisation to plan for; N is then confirmed by what-if runs of the
 window scaled to lambda_peak across N - 1, N and N + 1 replicas.
+
+A prediction is as good as the step costs of the steps it runs, and a fit only knows the step
+shapes its window had. ``extrapolated`` is the share of a prediction's simulated busy time in
+steps of a batch size (sequences per step) the window recorded fewer than ``SEEN_MIN`` steps
+of: a window recorded in a burst with ``max_num_seqs`` 4 is nearly all 4-sequence steps, and a
+fit of it cannot tell a step's fixed cost from its per-sequence cost, which is all a
+one-sequence candidate turns on (fits of such windows priced that candidate's real steps at
+0.6-1.4x of what they then took, on a tiny model beside its gateway on 2 cores). The command
+warns past ``EXTRAPOLATED_WARN``: record a window with quieter stretches in it too.
 """
 
 from __future__ import annotations
@@ -49,6 +58,8 @@ from tracing import queries as Q
 from tracing.timing import Slo
 
 METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "queue_ms")
+SEEN_MIN = 30  # recorded steps of a batch size for its cost not to count as extrapolated
+EXTRAPOLATED_WARN = 0.25  # the busy-time share past which the command warns
 LABELS = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "itl_ms": "ITL", "e2e_ms": "E2E",
           "queue_ms": "queue"}
 
@@ -262,6 +273,9 @@ class Prediction:
     steps: int
     overhead_ms: float
     duration_s: float
+    # the share of the simulated busy time in steps of batch sizes the window had fewer than
+    # SEEN_MIN steps of (their cost is the fit's extrapolation)
+    extrapolated: float = 0.0
 
     def values(self, metric: str) -> list[float]:
         """Client-side TTFT and E2E (engine + the recorded gateway share); the rest as the
@@ -284,6 +298,7 @@ class Prediction:
     def summary(self, slo: Slo | None) -> dict:
         out = {"replicas": self.replicas, "rate_scale": self.rate_scale, "table": self.table(),
                "preemptions": self.preemptions, "steps": self.steps,
+               "extrapolated": self.extrapolated,
                "shed": sum(s.state == "SHED" for s in self.sims),
                "timed_out": sum(s.state == "TIMED_OUT" for s in self.sims)}
         if slo is not None:
@@ -308,7 +323,24 @@ def predict(w: Window, config: EngineConfig, replicas: int = 1, rate_scale: floa
     return Prediction(config, replicas, rate_scale, sims,
                       sum(r.engine.preemptions for r in reps),
                       sum(len(r.runner.steps) for r in reps), w.overhead_ms,
-                      w.duration_s / rate_scale)
+                      w.duration_s / rate_scale, extrapolated(w, reps))
+
+
+def extrapolated(w: Window, reps) -> float:
+    """The share of the simulated replicas' busy time in steps of a batch size the window
+    recorded fewer than ``SEEN_MIN`` steps of (0 for a window without step rows)."""
+    if not w.step_rows:
+        return 0.0
+    seen: dict[int, int] = {}
+    for s in w.step_rows:
+        seen[int(s["num_seqs"])] = seen.get(int(s["num_seqs"]), 0) + 1
+    total = unseen = 0.0
+    for r in reps:
+        for members, ms in zip(r.runner.steps, r.runner.step_ms, strict=True):
+            total += ms
+            if seen.get(len(members), 0) < SEEN_MIN:
+                unseen += ms
+    return unseen / total if total > 0 else 0.0
 
 
 def recorded(w: Window, slo: Slo | None) -> dict:

@@ -5,6 +5,7 @@ figure is deterministic."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -134,3 +135,21 @@ def test_contention_is_fitted_from_steps_that_ran_beside_another_replica():
     assert 20 < sum(b) < 380
     assert abs(fit_contention(rows, COST) - beta) < 1e-9
     assert fit_contention(rows[::2], COST) is None  # one replica: nothing to fit on
+
+
+def test_a_prediction_says_how_much_of_its_time_runs_step_shapes_the_window_barely_had():
+    """A window of 4-sequence steps only: the recorded config's simulated burst runs mostly
+    4-sequence steps (little extrapolated), a one-sequence candidate only steps the window
+    never had (all of it); with 1-sequence steps recorded too, nothing of the candidate is."""
+    burst = [Arrival(f"q{i}", 0.0, p, 16) for i, p in enumerate(prompts(12, 40, 9))]
+    w = window(burst, CFG)
+    w.step_rows = [{"num_seqs": 4}] * (W.SEEN_MIN + 5) + [{"num_seqs": 1}] * (W.SEEN_MIN - 1)
+    narrow = dataclasses.replace(CFG, max_num_seqs=1)
+    same, cand = W.predict(w, CFG, 1), W.predict(w, narrow, 1)
+    assert 0.0 < same.extrapolated < 0.5  # the tail of the burst runs fewer than 4
+    assert cand.extrapolated == 1.0
+    assert cand.summary(None)["extrapolated"] == 1.0
+    w.step_rows += [{"num_seqs": 1}]  # now SEEN_MIN of them
+    assert W.predict(w, narrow, 1).extrapolated == 0.0
+    w.step_rows = []  # a hand-built window without steps: nothing to say
+    assert W.predict(w, narrow, 1).extrapolated == 0.0

@@ -75,6 +75,16 @@ def test_whatif_replays_the_recorded_window_and_a_candidate_config(bundled_path)
         q = one["candidate"]["table"]["queue_ms"]
         # one sequence per step queues more than four (real runs of both: 2.0-3.4x)
         assert q["p50"] > 1.5 * one["recorded_config"]["table"]["queue_ms"]["p50"]
+        # the quiet stretch recorded one-sequence steps: the candidate's cost is not a guess
+        assert one["candidate"]["extrapolated"] < 0.25, one["candidate"]
+        text = subprocess.run(
+            [sys.executable, "-m", "tailscope.cli", "whatif", "--url", server.url, "--window",
+             window, "--set", "max_num_seqs=1", "--no-store"], capture_output=True, text=True,
+            timeout=300)
+        assert text.returncode == 0 and "warning" not in text.stderr, text.stderr[-2000:]
+        row = next(ln for ln in text.stdout.splitlines() if ln.startswith("extrapolated"))
+        assert row.split()[1:] == [f"{one['recorded_config']['extrapolated']:.0%}",
+                                   f"{one['candidate']['extrapolated']:.0%}"], text.stdout
         assert two["recorded_config"]["table"]["queue_ms"]["p90"] > \
             one["recorded_config"]["table"]["queue_ms"]["p90"]  # twice as fast: more queueing
         assert one["candidate"]["slo"]["attainment"] < one["recorded_config"]["slo"]["attainment"]
