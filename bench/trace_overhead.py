@@ -18,7 +18,11 @@ writer's ingest rate into embedded ClickHouse (chDB).
    gateways' ``TAILSCOPE_STORE_FLUSH_S``: 5 s, the default, since a store insert has a fixed
    cost that a shorter interval pays more often);
    capture's cost as the throughput loss and as the extra CPU per request over the CPU a
-   request costs without it (the steadier figure: throughput drifts between runs here).
+   request costs without it (the steadier figure: throughput drifts between runs here), and
+   the CPU of the threads that exist only for capture, read per thread (the writer's two,
+   named ``ts-writer`` / ``ts-insert``, and the embedded store engine's, plus the store child
+   when there is one): a difference of two runs' totals also carries the request path's own
+   drift between runs (+-0.3 ms per request here), which these do not.
 2. The writer's conversion of 10,000 records to Arrow, its columnar one against the plain
    per-column one it replaced, side by side (best of 3 each).
 3. The writer alone, in this process: ``--records`` records with 256 token ids each (and 12
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
 import secrets
 import subprocess
@@ -122,13 +127,42 @@ def closed_loop(url: str, seconds: float, concurrency: int, model: str = "tiny"
     return rep["request_throughput_rps"], rep["output_token_throughput_tps"], n
 
 
+def capture_threads_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds so far of the gateway's threads that exist only for capture: the record
+    writer's two (``tracing.writer.WRITER`` / ``INSERTER``, named so) and the embedded store
+    engine's own (chDB's C++ threads: every thread named neither ``python`` nor ZeroMQ's).
+    Linux only (``/proc``); elsewhere zeros."""
+    from tracing.writer import INSERTER, WRITER
+
+    out = {"writer": 0.0, "store_engine": 0.0}
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                comm = f.read().strip()
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        cpu = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        if comm in (WRITER, INSERTER):
+            out["writer"] += cpu
+        elif not comm.startswith(("python", "ZMQ")):
+            out["store_engine"] += cpu
+    return out
+
+
 def cpu_seconds(pid: int) -> dict[str, float]:
     """CPU seconds (user + system) so far of the gateway process, its store child and its
-    replica(s)."""
+    replica(s), and of the gateway's capture threads (``capture_threads_cpu``)."""
     import psutil
 
     gw = psutil.Process(pid)
-    out = {"gateway": 0.0, "store": 0.0, "replica": 0.0}
+    out = {"gateway": 0.0, "store": 0.0, "replica": 0.0, **capture_threads_cpu(pid)}
     for p in [gw, *gw.children(recursive=True)]:
         try:
             t = p.cpu_times()
@@ -172,13 +206,17 @@ def throughput(seconds: float, concurrency: int, rounds: int, model: str = "tiny
                 after = cpu_seconds(proc.pid)
                 results[mode].append((rps, tps))
                 d = {k: (after[k] - before[k]) * 1000 / n for k in after}
-                cpu[mode].append((d["gateway"] + d["store"], d["replica"]))
+                # capture's own threads: the writer's and the store engine's in the gateway,
+                # and the whole store child
+                cpu[mode].append((d["gateway"] + d["store"], d["replica"],
+                                  d["writer"] + d["store_engine"] + d["store"]))
             finally:
                 peak.stop()
                 rss[mode] = [max(rss[mode][0], peak.gateway_mb), max(rss[mode][1], peak.store_mb)]
                 proc.terminate()
                 proc.wait(60)
-    return {m: (*max(v), *rss[m], *min(cpu[m])) for m, v in results.items()}
+    return {m: (*max(v), *rss[m], *min(c[:2] for c in cpu[m]), min(c[2] for c in cpu[m]))
+            for m, v in results.items()}
 
 
 def make_records(n: int) -> list:
@@ -326,7 +364,7 @@ def main() -> int:
     tp = throughput(args.seconds, args.concurrency, args.rounds, args.model, args.flush_s)
     print()
     for mode, label in MODES.items():
-        rps, tps, gw_mb, store_mb, gw_cpu, rep_cpu = tp[mode]
+        rps, tps, gw_mb, store_mb, gw_cpu, rep_cpu, _ = tp[mode]
         child = f" + store child {store_mb:.0f} MB" if mode == "child" else ""
         print(f"{label:34}: {rps:7.1f} req/s {tps:8.1f} output tok/s   gateway peak RSS "
               f"{gw_mb:.0f} MB{child}; CPU per request: gateway{' + store' if child else ''} "
@@ -337,6 +375,15 @@ def main() -> int:
         print(f"capture cost, {MODES[mode]}: throughput {100 * (1 - tp[mode][0] / off[0]):+.1f}%"
               f"; CPU {extra:+.2f} ms per request = {100 * extra / (off[4] + off[5]):+.1f}% of "
               "the CPU a request costs without capture (gateway + replica)")
+    # the difference of two runs' totals carries the run-to-run drift of the request path's
+    # own CPU (on this 2-core VM +-0.3 ms per request between runs that differ in nothing);
+    # the threads that exist only for capture are read apart, steadier
+    for mode in ("on", "child"):
+        own = tp[mode][6]
+        print(f"capture's own threads, {MODES[mode]} (the writer's, the store engine's"
+              f"{', the store child' if mode == 'child' else ''}): {own:.3f} ms per request = "
+              f"{100 * own / (off[4] + off[5]):.2f}% of the CPU a request costs without "
+              f"capture (the same threads with capture off: {off[6]:.3f} ms)")
     print(f"({args.model} model; best of {args.rounds} alternating runs of {args.seconds:g} s, "
           f"{args.concurrency} "
           "streams, 16 output tokens; peak RSS the highest over the runs)")

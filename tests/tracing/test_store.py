@@ -16,7 +16,7 @@ import pytest
 from tracing.record import RecordEvent, RequestRecord
 from tracing.schema import MIGRATIONS, TABLES, EngineStepRow
 from tracing.store import QueryRefused, check_ast
-from tracing.writer import DEAD_LETTER, QUARANTINE, RecordWriter
+from tracing.writer import DEAD_LETTER, INSERTER, QUARANTINE, WRITER, RecordWriter
 
 
 def make_record(**kw) -> RequestRecord:
@@ -163,6 +163,14 @@ def test_writer_batches_records_events_and_steps(store, tmp_path):
         w.emit(r)
     w.emit_step(EngineStepRow("rw", 0, 1, time.time_ns() // 1000, 1.0, 2, 16, 1, 3, 100,
                               0.8, 0.1, 0.1))
+    assert w.flush()
+    # the writer's threads carry their own names where the OS shows them (what capture costs
+    # a gateway's CPU is read by them: bench/trace_overhead.py)
+    def comm(thread) -> str:
+        return Path(f"/proc/self/task/{thread.native_id}/comm").read_text().strip()
+
+    (inserter,) = w._inserter._threads
+    assert (comm(w._thread), comm(inserter)) == (WRITER, INSERTER)
     w.close()
     ids = [r.trace_id for r in recs]
     q = ("SELECT count(), uniqExact(trace_id) FROM tailscope.{t:Identifier} "
