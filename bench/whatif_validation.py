@@ -116,7 +116,7 @@ def record(config: Path, schedule: list[tuple[float, Item]], replicas: int, home
 def compare_row(name: str, predicted: dict, measured: dict) -> dict:
     """Predicted against measured TTFT and E2E p50 / p99 (``Prediction.summary`` /
     ``recorded`` tables)."""
-    row = {"run": name}
+    row = {"run": name, "extrapolated": predicted.get("extrapolated", 0.0)}
     for metric in ("ttft_ms", "e2e_ms"):
         for q, bound in BOUNDS.items():
             p, m = predicted["table"][metric][q], measured["table"][metric][q]
@@ -127,13 +127,16 @@ def compare_row(name: str, predicted: dict, measured: dict) -> dict:
 
 def print_rows(rows: list[dict]) -> None:
     cols = [f"{m}_{q}" for m in ("ttft_ms", "e2e_ms") for q in BOUNDS]
-    print(f"{'run':<34}" + "".join(f"{c.replace('_ms', ''):>24}" for c in cols))
+    print(f"{'run':<34}" + "".join(f"{c.replace('_ms', ''):>24}" for c in cols)
+          + f"{'extrapolated':>14}")
     for r in rows:
         print(f"{r['run']:<34}" + "".join(
             f"{r[c]['predicted']:.0f}/{r[c]['measured']:.0f} {r[c]['ratio']:.2f}x"
-            f"{'' if r[c]['within'] else ' !'}".rjust(24) for c in cols))
+            f"{'' if r[c]['within'] else ' !'}".rjust(24) for c in cols)
+            + f"{r['extrapolated']:.0%}".rjust(14))
     print("(each cell predicted/measured ms and the ratio; '!' outside the bound: p50 15%, "
-          "p99 25%)")
+          "p99 25%; extrapolated: the prediction's busy time in step batch sizes beyond the "
+          "range the window pins down, tailscope.whatif.extrapolated)")
 
 
 def main() -> int:

@@ -540,9 +540,10 @@ def _warn_extrapolated(points: list[dict]) -> None:
             share = p[key].get("extrapolated", 0.0)
             if share > EXTRAPOLATED_WARN:
                 print(f"warning: {share:.0%} of the {key.replace('_', ' ')}'s predicted busy "
-                      f"time (x{p['rate_scale']:g}) is in steps of batch sizes the window had "
-                      f"fewer than {SEEN_MIN} steps of: their cost is extrapolated; a window "
-                      "with quieter stretches (smaller batches) pins it down",
+                      f"time (x{p['rate_scale']:g}) is in steps of batch sizes outside the "
+                      f"range the window pins down (fewer than {SEEN_MIN} recorded steps at or "
+                      "below, or at or above, the size): their cost is extrapolated; a window "
+                      "with stretches at those batch sizes pins it down",
                       file=sys.stderr)
 
 
@@ -615,7 +616,7 @@ def cmd_whatif(args: argparse.Namespace) -> int:
                                "predicted (candidate)": p["candidate"]})
     print("\n(each cell p50/p90/p99 ms; TTFT and E2E as the client sees them, the rest the "
           "engine's; 'queue' runs from arrival to the first step that ran the request; "
-          "'extrapolated': the share of busy time in step batch sizes the window barely had)")
+          "'extrapolated': the share of busy time in step batch sizes beyond the window's)")
     if args.plot:
         print(f"frontier plot: {args.plot}")
     if stored:

@@ -23,8 +23,9 @@ window scaled to lambda_peak across N - 1, N and N + 1 replicas.
 
 A prediction is as good as the step costs of the steps it runs, and a fit only knows the step
 shapes its window had. ``extrapolated`` is the share of a prediction's simulated busy time in
-steps of a batch size (sequences per step) the window recorded fewer than ``SEEN_MIN`` steps
-of: a window recorded in a burst with ``max_num_seqs`` 4 is nearly all 4-sequence steps, and a
+steps of a batch size (sequences per step) outside the range the window pins down (fewer than
+``SEEN_MIN`` recorded steps at or below it, or at or above it): a window recorded in a burst
+with ``max_num_seqs`` 4 is nearly all 4-sequence steps, and a
 fit of it cannot tell a step's fixed cost from its per-sequence cost, which is all a
 one-sequence candidate turns on (fits of such windows priced that candidate's real steps at
 0.6-1.4x of what they then took, on a tiny model beside its gateway on 2 cores). The command
@@ -58,7 +59,7 @@ from tracing import queries as Q
 from tracing.timing import Slo
 
 METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "queue_ms")
-SEEN_MIN = 30  # recorded steps of a batch size for its cost not to count as extrapolated
+SEEN_MIN = 30  # recorded steps at or below and at or above a batch size that pin its cost
 EXTRAPOLATED_WARN = 0.25  # the busy-time share past which the command warns
 LABELS = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "itl_ms": "ITL", "e2e_ms": "E2E",
           "queue_ms": "queue"}
@@ -327,20 +328,25 @@ def predict(w: Window, config: EngineConfig, replicas: int = 1, rate_scale: floa
 
 
 def extrapolated(w: Window, reps) -> float:
-    """The share of the simulated replicas' busy time in steps of a batch size the window
-    recorded fewer than ``SEEN_MIN`` steps of (0 for a window without step rows)."""
-    if not w.step_rows:
+    """The share of the simulated replicas' busy time in steps of a batch size outside the
+    range the window pins down: fewer than ``SEEN_MIN`` recorded steps at or below it, or at or
+    above it (a linear cost is fitted between well-recorded sizes, not only at them: a size
+    between two well-recorded ones is not extrapolated however few steps had exactly it).
+    0 for a window without step rows."""
+    sizes = sorted(int(s["num_seqs"]) for s in w.step_rows)
+    if not sizes:
         return 0.0
-    seen: dict[int, int] = {}
-    for s in w.step_rows:
-        seen[int(s["num_seqs"])] = seen.get(int(s["num_seqs"]), 0) + 1
-    total = unseen = 0.0
+    if len(sizes) < SEEN_MIN:
+        lo, hi = math.inf, -math.inf  # nothing is pinned down
+    else:
+        lo, hi = sizes[SEEN_MIN - 1], sizes[-SEEN_MIN]
+    total = outside = 0.0
     for r in reps:
         for members, ms in zip(r.runner.steps, r.runner.step_ms, strict=True):
             total += ms
-            if seen.get(len(members), 0) < SEEN_MIN:
-                unseen += ms
-    return unseen / total if total > 0 else 0.0
+            if not lo <= len(members) <= hi:
+                outside += ms
+    return outside / total if total > 0 else 0.0
 
 
 def recorded(w: Window, slo: Slo | None) -> dict:

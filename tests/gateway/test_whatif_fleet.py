@@ -137,10 +137,11 @@ def test_contention_is_fitted_from_steps_that_ran_beside_another_replica():
     assert fit_contention(rows[::2], COST) is None  # one replica: nothing to fit on
 
 
-def test_a_prediction_says_how_much_of_its_time_runs_step_shapes_the_window_barely_had():
-    """A window of 4-sequence steps only: the recorded config's simulated burst runs mostly
-    4-sequence steps (little extrapolated), a one-sequence candidate only steps the window
-    never had (all of it); with 1-sequence steps recorded too, nothing of the candidate is."""
+def test_a_prediction_says_how_much_of_its_time_runs_batch_sizes_beyond_its_window():
+    """A window of 4-sequence steps and a few 1-sequence ones: the recorded config's simulated
+    burst runs mostly 4-sequence steps (its tail of 2 and 3 below the pinned range: a little
+    extrapolated), a one-sequence candidate only steps below it (all); with SEEN_MIN
+    1-sequence steps recorded, nothing of either is, and a wider config is past the top."""
     burst = [Arrival(f"q{i}", 0.0, p, 16) for i, p in enumerate(prompts(12, 40, 9))]
     w = window(burst, CFG)
     w.step_rows = [{"num_seqs": 4}] * (W.SEEN_MIN + 5) + [{"num_seqs": 1}] * (W.SEEN_MIN - 1)
@@ -151,5 +152,13 @@ def test_a_prediction_says_how_much_of_its_time_runs_step_shapes_the_window_bare
     assert cand.summary(None)["extrapolated"] == 1.0
     w.step_rows += [{"num_seqs": 1}]  # now SEEN_MIN of them
     assert W.predict(w, narrow, 1).extrapolated == 0.0
+    # sizes between two well-recorded ones are interpolated, not extrapolated: none of the
+    # window's steps had 2 or 3 sequences, and the burst's tail runs them
+    assert W.predict(w, CFG, 1).extrapolated == 0.0
+    # the wider end is pinned down the same way: 8 sequences, beyond every recorded step
+    wide = dataclasses.replace(CFG, max_num_seqs=8)
+    assert W.predict(w, wide, 1).extrapolated > 0.5
+    w.step_rows = [{"num_seqs": 1}] * (W.SEEN_MIN - 1)  # too few to pin anything down
+    assert W.predict(w, narrow, 1).extrapolated == 1.0
     w.step_rows = []  # a hand-built window without steps: nothing to say
     assert W.predict(w, narrow, 1).extrapolated == 0.0
