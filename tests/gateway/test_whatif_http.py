@@ -24,10 +24,10 @@ def test_whatif_replays_the_recorded_window_and_a_candidate_config(bundled_path)
     all a one-sequence candidate turns on: fits of burst-only windows priced the one-sequence
     config's real steps at 0.6-1.4x of what it then measured, and its predicted queue p50 fell
     to 1.26x and 1.29x the recorded config's in two full `make test` runs (1.34x in one run
-    beside a CPU burner), where real runs of it queued 2.0-3.4x as long. With the quiet stretch the same check priced them at 1.03-1.09x.
-    One torch thread in the replica: two, on this 2-core machine beside the gateway, made
-    step times jitter 2x at the same shape (the fit's median error 0.5-0.6, no better than a
-    constant's)."""
+    beside a CPU burner), where real runs of it queued 2.0-3.4x as long. With the quiet
+    stretch the same check priced them at 1.03-1.09x. One torch thread in the replica: two,
+    on this 2-core machine beside the gateway, made step times jitter 2x at the same shape
+    (the fit's median error 0.5-0.6, no better than a constant's)."""
     server = start_server("--model", "tiny:49152", "--tokenizer", str(bundled_path),
                           "--max-inflight", "1000",
                           env={"TAILSCOPE_MAX_NUM_SEQS": "4", "TAILSCOPE_THREADS": "1",
