@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import random
 import secrets
 import subprocess
@@ -131,28 +130,27 @@ def capture_threads_cpu(pid: int) -> dict[str, float]:
     """CPU seconds so far of the gateway's threads that exist only for capture: the record
     writer's two (``tracing.writer.WRITER`` / ``INSERTER``, named so) and the embedded store
     engine's own (chDB's C++ threads: every thread named neither ``python`` nor ZeroMQ's).
-    Linux only (``/proc``); elsewhere zeros."""
+    The times are psutil's; the names (which psutil does not give per thread) Linux's
+    ``/proc/<pid>/task/<tid>/comm``, so elsewhere every thread counts as unnamed: zeros."""
+    import psutil
+
     from tracing.writer import INSERTER, WRITER
 
     out = {"writer": 0.0, "store_engine": 0.0}
-    tick = os.sysconf("SC_CLK_TCK")
     try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
+        threads = psutil.Process(pid).threads()
+    except psutil.Error:
         return out
-    for tid in tids:
+    for t in threads:
         try:
-            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+            with open(f"/proc/{pid}/task/{t.id}/comm") as f:
                 comm = f.read().strip()
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # the thread ended
+        except OSError:  # the thread ended, or no /proc
             continue
-        cpu = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
         if comm in (WRITER, INSERTER):
-            out["writer"] += cpu
+            out["writer"] += t.user_time + t.system_time
         elif not comm.startswith(("python", "ZMQ")):
-            out["store_engine"] += cpu
+            out["store_engine"] += t.user_time + t.system_time
     return out
 
 
