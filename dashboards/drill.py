@@ -325,6 +325,13 @@ def whatif_page(src, now: dt.datetime) -> None:
     table = Q.whatif_table(results)
     st.subheader("Predicted and recorded (ms)")
     st.dataframe(table, hide_index=True)
+    warn = results.get("extrapolated_warn", 0.25)
+    far = table[table["extrapolated"].fillna(0) > warn].drop_duplicates(["rate_scale", "column"])
+    for _, row in far.iterrows():
+        st.warning(f"{row['column']} at rate scale {row['rate_scale']:g}: "
+                   f"{row['extrapolated']:.0%} of its simulated busy time is in step batch "
+                   "sizes the window barely recorded, so their cost is extrapolated; a window "
+                   "with quieter stretches as well as bursts pins it down")
     if table["rate_scale"].nunique() > 1:
         st.subheader("TTFT p99 over the offered rate")
         ttft = table[(table["metric"] == "ttft_ms") & (table["column"] != "recorded")]

@@ -398,6 +398,7 @@ def compare(w: Window, cand: EngineConfig, replicas: int | None = None,
                "config_known": w.config_known, "stand_in_prompts": w.stand_ins,
                "estimated_lengths": w.estimated,
                "contention": contention_of(w),
+               "extrapolated_warn": EXTRAPOLATED_WARN,
                "steps": w.steps, "points": points}
     return params, results
 

@@ -649,7 +649,10 @@ def whatif_runs(source, limit: int = 100) -> pd.DataFrame:
 def whatif_table(results: dict) -> pd.DataFrame:
     """A what-if run's predictions, one row per (rate scale, column, metric): p50/p90/p99 in
     ms; the columns are what was recorded (at the window's own rate), the recorded config
-    predicted, and the candidate predicted."""
+    predicted, and the candidate predicted. ``extrapolated``: the prediction's share of
+    simulated busy time in step batch sizes the window barely recorded
+    (``tailscope.whatif.extrapolated``; None for what was recorded and for runs stored before
+    it existed)."""
     rows = []
     for p in results.get("points", []):
         for col in ("recorded", "recorded_config", "candidate"):
@@ -663,6 +666,8 @@ def whatif_table(results: dict) -> pd.DataFrame:
                              "p50": q["p50"], "p90": q["p90"], "p99": q["p99"],
                              "slo_attainment": slo.get("attainment"),
                              "preemptions": summary.get("preemptions"),
-                             "shed": summary.get("shed")})
+                             "shed": summary.get("shed"),
+                             "extrapolated": summary.get("extrapolated")})
     return pd.DataFrame(rows, columns=["rate_scale", "offered_rps", "column", "metric", "p50",
-                                       "p90", "p99", "slo_attainment", "preemptions", "shed"])
+                                       "p90", "p99", "slo_attainment", "preemptions", "shed",
+                                       "extrapolated"])

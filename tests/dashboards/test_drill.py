@@ -184,6 +184,8 @@ def test_whatif_page_shows_a_stored_run_and_its_frontier(seeded, store):
     cfg = EngineConfig(num_kv_blocks=256, block_size=16, max_num_seqs=4)
     w = W.Window.of_arrivals(arrivals, cfg, StepCost((2.0, 0.05, 0.4, 0.3, 0.01)))
     w.contention, w.contention_source = 0.25, "flag"  # as --contention 0.25 sets it
+    # the window's steps all ran 4 sequences: a one-sequence candidate's cost is extrapolated
+    w.step_rows = [{"num_seqs": 4}] * (W.SEEN_MIN + 10)
     cand = W.candidate(cfg, sets=["max_num_seqs=1"])
     params, results = W.compare(w, cand, None, [1.0, 2.0], Slo(ttft_ms=100.0))
     now = us(NOW)
@@ -199,6 +201,15 @@ def test_whatif_page_shows_a_stored_run_and_its_frontier(seeded, store):
     by_col = dict(zip(ttft["column"], ttft["p99"], strict=True))
     assert set(by_col) == {"recorded config", "candidate"}  # no records: nothing recorded
     assert by_col["candidate"] > by_col["recorded config"]  # one sequence at a time queues
+    share = dict(zip(ttft["column"], ttft["extrapolated"], strict=True))
+    assert share["candidate"] == results["points"][0]["candidate"]["extrapolated"] == 1.0
+    # a warning for each prediction past the threshold, and for no other
+    warned = sorted(w.value.split(":")[0] for w in at.warning)
+    assert warned == sorted(
+        f"{col.replace('_', ' ')} at rate scale {p['rate_scale']:g}"
+        for p in results["points"] for col in ("recorded_config", "candidate")
+        if p[col]["extrapolated"] > W.EXTRAPOLATED_WARN)
+    assert "candidate at rate scale 2" in warned and len(warned) < 4  # not all of them
     assert "TTFT p99 over the offered rate" in [h.value for h in at.subheader]
     assert len(at.get("vega_lite_chart")) == 1  # the frontier over the two scales
     assert any("step cost" in c.value for c in at.caption)
