@@ -2,7 +2,8 @@
 writer's ingest rate into embedded ClickHouse (chDB).
 
     python bench/trace_overhead.py [--seconds 15] [--concurrency 16] [--records 100000] [--quick]
-                                   [--detail-sample 0.1] [--skip-ingest] [--model tiny|bundled]
+                                   [--detail-sample 0.1] [--skip-ingest | --skip-gateway]
+                                   [--model tiny|bundled]
                                    [--flush-s 5]
 
 1. Two gateways on the tiny model (vocabulary of the bundled tokenizer; ``--model bundled``: the
@@ -25,8 +26,9 @@ writer's ingest rate into embedded ClickHouse (chDB).
    drift between runs (+-0.3 ms per request here), which these do not.
 2. The writer's conversion of 10,000 records to Arrow, its columnar one against the plain
    per-column one it replaced, side by side (best of 3 each).
-3. The writer alone, in this process: ``--records`` records with 256 token ids each (and 12
-   events) emitted as fast as possible into a fresh chDB store; records/s from the first emit to
+3. The writer alone, in this process: ``--records`` records with 256 token ids each (128
+   engine steps, 127 ITLs and 12 events; ``make_records``) emitted as fast as possible into a
+   fresh chDB store; records/s from the first emit to
    the end of the drain (every row inserted), and the bytes per request on disk (requests and
    request_events, compressed); once with every record's full detail, then the same with chDB
    in a store child process (``TAILSCOPE_STORE_PROCESS=1``: this process converts, the child
@@ -40,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import random
 import secrets
 import subprocess
 import sys
@@ -218,25 +219,37 @@ def throughput(seconds: float, concurrency: int, rounds: int, model: str = "tiny
 
 
 def make_records(n: int) -> list:
-    """``n`` records with 256 token ids, 127 ITLs and 12 events each."""
+    """``n`` records as a gateway makes them: 128 prompt and 128 output token ids, the engine
+    step of each output token, 127 ITLs and 12 events, each record its own values and objects
+    (what is on disk and what the conversion touches depend on it: ITLs at the gateway's
+    nanosecond resolution barely compress, the steps are runs of consecutive ids)."""
+    import numpy as np
+
     from tracing.record import RecordEvent, RequestRecord
 
-    rng = random.Random(0)
+    rng = np.random.default_rng(0)
     # every record its own ids (drawn from a pool larger than the compressor's window), so the
     # bytes on disk are those of real, varied token ids
-    pool = [rng.randrange(0, 49152) for _ in range(1 << 20)]
-    starts = [rng.randrange(0, len(pool) - 256) for _ in range(n)]
+    pool = rng.integers(0, 49152, 1 << 20).tolist()
+    starts = rng.integers(0, len(pool) - 256, n).tolist()
     now = time.time_ns() // 1000
-    events = [RecordEvent(now + i, s) for i, s in enumerate(
-        ["RECEIVED", "ADMITTED", "TOKENIZED", "ROUTED", "QUEUED", "RUNNABLE", "PREFILLING",
-         "DECODING", "FINISHED", "FIRST_FLUSH", "END", "END"])]
-    return [RequestRecord(trace_id=secrets.token_hex(16), span_id="0" * 16,
-                          request_id=f"r{i}", arrival_ts_us=now, final_state="FINISHED",
-                          finish_reason="length", model="m", replica="r0",
-                          input_token_ids=pool[starts[i]:starts[i] + 128],
+    itls = np.round(rng.lognormal(np.log(25.0), 0.3, (n, 127)), 6).tolist()  # ms, ns resolution
+    # a decode step per token, now and then a few steps the sequence sat out
+    steps = np.cumsum(1 + (rng.random((n, 128)) < 0.1) * rng.integers(1, 5, (n, 128)), axis=1)
+    steps = (steps + rng.integers(0, 10 ** 6, (n, 1))).tolist()
+    gaps = np.cumsum(rng.integers(5, 4000, (n, 12)), axis=1).tolist()  # us between events
+    states = ["RECEIVED", "ADMITTED", "TOKENIZED", "ROUTED", "QUEUED", "RUNNABLE", "PREFILLING",
+              "DECODING", "FINISHED", "FIRST_FLUSH", "END", "END"]
+    e2e = rng.lognormal(5.3, 0.5, n).tolist()
+    ttft = rng.lognormal(3.5, 0.5, n).tolist()
+    return [RequestRecord(trace_id=secrets.token_hex(16), span_id=secrets.token_hex(8),
+                          request_id=f"r{i}", arrival_ts_us=now + 40 * i,
+                          final_state="FINISHED", finish_reason="length", model="m",
+                          replica="r0", input_token_ids=pool[starts[i]:starts[i] + 128],
                           output_token_ids=pool[starts[i] + 128:starts[i] + 256],
-                          itl_ms=[1.0] * 127, ttft_ms=5.0,
-                          e2e_ms=rng.lognormvariate(5.3, 0.5), events=events)
+                          token_steps=steps[i], itl_ms=itls[i], ttft_ms=ttft[i],
+                          e2e_ms=e2e[i], events=[RecordEvent(now + 40 * i + g, st) for g, st
+                                                 in zip(gaps[i], states, strict=True)])
                    for i in range(n)]
 
 
@@ -336,6 +349,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--detail-sample", type=float, default=0.1)
     ap.add_argument("--skip-ingest", action="store_true", help="only the gateway runs")
+    ap.add_argument("--skip-gateway", action="store_true",
+                    help="only the conversion and the writer's ingest (parts 2 and 3)")
     ap.add_argument("--flush-s", type=float, default=FLUSH_S,
                     help="the gateways' TAILSCOPE_STORE_FLUSH_S (default: the product's, 5)")
     ap.add_argument("--model", choices=list(MODELS), default="tiny",
@@ -359,6 +374,8 @@ def main() -> int:
               f"with 256 token ids and 12 events each; emit {stats['emit_us_per_record']:.2f} "
               f"us/record on the request path; written {stats['written']:,}, dropped "
               f"{stats['dropped']})")
+    if args.skip_gateway:
+        return 0
     tp = throughput(args.seconds, args.concurrency, args.rounds, args.model, args.flush_s)
     print()
     for mode, label in MODES.items():

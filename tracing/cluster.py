@@ -20,9 +20,9 @@ joins just cross shards). The small tables (configs, eval and bench runs, what-i
 by their id.
 
 ``migrations`` turns versioned single-node migrations into their cluster form (each ``ALTER``
-on both tables, ``ON CLUSTER``; a created table as its pair), so a cluster made by ``ddl`` at
-one version is upgraded by the same command later; ``tracing.store.Store.migrate`` refuses to
-apply single-node DDL to a cluster.
+on both tables, ``ON CLUSTER``, but a change of codec on the local table only; a created table
+as its pair), so a cluster made by ``ddl`` at one version is upgraded by the same command
+later; ``tracing.store.Store.migrate`` refuses to apply single-node DDL to a cluster.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ OTHER_KEYS = {"eval_runs": "cityHash64(run_id)", "eval_results": "cityHash64(run
               "bench_runs": "cityHash64(run_id)", "configs": "cityHash64(config_id)",
               "whatif_runs": "cityHash64(run_id)"}
 _ALTER = re.compile(rf"^ALTER TABLE {DATABASE}\.(\w+) (.*)$", re.S)
+_CODEC_ONLY = re.compile(r"^MODIFY COLUMN \w+ CODEC\(.*\)$", re.S)
 _CREATE = re.compile(rf"^CREATE TABLE IF NOT EXISTS {DATABASE}\.(\w+) ", re.S)
 
 
@@ -54,7 +55,7 @@ def table_pair(name: str, cluster: str, shard_by: str = "instance") -> list[str]
     """The local replicated table and the distributed table over it."""
     t, c = TABLES[name], _ident(cluster)
     key = {**SHARD_BY[shard_by], **OTHER_KEYS}[name]
-    cols = ",\n    ".join(f"`{col}` {typ}" for col, typ, _ in t.columns)
+    cols = t.column_defs()
     local = (f"CREATE TABLE IF NOT EXISTS {DATABASE}.{name}_local ON CLUSTER {c} (\n"
              f"    {cols}\n)\n"
              f"ENGINE = ReplicatedMergeTree('/clickhouse/tables/{{shard}}/{DATABASE}/"
@@ -109,7 +110,11 @@ def migrations(cluster: str, applied: set[int], shard_by: str = "instance") -> l
         for stmt in statements:
             if m := _CREATE.match(stmt):
                 out += table_pair(m[1], cluster, shard_by)
-            elif m := _ALTER.match(stmt):
+            elif (m := _ALTER.match(stmt)) and _CODEC_ONLY.match(m[2]):
+                # how a column is compressed concerns the tables that store it, not the
+                # Distributed table over them
+                out += [f"ALTER TABLE {DATABASE}.{m[1]}_local ON CLUSTER {c} {m[2]}"]
+            elif m:
                 out += [f"ALTER TABLE {DATABASE}.{m[1]}_local ON CLUSTER {c} {m[2]}",
                         f"ALTER TABLE {DATABASE}.{m[1]} ON CLUSTER {c} {m[2]}"]
             else:

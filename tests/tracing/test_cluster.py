@@ -60,23 +60,32 @@ def test_the_local_tables_are_the_single_node_tables(store):
             store.command(local)
 
     def describe(db: str, table: str) -> dict[str, str]:  # (the writer names its columns)
-        return {r[0]: r[1] for r in store.client.query(f"DESCRIBE TABLE {db}.{table}")
-                .result_rows}
+        return {r[0]: (r[1], r[5]) for r in store.client.query(  # type, codec
+            f"DESCRIBE TABLE {db}.{table}").result_rows}
 
     for name in TABLES:
         assert describe("single_node", f"{name}_local") == describe("tailscope", name), name
 
 
 def test_a_later_migration_has_a_cluster_form_for_both_tables(store):
-    last = MIGRATIONS[-1][0]
+    # 17 adds a column: on the local and the distributed table alike
+    last = 17
     statements = C.migrations("prod", {v for v, _, _ in MIGRATIONS} - {last})
     alters = [s for s in statements if s.startswith("ALTER")]
-    assert alters and len(alters) == 2 * len(MIGRATIONS[-1][2])
-    altered = {re.search(r"tailscope\.(\w+) ADD", s)[1] for s in MIGRATIONS[-1][2]}
+    assert alters and len(alters) == 2 * len(MIGRATIONS[last - 1][2])
+    altered = {re.search(r"tailscope\.(\w+) ADD", s)[1] for s in MIGRATIONS[last - 1][2]}
     assert {re.search(r"tailscope\.(\w+) ON", s)[1] for s in alters} == altered | {
         f"{t}_local" for t in altered}
     assert statements[-1].startswith("INSERT INTO tailscope.schema_migrations") \
         and f"({last}," in statements[-1]
+    for sql in statements:
+        parses(store, sql)
+    # 18 changes codecs: only the local tables store data
+    statements = C.migrations("prod", {v for v, _, _ in MIGRATIONS} - {18})
+    alters = [s for s in statements if s.startswith("ALTER")]
+    assert len(alters) == len(MIGRATIONS[17][2]) == 5
+    assert all(re.match(r"ALTER TABLE tailscope\.\w+_local ON CLUSTER prod MODIFY COLUMN \w+ "
+                        r"CODEC\(", s) for s in alters), alters
     for sql in statements:
         parses(store, sql)
     assert C.migrations("prod", {v for v, _, _ in MIGRATIONS}) == []  # up to date: nothing

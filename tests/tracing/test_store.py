@@ -420,10 +420,18 @@ def test_the_migration_chain_ends_exactly_at_the_declared_tables(store):
     for table in TABLES.values():
         store.command(table.create("declared"))
 
-    def describe(db: str, name: str) -> dict[str, str]:
-        rows = store.select("SELECT name, type FROM system.columns WHERE database = {d:String} "
-                            "AND table = {t:String}", {"d": db, "t": name})[1]
-        return dict(rows)
+    def describe(db: str, name: str) -> dict[str, tuple[str, str]]:
+        rows = store.select("SELECT name, type, compression_codec FROM system.columns WHERE "
+                            "database = {d:String} AND table = {t:String}",
+                            {"d": db, "t": name})[1]
+        return {r[0]: (r[1], r[2]) for r in rows}
 
     for name in TABLES:
         assert describe("tailscope", name) == describe("declared", name), name
+    # the codecs the migrations set (migration 18) are the declared ones, and only those
+    requests = describe("tailscope", "requests")
+    assert requests["input_token_ids"][1] == "CODEC(T64, LZ4)"
+    assert requests["token_steps"][1] == "CODEC(DoubleDelta, LZ4)"
+    assert requests["itl_ms"][1] == "CODEC(ZSTD(1))"
+    assert describe("tailscope", "request_events")["ts"][1] == "CODEC(DoubleDelta, LZ4)"
+    assert requests["trace_id"][1] == ""  # the default, LZ4
