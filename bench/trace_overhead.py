@@ -35,6 +35,10 @@ writer's ingest rate into embedded ClickHouse (chDB).
    inserts, on two cores), then in this process again with tail-based
    retention (``tracing.retention``: the records above the sliding p99 of E2E and a
    ``--detail-sample`` share of the rest keep their token ids and ITL arrays).
+4. ``engine_steps`` bytes per request: one replica's step rows for 2,000 requests at 8 and at
+   32 sequences a step (``step_rows``), inserted and merged. Every step row lists its members'
+   trace ids, so a request costs a trace id per token it decodes there; tail-based retention
+   keeps every step.
 No pass/fail here.
 """
 
@@ -290,6 +294,55 @@ def conversion(n: int, rounds: int = 3) -> tuple[float, float]:
     return best["columnar"], best["plain"]
 
 
+def step_rows(requests: int, seqs: int, seed: int = 0) -> list:
+    """The ``engine_steps`` rows of one replica serving ``requests`` requests with ``seqs``
+    running at a time (continuous batching: a request joins with its prompt in one step, then
+    decodes a token a step, 64-192 tokens; each step row lists its members' trace ids and
+    tokens, as the engine records them)."""
+    import numpy as np
+
+    from tracing.schema import EngineStepRow
+
+    rng = np.random.default_rng(seed)
+    now, rows, running, sent, step = time.time_ns() // 1000, [], [], 0, 0
+    while sent < requests or running:
+        while len(running) < seqs and sent < requests:
+            running.append([secrets.token_hex(16), -1, int(rng.integers(64, 193))])
+            sent += 1
+        prefill = [256 if r[1] < 0 else 0 for r in running]
+        for r in running:
+            r[1] += 1
+        dur = float(rng.uniform(20, 25))
+        rows.append(EngineStepRow(
+            replica="gw/r0", incarnation=0, step=step, ts_us=now + step * 22_500,
+            duration_ms=dur, num_seqs=len(running), prefill_tokens=sum(prefill),
+            decode_tokens=sum(p == 0 for p in prefill), kv_blocks_used=int(rng.integers(100, 900)),
+            kv_blocks_total=1024, forward_ms=dur * 0.9, sample_ms=float(rng.uniform(0.5, 1.5)),
+            host_ms=float(rng.uniform(1, 2)), running=len(running),
+            waiting=int(rng.integers(0, 6)), member_traces=[r[0] for r in running],
+            member_prefill=prefill, member_decode=[int(p == 0) for p in prefill],
+            instance="gw"))
+        running = [r for r in running if r[1] < r[2]]
+        step += 1
+    return rows
+
+
+def step_bytes(requests: int, seqs: int) -> tuple[int, float]:
+    """Steps and ``engine_steps`` bytes on disk per request (after a merge) for ``step_rows``."""
+    from tracing.store import Store
+
+    rows = step_rows(requests, seqs)
+    store = Store(f"chdb://{tempfile.mkdtemp(prefix='tailscope-steps-')}/store")
+    store.migrate()
+    for i in range(0, len(rows), 10_000):
+        store.insert_rows("engine_steps", rows[i:i + 10_000], f"s{i}")
+    store.command("OPTIMIZE TABLE tailscope.engine_steps FINAL")
+    _, got = store.select("SELECT sum(bytes_on_disk) FROM system.parts WHERE active AND "
+                          "database = 'tailscope' AND table = 'engine_steps'")
+    store.close()
+    return len(rows), int(got[0][0]) / requests
+
+
 def ingest(n: int, detail_sample: float = 1.0, child: bool = False) -> tuple[float, dict]:
     """The writer draining ``n`` records into a fresh chDB store: in this process, or with
     ``child`` in a store process (``TAILSCOPE_STORE_PROCESS=1``'s ``StoreProcess``: this
@@ -374,6 +427,11 @@ def main() -> int:
               f"with 256 token ids and 12 events each; emit {stats['emit_us_per_record']:.2f} "
               f"us/record on the request path; written {stats['written']:,}, dropped "
               f"{stats['dropped']})")
+    for seqs in () if args.skip_ingest else (8, 32):
+        steps, per_request = step_bytes(2000, seqs)
+        print(f"engine_steps on disk: {per_request:.0f} bytes per request (2,000 requests of "
+              f"64-192 output tokens, {seqs} sequences a step: {steps:,} step rows, each "
+              "listing its members' trace ids and tokens)")
     if args.skip_gateway:
         return 0
     tp = throughput(args.seconds, args.concurrency, args.rounds, args.model, args.flush_s)

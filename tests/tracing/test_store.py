@@ -434,4 +434,5 @@ def test_the_migration_chain_ends_exactly_at_the_declared_tables(store):
     assert requests["token_steps"][1] == "CODEC(DoubleDelta, LZ4)"
     assert requests["itl_ms"][1] == "CODEC(ZSTD(1))"
     assert describe("tailscope", "request_events")["ts"][1] == "CODEC(DoubleDelta, LZ4)"
+    assert describe("tailscope", "engine_steps")["member_traces"][1] == "CODEC(ZSTD(1))"
     assert requests["trace_id"][1] == ""  # the default, LZ4
