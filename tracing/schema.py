@@ -216,8 +216,9 @@ CODECS: dict[str, dict[str, str]] = {
                  "token_steps": "CODEC(DoubleDelta, LZ4)", "itl_ms": "CODEC(ZSTD(1))"},
     "request_events": {"ts": "CODEC(DoubleDelta, LZ4)"},
     # a step row names each member's trace: a request is in a step per token it decodes, so
-    # its trace id recurs in row after row (bench/trace_overhead.py's step streams: 317 -> 156
-    # bytes per request at 8 sequences a step; ts and step are sorted runs)
+    # its trace id recurs in row after row (ts and step are sorted runs); the table per request
+    # in bench/trace_overhead.py's step streams: 863 -> 710 bytes at 8 sequences a step, 301 ->
+    # 257 at 32
     "engine_steps": {"ts": "CODEC(DoubleDelta, LZ4)", "step": "CODEC(DoubleDelta, LZ4)",
                      "member_traces": "CODEC(ZSTD(1))"},
 }
@@ -349,11 +350,19 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
     (17, "engine_steps.prefill_context (the what-if step cost)", [
         f"ALTER TABLE {DATABASE}.engine_steps ADD COLUMN IF NOT EXISTS prefill_context UInt64 "
         "AFTER instance"]),
-    # new parts are written with them; older parts keep LZ4 until a merge rewrites them
+    # CODECS as of this version (frozen here: a later change of codec is a migration of its
+    # own); new parts are written with them, older parts keep LZ4 until a merge rewrites them
     (18, "column codecs: token ids T64, token steps and times DoubleDelta, ITLs and step "
          "members ZSTD", [
-        f"ALTER TABLE {DATABASE}.{table} MODIFY COLUMN {col} {codec}"
-        for table, cols in CODECS.items() for col, codec in cols.items()]),
+        f"ALTER TABLE {DATABASE}.{table} MODIFY COLUMN {col} {codec}" for table, col, codec in (
+            ("requests", "input_token_ids", "CODEC(T64, LZ4)"),
+            ("requests", "output_token_ids", "CODEC(T64, LZ4)"),
+            ("requests", "token_steps", "CODEC(DoubleDelta, LZ4)"),
+            ("requests", "itl_ms", "CODEC(ZSTD(1))"),
+            ("request_events", "ts", "CODEC(DoubleDelta, LZ4)"),
+            ("engine_steps", "ts", "CODEC(DoubleDelta, LZ4)"),
+            ("engine_steps", "step", "CODEC(DoubleDelta, LZ4)"),
+            ("engine_steps", "member_traces", "CODEC(ZSTD(1))"))]),
 ]
 
 __all__ = ["DATABASE", "TABLES", "MIGRATIONS", "ConfigRow", "EngineStepRow", "EventRow",
