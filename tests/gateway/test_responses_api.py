@@ -163,20 +163,27 @@ def test_logprobs_come_with_include(sdk):
 def test_a_generation_that_fails_mid_stream_ends_in_response_failed(
         tiny49k, bundled_path, bundled_tokenizer):
     """The gateway's deadline passes mid-stream: the chat stream's error event becomes
-    OpenAI's ``error`` event and ``response.failed``; the record says TIMED_OUT."""
+    OpenAI's ``error`` event and ``response.failed``; the record says TIMED_OUT. A first short
+    request takes the engine's warm-up (it alone once outlasted a 0.3 s deadline under CI's
+    load, so the stream failed before its first token); then 980 tokens take the tiny model
+    ~3.4 s here, so a 1 s deadline cuts the stream mid-way on a machine 3x faster too."""
     with inprocess_client(tiny49k, bundled_path, CFG, tokenizer=bundled_tokenizer,
-                          request_timeout_s=0.3) as client:
+                          request_timeout_s=1.0) as client:
         sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client,
                             max_retries=0)
+        try:
+            sdk.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+        except openai.APIError:  # a deadline spent warming up: still warmed up
+            pass
         events = list(sdk.responses.create(model=MODEL, input="Tell me a long story",
-                                           max_output_tokens=900, stream=True))
+                                           max_output_tokens=980, stream=True))
         kinds = [e.type for e in events]
         assert kinds[-2:] == ["error", "response.failed"], kinds[-5:]
         assert "response.output_text.delta" in kinds  # it failed mid-stream
         assert events[-2].code == "timeout"
         failed = events[-1].response
         assert failed.status == "failed" and failed.error.code == "timeout"
-        rec = next(r for r in client.sink.records if r.endpoint == "/v1/responses")
+        rec = [r for r in client.sink.records if r.endpoint == "/v1/responses"][-1]
         assert rec.final_state == "TIMED_OUT"
 
 
