@@ -96,6 +96,17 @@ def test_the_reader_session_is_read_only_for_its_life_with_limits(store):
         store.select("SELECT count() FROM system.numbers")  # unbounded: refused by the limit
 
 
+def test_the_embedded_engine_runs_with_the_stores_server_settings(store):
+    """tracing.store.CHDB_OPTIONS reach chDB's engine (its MemoryWorker polls once a second,
+    not its default many times a second)."""
+    from tracing.store import CHDB_OPTIONS
+
+    _, rows = store.select("SELECT name, value, default FROM system.server_settings WHERE "
+                           "name IN {names:Array(String)}", {"names": list(CHDB_OPTIONS)})
+    assert {r[0]: r[1] for r in rows} == {k: str(v) for k, v in CHDB_OPTIONS.items()}
+    assert rows[0][1] != rows[0][2]  # not the engine's own default
+
+
 def test_a_long_read_is_cancelled_by_its_id_and_never_blocks_the_writer(store):
     import threading
 
