@@ -447,3 +447,48 @@ def test_the_migration_chain_ends_exactly_at_the_declared_tables(store):
     assert describe("tailscope", "request_events")["ts"][1] == "CODEC(DoubleDelta, LZ4)"
     assert describe("tailscope", "engine_steps")["member_traces"][1] == "CODEC(ZSTD(1))"
     assert requests["trace_id"][1] == ""  # the default, LZ4
+
+
+def test_a_store_with_rows_upgrades_to_the_codecs_and_keeps_every_row(tmp_path):
+    """A store at version 17 holding records, events and steps takes migration 18 (codecs on
+    sort-key columns too: request_events.ts, engine_steps.ts and step); its rows and the rows
+    inserted after it read back in full, also once merges have rewritten the old parts. (In a
+    process of its own: chDB opens one directory per process.)"""
+    import subprocess
+    import sys
+
+    code = f"""
+import json
+import tracing.store as S
+from bench.trace_overhead import make_records, step_rows
+full = list(S.MIGRATIONS)
+S.MIGRATIONS = full[:17]
+store = S.Store("chdb://{tmp_path}/store")
+out = {{"before": store.migrate()[-1]}}
+def write(tag):
+    req, ev = S.records_to_arrow(make_records(500))
+    store.insert("requests", req, "r" + tag)
+    store.insert("request_events", ev, "e" + tag)
+    store.insert_rows("engine_steps", step_rows(50, 8), "s" + tag)
+write("old")
+S.MIGRATIONS = full
+out["applied"] = store.migrate()
+write("new")
+for table in ("requests", "request_events", "engine_steps"):
+    store.command("OPTIMIZE TABLE tailscope." + table + " FINAL")
+out["requests"] = store.select("SELECT count(), sum(length(input_token_ids)), "
+                               "sum(length(itl_ms)), sum(length(token_steps)) "
+                               "FROM tailscope.requests")[1][0]
+out["events"] = store.select("SELECT count() FROM tailscope.request_events")[1][0][0]
+out["steps"] = store.select("SELECT count(), countIf(length(member_traces) != num_seqs) "
+                            "FROM tailscope.engine_steps")[1][0]
+print(json.dumps(out))
+"""
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert got.returncode == 0, got.stderr[-2000:]
+    out = json.loads(got.stdout.strip().splitlines()[-1])
+    assert out["before"] == 17 and out["applied"] == [18]
+    assert out["requests"] == [1000, 128_000, 127_000, 128_000]
+    assert out["events"] == 12_000
+    assert out["steps"][0] > 0 and out["steps"][1] == 0
