@@ -310,17 +310,18 @@ def step_rows(requests: int, seqs: int, seed: int = 0) -> list:
             running.append([secrets.token_hex(16), -1, int(rng.integers(64, 193))])
             sent += 1
         prefill = [256 if r[1] < 0 else 0 for r in running]
+        decode = [int(p == 0) for p in prefill]
         for r in running:
             r[1] += 1
         dur = float(rng.uniform(20, 25))
         rows.append(EngineStepRow(
             replica="gw/r0", incarnation=0, step=step, ts_us=now + step * 22_500,
             duration_ms=dur, num_seqs=len(running), prefill_tokens=sum(prefill),
-            decode_tokens=sum(p == 0 for p in prefill), kv_blocks_used=int(rng.integers(100, 900)),
+            decode_tokens=sum(decode), kv_blocks_used=int(rng.integers(100, 900)),
             kv_blocks_total=1024, forward_ms=dur * 0.9, sample_ms=float(rng.uniform(0.5, 1.5)),
             host_ms=float(rng.uniform(1, 2)), running=len(running),
             waiting=int(rng.integers(0, 6)), member_traces=[r[0] for r in running],
-            member_prefill=prefill, member_decode=[int(p == 0) for p in prefill],
+            member_prefill=prefill, member_decode=decode,
             instance="gw"))
         running = [r for r in running if r[1] < r[2]]
         step += 1
@@ -337,10 +338,17 @@ def step_bytes(requests: int, seqs: int) -> tuple[int, float]:
     for i in range(0, len(rows), 10_000):
         store.insert_rows("engine_steps", rows[i:i + 10_000], f"s{i}")
     store.command("OPTIMIZE TABLE tailscope.engine_steps FINAL")
-    _, got = store.select("SELECT sum(bytes_on_disk) FROM system.parts WHERE active AND "
-                          "database = 'tailscope' AND table = 'engine_steps'")
+    on_disk = bytes_on_disk(store, "engine_steps")
     store.close()
-    return len(rows), int(got[0][0]) / requests
+    return len(rows), on_disk / requests
+
+
+def bytes_on_disk(store, *tables: str) -> int:
+    """The compressed bytes of ``tables``' active parts in the store."""
+    _, rows = store.select("SELECT sum(bytes_on_disk) FROM system.parts WHERE active AND "
+                           "database = 'tailscope' AND table IN {t:Array(String)}",
+                           {"t": list(tables)})
+    return int(rows[0][0])
 
 
 def ingest(n: int, detail_sample: float = 1.0, child: bool = False) -> tuple[float, dict]:
@@ -383,14 +391,13 @@ def ingest(n: int, detail_sample: float = 1.0, child: bool = False) -> tuple[flo
     gc.unfreeze()
     count = store.select(Q.REQUEST_COUNT)[1][0][0]
     assert count == n, (count, n)
-    _, rows = store.select("SELECT sum(bytes_on_disk) FROM system.parts WHERE active AND "
-                           "database = 'tailscope' AND table IN ('requests', 'request_events')")
+    on_disk = bytes_on_disk(store, "requests", "request_events")
     if proc is not None:
         store.close()
         proc.close()
     kept = sum(r.detail_kept for r in records)
     return n / total_s, {"emit_us_per_record": emit_s / n * 1e6, **writer.stats,
-                         "bytes_per_record": int(rows[0][0]) / n, "kept": kept}
+                         "bytes_per_record": on_disk / n, "kept": kept}
 
 
 def main() -> int:
@@ -403,7 +410,8 @@ def main() -> int:
     ap.add_argument("--detail-sample", type=float, default=0.1)
     ap.add_argument("--skip-ingest", action="store_true", help="only the gateway runs")
     ap.add_argument("--skip-gateway", action="store_true",
-                    help="only the conversion and the writer's ingest (parts 2 and 3)")
+                    help="only the conversion, the writer's ingest and engine_steps' bytes "
+                         "(parts 2-4)")
     ap.add_argument("--flush-s", type=float, default=FLUSH_S,
                     help="the gateways' TAILSCOPE_STORE_FLUSH_S (default: the product's, 5)")
     ap.add_argument("--model", choices=list(MODELS), default="tiny",
