@@ -177,7 +177,10 @@ def _column(kind: pa.DataType, values: tuple) -> pa.Array:
         return pa.array(values, type=kind)
     offsets = np.zeros(len(values) + 1, np.int32)
     np.cumsum(np.fromiter(map(len, values), np.int32, len(values)), out=offsets[1:])
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, type=inner))
+    # built on the two buffers as they are (offsets made here from the lengths, so nothing to
+    # validate): ListArray.from_arrays validates, and gives up the GIL doing so
+    return pa.Array.from_buffers(kind, len(values), [None, pa.py_buffer(offsets)], children=[
+        pa.Array.from_buffers(inner, len(flat), [None, pa.py_buffer(flat)])])
 
 
 def _chunks(rows: list, fields: list[str]):
@@ -195,13 +198,22 @@ def _chunks(rows: list, fields: list[str]):
 
 
 def _table(table: Table, chunks: list[list[pa.Array]]) -> pa.Table:
-    """The chunks' arrays joined into one contiguous array per column: ClickHouse takes one
-    record batch of a 10,000-row insert faster than 40 of 256 rows (~25% here, for a copy that
-    costs ~1.5 us per record)."""
+    """The chunks' arrays as one table with one contiguous array per column: ClickHouse takes
+    one record batch of a 10,000-row insert faster than 40 of 256 rows (~25% here, for a copy
+    that costs ~1.5 us per record). One ``combine_chunks`` call joins every column: each
+    pyarrow call that copies buffers gives up the GIL, and in a gateway the event loop takes it
+    then, so a call per column per chunk (~80 for a batch of records) cost the writer thread a
+    wait for the GIL and a cold cache each time (its CPU per record 2-3x that of the same
+    conversion alone in a process; see bench/trace_overhead.py)."""
     kinds = [arrow_type(t) for _, t, _ in table.columns]
-    return pa.table({col: pa.concat_arrays([c[i] for c in chunks]) if chunks
-                     else pa.array([], type=kinds[i])
-                     for i, (col, _, _) in enumerate(table.columns)})
+    names = [col for col, _, _ in table.columns]
+    if not chunks:
+        return pa.table({col: pa.array([], type=kind)
+                         for col, kind in zip(names, kinds, strict=True)})
+    if len(chunks) == 1:
+        return pa.table(dict(zip(names, chunks[0], strict=True)))
+    return pa.table({col: pa.chunked_array([c[i] for c in chunks], type=kinds[i])
+                     for i, col in enumerate(names)}).combine_chunks()
 
 
 def to_arrow(table: Table, rows: list) -> pa.Table:
@@ -219,27 +231,31 @@ _EVENT_FIELDS = {f: operator.attrgetter(f) for f in ("ts_us", "state", "detail")
 def records_to_arrow(records: list) -> tuple[pa.Table, pa.Table]:
     """Request records as the ``requests`` table and their events as ``request_events``, both
     from one pass over the records (a record's events are read while the record is in the
-    cache; the columns an event row repeats from its request are taken from the request's
-    Arrow arrays, not built again per event)."""
+    cache; the columns an event row repeats from its request are taken from the joined
+    ``requests`` table at the end, one ``take`` per column, not built again per event)."""
     req, ev = TABLES["requests"], TABLES["request_events"]
     fields = [f for _, _, f in req.columns]
     kinds = [arrow_type(t) for _, t, _ in req.columns]
-    index = {f: i for i, f in enumerate(fields)}
-    req_chunks, ev_chunks = [], []
+    own_fields = [f for _, _, f in ev.columns if f in _EVENT_FIELDS]
+    req_chunks, own, counts = [], {f: [] for f in own_fields}, []
     for n, cols in _chunks(records, [*fields, "events"]):
-        arrays = [_column(k, v) for k, v in zip(kinds, cols[:-1], strict=True)]
-        req_chunks.append(arrays)
-        counts = np.fromiter(map(len, cols[-1]), np.int64, n)
+        req_chunks.append([_column(k, v) for k, v in zip(kinds, cols[:-1], strict=True)])
+        counts.append(np.fromiter(map(len, cols[-1]), np.int64, n))
         events = list(itertools.chain.from_iterable(cols[-1]))
-        if not events:
-            continue
-        own = {f: list(map(get, events)) for f, get in _EVENT_FIELDS.items()}
-        rows = np.repeat(np.arange(n), counts)  # each event's request, within the chunk
-        own["seq"] = np.arange(len(events)) - np.repeat(np.cumsum(counts) - counts, counts)
-        ev_chunks.append([
-            pa.array(own[f], type=arrow_type(t)) if f in own else arrays[index[f]].take(rows)
-            for _, t, f in ev.columns])
-    return _table(req, req_chunks), _table(ev, ev_chunks)
+        for f in own_fields:
+            own[f].extend(map(_EVENT_FIELDS[f], events))
+    requests = _table(req, req_chunks)
+    per_record = np.concatenate(counts) if counts else np.zeros(0, np.int64)
+    if not per_record.sum():
+        return requests, _table(ev, [])
+    rows = pa.array(np.repeat(np.arange(len(per_record)), per_record))  # each event's request
+    # its place among its request's events (timestamps can tie)
+    own["seq"] = np.arange(len(rows)) - np.repeat(np.cumsum(per_record) - per_record, per_record)
+    column_of = {f: col for col, _, f in req.columns}
+    repeated = requests.select([column_of[f] for _, _, f in ev.columns if f not in own]).take(rows)
+    return requests, pa.table({
+        col: pa.array(own[f], type=arrow_type(t)) if f in own else repeated.column(column_of[f])
+        for col, t, f in ev.columns}).combine_chunks()
 
 
 def jsonable(v):
