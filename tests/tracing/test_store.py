@@ -505,8 +505,7 @@ def test_the_writers_arrow_tables_read_back_value_for_value_and_a_resent_batch_i
     t0 = time.time_ns() // 1000 - 6 * 3600 * 1_000_000 + 123  # inside the rows' TTL
     recs = [make_record(tenant="t'1", detail_reason="naïve \\ 'q'", seed=None, top_k=i,
                         input_token_ids=list(range(i)), itl_ms=[0.5] * (i % 3),
-                        events=[RecordEvent(t0 + j, "S", "d'é")
-                                for j in range(i % 4)])
+                        events=[RecordEvent(t0 + j, "S", "d'é") for j in range(i % 4)])
             for i in range(40)]
     steps = step_rows(5, 2)
     replica = f"r-{secrets.token_hex(4)}"
@@ -521,20 +520,18 @@ def test_the_writers_arrow_tables_read_back_value_for_value_and_a_resent_batch_i
         store.insert("engine_steps", steps_table, token)
     ids = {"ids": [r.trace_id for r in recs]}
 
-    def back(sql, parameters, order):
-        got = store.select_arrow(sql, parameters).sort_by(order)
-        return got.select(requests.column_names if "requests" in sql else
-                          events.column_names if "events" in sql else steps_table.column_names)
+    def back(sql, parameters, like, order):
+        return store.select_arrow(sql, parameters).select(like.column_names).sort_by(order)
 
     got = back("SELECT * FROM tailscope.requests WHERE trace_id IN {ids:Array(String)}", ids,
-               "trace_id")
+               requests, "trace_id")
     assert got.num_rows == len(recs)
     assert got.to_pylist() == requests.sort_by("trace_id").to_pylist()
     order = [("trace_id", "ascending"), ("seq", "ascending")]
     got = back("SELECT * FROM tailscope.request_events WHERE trace_id IN {ids:Array(String)}",
-               ids, order)
+               ids, events, order)
     assert got.num_rows == events.num_rows > 0
     assert got.to_pylist() == events.sort_by(order).to_pylist()
     got = back("SELECT * FROM tailscope.engine_steps WHERE replica = {r:String}",
-               {"r": replica}, "step")
+               {"r": replica}, steps_table, "step")
     assert got.to_pylist() == steps_table.sort_by("step").to_pylist()
