@@ -232,7 +232,8 @@ def records_to_arrow(records: list) -> tuple[pa.Table, pa.Table]:
     """Request records as the ``requests`` table and their events as ``request_events``, both
     from one pass over the records (a record's events are read while the record is in the
     cache; the columns an event row repeats from its request are taken from the joined
-    ``requests`` table at the end, one ``take`` per column, not built again per event)."""
+    ``requests`` table at the end, in one ``take`` for all of them, not built again per
+    event)."""
     req, ev = TABLES["requests"], TABLES["request_events"]
     fields = [f for _, _, f in req.columns]
     kinds = [arrow_type(t) for _, t, _ in req.columns]
