@@ -91,6 +91,11 @@ class KVCacheManager:
     def has_reservation(self, request_id: str) -> bool:
         return request_id in self._entries
 
+    @property
+    def num_holders(self) -> int:
+        """Requests holding a reservation or blocks."""
+        return len(self._entries)
+
     def block_table(self, request_id: str) -> BlockTable:
         return self._entries[request_id].table
 

@@ -296,6 +296,9 @@ class Engine:
         live = [*self.scheduler.running, *self.scheduler.waiting]
         live += [b for r in live for b in r.pending_branches]  # n > 1 samples not forked yet
         for req in live:
+            d, q = req.deadline_ns, req.queue_deadline_ns
+            if (d is None or now < d) and (q is None or now < q):
+                continue  # the common case, in plain attribute reads: this runs every tick
             if req.is_finished:  # ended earlier in this loop
                 continue
             if req.deadline_ns is not None and now >= req.deadline_ns:

@@ -132,7 +132,7 @@ class FairShare:
         self.decode_cost = decode_cost
         self.seats = seats  # max_num_seqs
         self.counters: dict[str, float] = {}
-        self.version = 0  # bumped whenever a counter moves (the queue's order may change)
+        self.version = 0  # bumped whenever the queue's order may have changed
 
     def served(self, req: Request) -> float:
         return self.counters.get(req.params.tenant, 0.0)
@@ -162,6 +162,7 @@ class FairShare:
 
     def arrive(self, req: Request, active: set[str]) -> None:
         tenant = req.params.tenant
+        self.counters.setdefault(tenant, 0.0)  # a counter ``charge`` compares others' with
         if tenant in active:
             return
         if active:
@@ -173,10 +174,17 @@ class FairShare:
             self.version += 1
 
     def charge(self, req: Request, prefill: int, decode: int) -> None:
+        """Add the tokens to the tenant's counter. The queue's order (counter, then arrival)
+        changes only where the counter reaches or passes another tenant's (a tenant's own
+        requests keep their order), so only then does ``version`` move: under a flood the
+        scheduler would otherwise re-sort hundreds of waiting requests every tick (~70 us a
+        tick with 300 waiting, a few percent of a small model's step)."""
         tenant = req.params.tenant
-        self.counters[tenant] = self.counters.get(tenant, 0.0) + \
-            (prefill + self.decode_cost * decode) / req.params.weight
-        self.version += 1
+        old = self.counters.get(tenant, 0.0)
+        new = old + (prefill + self.decode_cost * decode) / req.params.weight
+        self.counters[tenant] = new
+        if new > old and any(old <= c <= new for t, c in self.counters.items() if t != tenant):
+            self.version += 1
 
 
 POLICIES: dict[str, type] = {"fcfs": Fcfs, "priority": Priority, "sjf": ShortestJobFirst,

@@ -184,11 +184,19 @@ class Scheduler:
 
     def _reserve_waiting(self) -> None:
         self._order()
+        # holders no running request accounts for: waiting ones (and any other holder, which
+        # only makes the scan below run when it need not); 0 skips that scan, which would
+        # otherwise read the whole queue every tick that KV is short
+        others = self.kv.num_holders - sum(
+            1 for r in self.running if self.kv.has_reservation(r.request_id))
         for i, req in enumerate(self.waiting):
             if self.kv.has_reservation(req.request_id):
+                others -= 1
                 continue
-            if self._admit(req):
+            if self._admit(req):  # one holder more, and it is this one: others as it was
                 continue
+            if others <= 0:
+                return
             # FCFS: a preempted request requeued ahead of later arrivals that already hold
             # reservations would wait on them forever; they give theirs back (their cached
             # blocks stay in the prefix cache) and queue behind it.
@@ -197,6 +205,7 @@ class Scheduler:
             for r in later:
                 self.kv.free(r.request_id)
                 r.num_computed_tokens = 0
+            others -= len(later)
             if later and self._admit(req):
                 continue
             return
@@ -419,22 +428,25 @@ class Scheduler:
         now = time.monotonic_ns()
         why: dict[str, tuple[str, tuple[str, ...]]] = {}
         first = self.waiting[0]
-        latest: dict[str, int] = {}  # tenant -> latest arrival running or ahead in the queue
+        rest = head if head != "kv" else "hol"  # the cause of all but the head and the firsts
+        running: dict[str, int] = {}  # tenant -> latest arrival running
+        ahead: dict[str, int] = {}  # tenant -> latest arrival ahead in the queue
         if self.dynamic:
             for r in self.running:
                 t = r.params.tenant
-                latest[t] = max(latest.get(t, r.arrival_ns), r.arrival_ns)
-        firsts: set[str] = set()  # tenants whose first waiting request was seen
+                running[t] = max(running.get(t, r.arrival_ns), r.arrival_ns)
+        # this loop runs every tick over the whole queue (hundreds under a flood): it reads
+        # each request once, and only a tenant's first waiting request compares arrivals (a
+        # tenant's own queue is in arrival order, so its latest arrival ahead is its last one)
         for i, req in enumerate(self.waiting):
-            tenant = req.params.tenant
-            if self.dynamic and tenant not in firsts and any(
-                    a > req.arrival_ns for t, a in latest.items() if t != tenant):
-                cause = "share"
-            else:
-                cause = head if i == 0 or head != "kv" else "hol"
+            cause = head if i == 0 else rest
             if self.dynamic:
-                latest[tenant] = max(latest.get(tenant, req.arrival_ns), req.arrival_ns)
-                firsts.add(tenant)
+                tenant, arrival = req.params.tenant, req.arrival_ns
+                if tenant not in ahead and (
+                        any(a > arrival for t, a in ahead.items() if t != tenant)
+                        or any(a > arrival for t, a in running.items() if t != tenant)):
+                    cause = "share"
+                ahead[tenant] = arrival
             if cause == req.wait_cause:
                 continue
             if cause == "share":

@@ -4,11 +4,13 @@ queue order and the victim, and returns each preemption as a decision it already
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from engine.config import SCHEDULING_POLICIES, EngineConfig
 from engine.kv_manager import KVCacheManager
-from engine.policy import POLICIES, Fcfs
+from engine.policy import POLICIES, FairShare, Fcfs
 from engine.request import Request, RequestState
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -364,3 +366,46 @@ def test_fair_a_tenant_at_its_share_of_the_seats_does_not_take_one():
     out, _ = _tick(sched, kv)
     assert sched.waiting[0] is b2  # b2 is first in line, but b already holds its share
     assert not out.preempted and sched.running == [a, b]
+
+
+class _FairResortingEveryTick(FairShare):
+    """The reference: the queue re-sorted after every charge (``FairShare`` moves its version
+    only when a counter reaches another tenant's, where the order can change)."""
+
+    def charge(self, req: Request, prefill: int, decode: int) -> None:
+        super().charge(req, prefill, decode)
+        self.version += 1
+
+
+def _fair_run(policy: FairShare, seed: int) -> list:
+    """A random three-tenant run (weights 1, 1, 2; KV short enough to preempt): every tick's
+    decisions (who ran how many tokens, who was preempted, the queue's order)."""
+    rng = random.Random(seed)
+    sched, kv = _setup(policy, max_num_seqs=3, max_batched_tokens=16, num_kv_blocks=24)
+    live, log, n = [], [], 0
+    for tick in range(400):
+        for _ in range(rng.choice([0, 0, 0, 1, 2]) if tick < 300 else 0):
+            tenant = rng.choice("aab")
+            live.append(_add(sched, f"r{n}", tick * SECOND + n, prompt_len=rng.randint(1, 30),
+                             max_tokens=rng.randint(1, 6), tenant=tenant,
+                             weight=2.0 if tenant == "b" else 1.0))
+            n += 1
+        out, _ = _tick(sched, kv)
+        log.append(([(s.request.request_id, s.num_new_tokens) for s in out.all],
+                    [p.request.request_id for p in out.preempted],
+                    [r.request_id for r in sched.waiting]))
+        for req in [r for r in live if len(r.output_token_ids) >= r.params.max_tokens]:
+            sched.remove(req)
+            kv.free(req.request_id)
+            live.remove(req)
+    assert n > 100 and not live, "every request ran to its end"
+    return log
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fair_sorts_its_queue_only_when_the_order_can_change_and_decides_the_same(seed):
+    lazy, reference = FairShare(seats=3), _FairResortingEveryTick(seats=3)
+    got = _fair_run(lazy, seed)
+    assert got == _fair_run(reference, seed)
+    assert any(pre for _, pre, _ in got), "the run preempted"
+    assert lazy.version < reference.version / 4  # and it re-sorted far less often
