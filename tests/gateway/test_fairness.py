@@ -111,34 +111,38 @@ def test_degraded_admission_under_load_only_for_tenants_that_allow_it(bundled_pa
 
 def test_fair_keeps_the_light_tenants_tail_where_fcfs_lets_the_flood_blow_it_up():
     """bench/policies.py's workload, the two policies taking turns (3 rounds of 4 s per
-    phase: over 100 light requests; the replica on a core of its own, the gateway and this
-    process on the other). The bounds are on the engine's part of the TTFT (queue + prefill,
-    from the records): what the policy decides. The client's TTFT and the engine's p99 also
-    catch the moments the replica is paused, under every policy alike (the engine p99 ratio
-    measured 0.86-1.87x, the p90 ratio 1.2-1.7x, with 32 tokens per step and the replica's
-    start-up heap frozen out of the collector; with 64 tokens per step a CI run on fp32 put the
-    p90 at 2.2x, and before the freeze one run's p99 was 14x: bench/policies.py's engine_env
-    says why). Over ~110 light requests the p99 is the second-largest sample, so one pause
-    that catches two requests decides it: the issue's "p99 within 2x of alone" is asserted at
-    p90, the p99 at 4x of alone and at a tenth of fcfs's (40-190x measured)."""
+    phase: ~100 light requests; the replica on a core of its own, the gateway and this
+    process on the other). The light tenant's TTFT is bounded on the engine's part of it
+    (queue + prefill, from the records): what the policy decides. The client's TTFT also
+    holds the moments the gateway and the load generator, sharing one core in the mixed phase,
+    fall behind, under both policies alike (fair's client p99 measured 26-73 ms, once 863).
+    Engine p99 under fair against alone measured 1.02-1.71x with 48-token light prompts (two
+    steps of the 32-token budget: bench/policies.py's engine_env says why it is not one).
+
+    The heavy tenant's throughput is compared per engine step (output tokens over the steps
+    its phase took, counted from the records' token steps): the same work served in as many
+    steps is the same capacity, whatever the machine's speed in that turn (two adjacent 10 s
+    turns of the same policy differ by up to 20% in wall time on this VM, so wall-clock
+    throughput is only held to 0.7x of fcfs's: a policy that idled would fall below it)."""
     from bench.policies import Workload, run_policies
 
     got = run_policies(["fcfs", "fair"], Workload(duration_s=4.0), rounds=3)
     fcfs, fair = got["fcfs"], got["fair"]
     light, alone = fair["mixed"]["light"], fair["alone"]["light"]
-    assert light["ok"] == light["requests"] > 100
+    assert light["ok"] == light["requests"] > 90
     # fair: the light tenant's TTFT in the engine stays within 2x of what it gets alone
     assert light["engine_ttft_p90"] <= 2 * alone["engine_ttft_p90"], got
-    assert light["engine_ttft_p99"] <= 4 * alone["engine_ttft_p99"], got
+    assert light["engine_ttft_p99"] <= 2 * alone["engine_ttft_p99"], got
     assert light["engine_ttft_p99"] * 10 < fcfs["mixed"]["light"]["engine_ttft_p99"], got
     # fcfs: the same run blows it up, in the engine and at the client (the client's median:
-    # its p99 also holds the moments the gateway and the load generator, sharing one core in
-    # the mixed phase, fall behind, under both policies: fair's measured 26-73 ms, once 863)
+    # its p99 holds the gateway's and the load generator's own delays too)
     assert fcfs["mixed"]["light"]["engine_ttft_p90"] > 10 * alone["engine_ttft_p90"], got
     assert fcfs["mixed"]["light"]["ttft_p50"] > 10 * light["ttft_p50"], got
     assert fcfs["mixed"]["light"]["ttft_p99"] > light["ttft_p99"], got
-    # and the heavy tenant still gets the rest of the capacity (0.88-1.15x of fcfs's
-    # throughput measured, once 0.79x in a full CI run: the bound leaves room for the
-    # machine's drift between turns; a starved tenant would be far below it)
-    assert fair["mixed"]["heavy"]["ok"] == fair["mixed"]["heavy"]["requests"]
-    assert fair["mixed"]["heavy"]["tok_s"] >= 0.7 * fcfs["mixed"]["heavy"]["tok_s"], got
+    # and the heavy tenant still gets the rest of the capacity: within 15% of its fcfs
+    # throughput per engine step, and not far below it in wall time
+    heavy, heavy_fcfs = fair["mixed"]["heavy"], fcfs["mixed"]["heavy"]
+    assert heavy["ok"] == heavy["requests"]
+    assert heavy["engine_steps"] > 1000 and heavy_fcfs["engine_steps"] > 1000
+    assert abs(heavy["tok_per_step"] / heavy_fcfs["tok_per_step"] - 1) <= 0.15, got
+    assert heavy["tok_s"] >= 0.7 * heavy_fcfs["tok_s"], got
