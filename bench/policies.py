@@ -138,10 +138,10 @@ def engine_ttft(records: Path, runs: set[str]) -> dict[str, tuple[list[float], l
 
 
 def replica_cpu_s(gateway_pid: int) -> float:
-    """CPU seconds used so far by a gateway's replica processes (``engine.replica``): the
-    engine's work, which the machine's drift between turns slows down alike for every policy,
-    so tokens per engine CPU-second compare policies where tokens per wall second also
-    compare the moments each one ran in."""
+    """CPU seconds used so far by a gateway's replica processes (``engine.replica``). Kept
+    beside the wall time, not instead of it: on this VM a slow moment costs the replica more
+    CPU time too (its core's sibling is busy), so the two drift together; the steps counted by
+    ``engine_work`` are what compares the policies' capacity."""
     import psutil
 
     total = 0.0
@@ -203,8 +203,10 @@ def run_policies(policies: list[str], w: Workload, model: str = "tiny", rounds: 
                  ) -> dict[str, dict]:
     """Every policy in a gateway of its own, all started first; then each phase in
     ``rounds`` rounds, the policies taking turns (in a rotating order) so that the machine's
-    drift hits them alike. {policy: {"alone": {"light": stats}, "mixed": {tenant: stats}}},
-    the stats over all rounds, with the gateway's and the engine's TTFT from the records."""
+    drift hits them alike. {policy: {"alone": {"light": stats, "rounds": [...]}, "mixed":
+    {tenant: stats, "rounds": [...]}}}: the stats over all rounds, with the gateway's and the
+    engine's TTFT from the records and the phase's engine steps; each round's wall time,
+    replica CPU time, output tokens per tenant, steps and preemptions under "rounds"."""
     from contextlib import ExitStack
 
     from tracing.client import GatewayProcess
@@ -230,14 +232,14 @@ def run_policies(policies: list[str], w: Workload, model: str = "tiny", rounds: 
                 for policy in policies[r % len(policies):] + policies[:r % len(policies)]:
                     cpu = replica_cpu_s(gws[policy].proc.pid)
                     by, duration, run = run_phase(gws[policy].url, schedule, served)
+                    cpu = replica_cpu_s(gws[policy].proc.pid) - cpu
                     acc = got[policy].setdefault(phase, ({}, [0.0, 0.0], set(), []))
-                    cpu0 = acc[1][1]
                     for t, xs in by.items():
                         acc[0].setdefault(t, []).extend(xs)
                     acc[1][0] += duration
-                    acc[1][1] += replica_cpu_s(gws[policy].proc.pid) - cpu
+                    acc[1][1] += cpu
                     acc[2].add(run)
-                    acc[3].append({"run": run, "wall_s": duration, "cpu_s": acc[1][1] - cpu0,
+                    acc[3].append({"run": run, "wall_s": duration, "cpu_s": cpu,
                                    "tokens": {t: sum(x.output_tokens for x in xs if x.ok)
                                               for t, xs in by.items()}})
         stack.close()  # the gateways stop: every record is written
