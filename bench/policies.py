@@ -123,13 +123,13 @@ def run_phase(url: str, schedule: list[tuple[float, Item]], model: str
     return by, duration, target.run_id
 
 
-def engine_ttft(records: Path, runs: set[str]) -> dict[str, tuple[list[float], list[float]]]:
+def engine_ttft(records: list[dict], runs: set[str]
+                ) -> dict[str, tuple[list[float], list[float]]]:
     """Per tenant, over the bench runs ``runs``: the TTFT the gateway recorded (arrival to the
     first flush) and the engine's part of it (queue time and prefill: what the scheduling
     policy decides)."""
     out: dict[str, tuple[list[float], list[float]]] = {}
-    for line in records.read_text().splitlines():
-        r = json.loads(line)
+    for r in records:
         if r.get("ttft_ms") is not None and r["bench_run"] in runs:
             gw, eng = out.setdefault(r["tenant"], ([], []))
             gw.append(r["ttft_ms"])
@@ -155,14 +155,13 @@ def replica_cpu_s(gateway_pid: int) -> float:
     return total
 
 
-def engine_work(records: Path) -> dict[str, dict[str, int]]:
+def engine_work(records: list[dict]) -> dict[str, dict[str, int]]:
     """Per bench run: the engine steps it took (from the first output token's step to the
     last one's, over all its requests: one replica, so one step counter) and the preemptions:
     what a policy costs besides the order, counted, not timed (the machine's drift between
     turns moves wall time and CPU time alike, ±20% here between two adjacent 10 s turns)."""
     out: dict[str, dict[str, int]] = {}
-    for line in records.read_text().splitlines():
-        r = json.loads(line)
+    for r in records:
         w = out.setdefault(r["bench_run"], {"first_step": 1 << 62, "last_step": 0,
                                             "preemptions": 0})
         if r.get("token_steps"):
@@ -246,9 +245,10 @@ def run_policies(policies: list[str], w: Workload, model: str = "tiny", rounds: 
         out: dict[str, dict] = {}
         for policy in policies:
             out[policy] = {}
+            rows = [json.loads(line) for line in records[policy].read_text().splitlines()]
+            work = engine_work(rows)
             for phase, (by, (duration, cpu), runs, per_round) in got[policy].items():
-                ttft = engine_ttft(records[policy], runs)
-                work = engine_work(records[policy])
+                ttft = engine_ttft(rows, runs)
                 for r in per_round:
                     r.update(work.get(r["run"], {}))
                 out[policy][phase] = {"rounds": per_round}

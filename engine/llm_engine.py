@@ -301,7 +301,7 @@ class Engine:
                 continue  # the common case, in plain attribute reads: this runs every tick
             if req.is_finished:  # ended earlier in this loop
                 continue
-            if req.deadline_ns is not None and now >= req.deadline_ns:
+            if d is not None and now >= d:
                 self._end(req, S.TIMED_OUT, "timeout", error="request deadline exceeded")
             elif (due := req.pending_queue_deadline_ns) is not None and now >= due:
                 self._end(req, S.TIMED_OUT, "timeout",
