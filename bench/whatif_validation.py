@@ -9,21 +9,35 @@
 2. **A change of config.** From the same window, the candidate ``--candidate`` (default
    ``evals/configs/bundled-small-chunks.yaml``'s engine settings: 4 sequences, 64 tokens per
    step) is predicted; then a gateway running that config takes the same schedule for real.
-3. **A change of replica count.** The same, 1 -> 2 replicas (one thread each). Replicas on
+3. **A change of traffic.** The same config under the schedule ``--rate-change`` (1.25) times as
+   fast: ``whatif --rate-scale``'s prediction, then the scaled schedule for real. Needs no model
+   of anything the window did not show (one replica, its own core), so it separates the step
+   cost's fidelity from the contention model's.
+4. **A change of replica count.** The same, 1 -> 2 replicas (one thread each). Replicas on
    one host slow each other's steps, which a window of one replica cannot show: first a short
    calibration run (two replicas, another seed, ``--calibration-requests``) gives the
    contention beta (``engine.whatif.fit_contention``) that this prediction and the sizing use
    (``--contention BETA`` instead: no calibration run; ``0``: none).
-4. **Sizing.** ``size`` for a peak rate of ``--size-factor`` x one replica's predicted goodput
+5. **Sizing.** ``size`` for a peak rate of ``--size-factor`` x one replica's predicted goodput
    (utilisation 1): it names N; the schedule scaled to that peak runs for real on N - 1 and N
    replicas, and the measured SLO attainment says whether N was right.
 
 Target (issue 21): predicted p50 within 15% and p99 within 25% of measured, for TTFT and E2E.
-Printed: predicted / measured and the ratio for each, and whether each bound held.
+Printed: predicted / measured and the ratio for each, and whether each bound held. With
+``--control`` the recorded config first takes the same schedule again, for real: the
+"0. run-to-run" row is the window's own figures over that rerun's, how far two real runs of the
+same thing differ here, the floor under every prediction's error.
+
+A second table repeats rows 2-4 with the window's step cost set to the speed each real run's
+own steps ran at (``speed_level``: the cost's price for its decode steps of the batch sizes the
+window had many of, over what they took). That
+needs the real run, so it is no prediction; it says how much of a row's error is the what-if's
+own (its scheduler, router and cost shape) and how much this machine's drift between runs.
 
     python bench/whatif_validation.py [--model bundled|tiny] [--requests 80] [--rate R]
         [--candidate FILE] [--dtype auto|bfloat16|float32] [--only fidelity|size]
-        [--contention BETA] [--calibration-requests 40] [--no-pin] [--json OUT]
+        [--contention BETA] [--calibration-requests 40] [--rate-change 1.25] [--control]
+        [--no-pin] [--json OUT]
 
 On 2 or more CPUs a single replica runs on the last CPU and the gateway, its store and the load
 generator on the others (``--no-pin``: all share every CPU), so a window's step costs are the
@@ -34,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 import tempfile
@@ -125,6 +140,38 @@ def compare_row(name: str, predicted: dict, measured: dict) -> dict:
     return row
 
 
+def speed_level(w, real, seen: int = 20) -> float:
+    """How fast the machine ran a real run's steps against window ``w``'s: ``w``'s step cost's
+    price for the real run's decode-only steps of a batch size ``w`` had at least ``seen``
+    of (shapes the cost is pinned down on, so its shape is not what is measured; each priced
+    times 1 + beta x the other replicas mid-step at its start, where several ran) over the
+    time they took; all its steps where it had fewer than ``seen`` such. 1.08: 8% faster than
+    ``w``'s. Not a prediction (it needs the real run): it separates the what-if's own error
+    from this machine's drift between runs (steps of one shape ran 8-10% faster in one run
+    than in the next here, and a deep queue turns that into 20-50% of TTFT)."""
+    from collections import Counter
+
+    from engine.whatif import overlaps
+
+    common = {k for k, n in Counter(s["num_seqs"] for s in w.step_rows
+                                    if not s["prefill_tokens"]).items() if n >= seen}
+    steps = real.step_rows
+    others = overlaps(steps) if len(real.replicas) > 1 else [0] * len(steps)
+    pairs = [(s, b) for s, b in zip(steps, others, strict=True)
+             if not s["prefill_tokens"] and s["num_seqs"] in common]
+    if len(pairs) < seen:
+        pairs = list(zip(steps, others, strict=True))
+    beta = w.contention or 0.0
+    return sum(w.cost.step(s) * (1 + beta * b) for s, b in pairs) / sum(
+        s["duration_ms"] for s, _ in pairs)
+
+
+def at_level(w, level: float):
+    """Window ``w`` with its step cost ``level`` times as fast."""
+    cost = dataclasses.replace(w.cost, coef=tuple(c / level for c in w.cost.coef))
+    return dataclasses.replace(w, cost=cost)
+
+
 def print_rows(rows: list[dict]) -> None:
     cols = [f"{m}_{q}" for m in ("ttft_ms", "e2e_ms") for q in BOUNDS]
     print(f"{'run':<34}" + "".join(f"{c.replace('_ms', ''):>24}" for c in cols)
@@ -159,6 +206,12 @@ def main() -> int:
     ap.add_argument("--contention", type=float, help="beta for replicas sharing the host "
                     "(default: fitted on a calibration run of two replicas)")
     ap.add_argument("--calibration-requests", type=int, default=40)
+    ap.add_argument("--rate-change", type=float, default=1.25,
+                    help="the traffic change predicted and run (the schedule this many times "
+                         "as fast, same config; 0: skip it)")
+    ap.add_argument("--control", action="store_true",
+                    help="run the recorded config on the same schedule again first: the "
+                         "run-to-run row (two real runs of the same thing)")
     ap.add_argument("--no-pin", dest="pin", action="store_false",
                     help="leave a single replica sharing the CPUs with the gateway and the "
                          "load generator (default: on a CPU of its own)")
@@ -204,6 +257,11 @@ def main() -> int:
               f"model cost ({base.contention_source})")
         out["contention"] = beta
         measured = W.recorded(base, None)
+        if args.control:
+            print("control: the same schedule and config again ...", flush=True)
+            again, _ = record(base_cfg, schedule, 1, tmp / "again", args.model, args.pin)
+            rows.append(compare_row("0. run-to-run (window / rerun)", measured,
+                                    W.recorded(again, None)))
         rows.append(compare_row("1. recorded config", W.predict(base, base.base).summary(None),
                                 measured))
         from tailscope import engine_config as ECF
@@ -211,16 +269,37 @@ def main() -> int:
         if args.only != "size":
             cand = W.candidate(base.base, ECF.load(str(cand_cfg)).engine)
             print(f"candidate: {W.changes(base.base, cand)}", flush=True)
-            predicted = W.predict(base, cand).summary(None)
-            real, _ = record(cand_cfg, schedule, 1, tmp / "candidate", args.model, args.pin)
-            out["candidate_steps"] = real.step_rows
-            rows.append(compare_row("2. candidate config", predicted, W.recorded(real, None)))
-            predicted = W.predict(base, base.base, 2).summary(None)
-            real, _ = record(base_cfg, schedule, 2, tmp / "two", args.model)
-            rows.append(compare_row("3. two replicas", predicted, W.recorded(real, None)))
+            # (row, config, replicas, rate scale, the real run's config file and schedule)
+            changes = [("2. candidate config", cand, 1, 1.0, cand_cfg, schedule)]
+            if args.rate_change:
+                x = args.rate_change
+                changes.append((f"3. traffic x{x:g}", base.base, 1, x, base_cfg,
+                                [(t / x, i) for t, i in schedule]))
+            changes.append(("4. two replicas", base.base, 2, 1.0, base_cfg, schedule))
+            levelled = []
+            for name, cfg, k, x, file, sched in changes:
+                predicted = W.predict(base, cfg, k, x).summary(None)
+                real, _ = record(file, sched, k, tmp / name.split(".")[0], args.model,
+                                 args.pin and k == 1)
+                if cfg is cand:
+                    out["candidate_steps"] = real.step_rows
+                measured_k = W.recorded(real, None)
+                rows.append(compare_row(name, predicted, measured_k))
+                level = speed_level(base, real)
+                levelled.append(compare_row(f"{name} (steps {level:.2f}x)", W.predict(
+                    at_level(base, level), cfg, k, x).summary(None), measured_k))
+                levelled[-1]["level"] = level
+            out["levelled"] = levelled
         print()
         print_rows(rows)
         out["fidelity"] = rows
+        if out.get("levelled"):
+            print("\nThe same predictions with the window's step cost set to the speed each real "
+                  "run's own steps ran at (the cost's price for its decode steps of batch "
+                  "sizes the window had many of, over what they took: 1.08x = 8% faster than "
+                  "the window; the machine's drift between the runs taken out, what is left "
+                  "is the what-if's own error):")
+            print_rows(out["levelled"])
         if args.only != "fidelity":
             t = measured["table"]
             slo = Slo(**{k: float(v) for k, v in (p.split("=") for p in args.slo.split(","))}) \
