@@ -30,9 +30,9 @@ same thing differ here, the floor under every prediction's error.
 
 A second table repeats rows 2-4 with the window's step cost set to the speed each real run's
 own steps ran at (``speed_level``: the cost's price for its decode steps of the batch sizes the
-window had many of, over what they took). That
-needs the real run, so it is no prediction; it says how much of a row's error is the what-if's
-own (its scheduler, router and cost shape) and how much this machine's drift between runs.
+window had many of, over what they took; ``whatif --step-speed``'s scaling). That needs the
+real run, so it is no prediction; it says how much of a row's error is the what-if's own (its
+scheduler, router and cost shape) and how much this machine's drift between runs.
 
     python bench/whatif_validation.py [--model bundled|tiny] [--requests 80] [--rate R]
         [--candidate FILE] [--dtype auto|bfloat16|float32] [--only fidelity|size]
@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import sys
 import tempfile
@@ -166,12 +165,6 @@ def speed_level(w, real, seen: int = 20) -> float:
         s["duration_ms"] for s, _ in pairs)
 
 
-def at_level(w, level: float):
-    """Window ``w`` with its step cost ``level`` times as fast."""
-    cost = dataclasses.replace(w.cost, coef=tuple(c / level for c in w.cost.coef))
-    return dataclasses.replace(w, cost=cost)
-
-
 def print_rows(rows: list[dict]) -> None:
     cols = [f"{m}_{q}" for m in ("ttft_ms", "e2e_ms") for q in BOUNDS]
     print(f"{'run':<34}" + "".join(f"{c.replace('_ms', ''):>24}" for c in cols)
@@ -287,7 +280,7 @@ def main() -> int:
                 rows.append(compare_row(name, predicted, measured_k))
                 level = speed_level(base, real)
                 levelled.append(compare_row(f"{name} (steps {level:.2f}x)", W.predict(
-                    at_level(base, level), cfg, k, x).summary(None), measured_k))
+                    W.faster(base, level), cfg, k, x).summary(None), measured_k))
                 levelled[-1]["level"] = level
             out["levelled"] = levelled
         print()

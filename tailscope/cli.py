@@ -456,6 +456,8 @@ def _whatif_window(args: argparse.Namespace, s: Settings):
     from tailscope import whatif as W
     from tracing import queries as Q
 
+    if not args.step_speed > 0:  # before the store is read
+        raise ValueError("--step-speed must be > 0")
     kind, target = _store_target(args, s)
     source = Q.GatewaySource(target, s.admin_key or None) if kind == "gateway" else target
     if args.bench_run:
@@ -587,7 +589,7 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     queue_timeout = (args.queue_timeout if args.queue_timeout is not None
                      else w.queue_timeout_s) or None
     params, results = W.compare(w, cand, args.replicas, scales, slo, args.max_inflight,
-                                queue_timeout)
+                                queue_timeout, args.step_speed)
     changed, points = params["candidate_changes"], results["points"]
     n_rec, n_cand = params["replicas_recorded"], params["replicas_candidate"]
     stored = _keep_run(args, s, target, "whatif", w, params, results)
@@ -604,6 +606,7 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     _print_window(w)
     print(f"candidate: {changed or 'the recorded config'}"
           + (f"; replicas {n_rec} -> {n_cand}" if n_cand != n_rec else "")
+          + (f"; steps {args.step_speed:g}x as fast" if args.step_speed != 1.0 else "")
           + f"; engine queue timeout {f'{queue_timeout:g} s' if queue_timeout else 'none'}"
           + (" (the recorded gateway's)" if args.queue_timeout is None and queue_timeout
              else ""))
@@ -636,8 +639,8 @@ def cmd_size(args: argparse.Namespace) -> int:
         if not slo:
             raise ValueError("--slo is required: ttft_ms=N,tpot_ms=N")
         target, w, cand = _whatif_window(args, s)
-        out = W.size(w, cand, Slo(**slo), args.peak_rate, args.utilisation, args.attainment,
-                     args.max_inflight)
+        out = W.size(W.faster(w, args.step_speed), cand, Slo(**slo), args.peak_rate,
+                     args.utilisation, args.attainment, args.max_inflight)
     except W.WhatIfError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -647,7 +650,7 @@ def cmd_size(args: argparse.Namespace) -> int:
     changed = W.changes(w.base, cand)
     params = {"slo": slo, "peak_rate_rps": args.peak_rate, "utilisation": args.utilisation,
               "target_attainment": args.attainment, "candidate_changes": changed,
-              "max_inflight": args.max_inflight}
+              "max_inflight": args.max_inflight, "step_speed": args.step_speed}
     stored = _keep_run(args, s, target, "size", w, params, out)
     if args.json:
         print(json.dumps({"run_id": stored, **out}, indent=2, default=float))
@@ -655,7 +658,9 @@ def cmd_size(args: argparse.Namespace) -> int:
     _print_window(w)
     c = out["per_replica_goodput_rps"]
     print(f"per-replica goodput c = {c:.2f} req/s (the highest rate of this traffic at which "
-          f"one replica{' of the candidate' if changed else ''} meets the SLO for "
+          f"one replica{' of the candidate' if changed else ''}"
+          + (f" with steps {args.step_speed:g}x as fast" if args.step_speed != 1.0 else "")
+          + " meets the SLO for "
           f"{args.attainment:.0%} of requests, by what-if)")
     print(f"N = ceil({args.peak_rate:g} / ({c:.2f} x {args.utilisation:g})) = "
           f"{out['formula_replicas']} replicas"
@@ -991,6 +996,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "host: a step that starts while b others are mid-step costs 1 + BETA*b "
                        "times its model cost (default: fitted from the window when it has "
                        "several replicas, else 0; 0 for replicas on separate hosts)")
+        p.add_argument("--step-speed", type=float, default=1.0, metavar="X",
+                       help="the candidate's engine steps X times as fast as the window's: "
+                       "other hardware, a faster dtype or kernel (measure X on both, e.g. with "
+                       "bench/engine_throughput.py); default 1")
         p.add_argument("--json", action="store_true", help="the figures as JSON")
 
     wi = sub.add_parser("whatif", help="recorded traffic through the engine's own scheduler and "

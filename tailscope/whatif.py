@@ -368,22 +368,35 @@ def recorded(w: Window, slo: Slo | None) -> dict:
     return out
 
 
+def faster(w: Window, speed: float) -> Window:
+    """``w`` with every step ``speed`` times as fast: replicas on other hardware, or with a
+    faster dtype or kernel, which the window's own steps cannot show (measure the factor on
+    both, e.g. with ``bench/engine_throughput.py``). Every term of the step cost scales alike:
+    a change that speeds up the matmuls but not the per-step overhead is not modelled."""
+    if not speed > 0:
+        raise ValueError("--step-speed must be > 0")
+    if speed == 1.0:
+        return w
+    return replace(w, cost=replace(w.cost, coef=tuple(c / speed for c in w.cost.coef)))
+
+
 def compare(w: Window, cand: EngineConfig, replicas: int | None = None,
             scales: list[float] | tuple[float, ...] = (1.0,), slo: Slo | None = None,
-            max_inflight: int | None = None, queue_timeout_s: float | None = None
-            ) -> tuple[dict, dict]:
+            max_inflight: int | None = None, queue_timeout_s: float | None = None,
+            step_speed: float = 1.0) -> tuple[dict, dict]:
     """The recorded config (on the recorded replica count) and the candidate (on ``replicas``,
-    default the same) at each rate scale, with the recorded figures at scale 1: (params,
-    results) as ``whatif_runs`` keeps them."""
+    default the same; its steps ``step_speed`` times as fast, ``faster``) at each rate scale,
+    with the recorded figures at scale 1: (params, results) as ``whatif_runs`` keeps them."""
     n_rec = len(w.replicas)
     n_cand = replicas or n_rec
     changed = changes(w.base, cand)
+    fast = faster(w, step_speed)
     points = []
     for scale in scales:
         point = {"rate_scale": scale, "offered_rps": w.rate_rps * scale,
                  "recorded_config": predict(w, w.base, n_rec, scale, max_inflight,
                                             queue_timeout_s).summary(slo),
-                 "candidate": predict(w, cand, n_cand, scale, max_inflight,
+                 "candidate": predict(fast, cand, n_cand, scale, max_inflight,
                                       queue_timeout_s).summary(slo)}
         if scale == 1.0 and w.requests is not None:
             point["recorded"] = recorded(w, slo)
@@ -391,7 +404,8 @@ def compare(w: Window, cand: EngineConfig, replicas: int | None = None,
     params = {"candidate_changes": changed, "replicas_recorded": n_rec,
               "replicas_candidate": n_cand, "rate_scales": list(scales),
               "slo": None if slo is None else {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
-              "max_inflight": max_inflight, "queue_timeout_s": queue_timeout_s}
+              "max_inflight": max_inflight, "queue_timeout_s": queue_timeout_s,
+              "step_speed": step_speed}
     results = {"requests": len(w.requests) if w.requests is not None else len(w.arrivals),
                "sequences": len(w.arrivals),
                "recorded_rate_rps": w.rate_rps, "overhead_ms": w.overhead_ms,

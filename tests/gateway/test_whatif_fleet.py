@@ -113,6 +113,36 @@ def test_replicas_on_one_host_slow_each_others_steps_by_the_contention_factor():
         simulate(burst, CFG, FLAT, W.STAND_IN, 2, route, contention=-1)
 
 
+def test_a_faster_replica_takes_each_step_in_a_fraction_of_the_time_and_queues_less():
+    """``--step-speed``: a lone request of 4 tokens takes 4 steps of 10 ms, 20 ms at twice the
+    speed; a burst on one replica queues less; the candidate alone is sped up in ``compare``
+    (the recorded config's prediction is the window's), and ``size`` on the faster window
+    names fewer replicas."""
+    burst = [Arrival(f"q{i}", 0.0, p, 4) for i, p in enumerate(prompts(12, 100, 13))]
+    w = W.Window.of_arrivals(burst[:1], CFG, FLAT)
+    assert W.faster(w, 1.0) is w
+    assert [s.e2e_ms for s in W.predict(w, CFG).sims] == [40.0]
+    assert [s.e2e_ms for s in W.predict(W.faster(w, 2.0), CFG).sims] == [20.0]
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="step-speed"):
+            W.faster(w, bad)
+    w = window(burst, CFG)
+    slow, fast = W.predict(w, CFG), W.predict(W.faster(w, 2.0), CFG)
+    assert percentile(fast.values("queue_ms"), 50) < 0.6 * percentile(slow.values("queue_ms"), 50)
+    params, results = W.compare(w, CFG, step_speed=2.0)
+    (point,) = results["points"]
+    assert params["step_speed"] == 2.0 and params["candidate_changes"] == {}
+    assert point["recorded_config"] == slow.summary(None)
+    assert point["candidate"] == fast.summary(None)
+    rng = random.Random(9)
+    arrivals = [Arrival(f"q{i}", t * 1000, [rng.randrange(5, 40000) for _ in range(120)], 16)
+                for i, t in enumerate(arrival_times(120, 20.0, seed=9))]
+    w, slo = window(arrivals, CFG), Slo(ttft_ms=150.0, tpot_ms=30.0)
+    peak = 3 * W.capacity(w, CFG, slo, 0.95)["goodput_rps"]
+    n = W.size(w, CFG, slo, peak, utilisation=1.0, target=0.95)["replicas"]
+    assert W.size(W.faster(w, 2.0), CFG, slo, peak, utilisation=1.0, target=0.95)["replicas"] < n
+
+
 def test_contention_is_fitted_from_steps_that_ran_beside_another_replica():
     from engine.whatif import fit_contention, overlaps
 

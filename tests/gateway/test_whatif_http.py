@@ -68,6 +68,20 @@ def test_whatif_replays_the_recorded_window_and_a_candidate_config(bundled_path)
         # fidelity on its own config, loosely (bench/whatif_validation.py holds the bounds)
         assert 0.5 < predicted["p50"] / recorded["p50"] < 2.0, point
         assert point["candidate"] == point["recorded_config"]  # same config, same run
+        # the same config on replicas twice as fast (--step-speed): shorter queues, the recorded
+        # config's prediction unchanged
+        fast = whatif("--step-speed", "2", "--no-store")
+        (f,) = fast["points"]
+        assert fast["step_speed"] == 2.0 and fast["candidate_changes"] == {}
+        assert f["recorded_config"] == point["recorded_config"]
+        assert f["candidate"]["table"]["queue_ms"]["p50"] < \
+            0.75 * point["recorded_config"]["table"]["queue_ms"]["p50"]
+        assert f["candidate"]["table"]["e2e_ms"]["p50"] < \
+            0.75 * point["recorded_config"]["table"]["e2e_ms"]["p50"]
+        bad = subprocess.run([sys.executable, "-m", "tailscope.cli", "whatif", "--url",
+                              server.url, "--window", window, "--step-speed", "0"],
+                             capture_output=True, text=True, timeout=300)
+        assert bad.returncode == 2 and "--step-speed must be > 0" in bad.stderr, bad.stderr
         narrow = whatif("--set", "max_num_seqs=1", "--rate-scale", "1,2",
                         "--slo", "ttft_ms=500,tpot_ms=100")
         assert narrow["candidate_changes"] == {"max_num_seqs": 1}
