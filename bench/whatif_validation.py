@@ -155,7 +155,7 @@ def speed_level(w, real, seen: int = 20) -> float:
     common = {k for k, n in Counter(s["num_seqs"] for s in w.step_rows
                                     if not s["prefill_tokens"]).items() if n >= seen}
     steps = real.step_rows
-    others = overlaps(steps) if len(real.replicas) > 1 else [0] * len(steps)
+    others = overlaps(steps)  # all 0 for one replica
     pairs = [(s, b) for s, b in zip(steps, others, strict=True)
              if not s["prefill_tokens"] and s["num_seqs"] in common]
     if len(pairs) < seen:
@@ -273,7 +273,7 @@ def main() -> int:
             for name, cfg, k, x, file, sched in changes:
                 predicted = W.predict(base, cfg, k, x).summary(None)
                 real, _ = record(file, sched, k, tmp / name.split(".")[0], args.model,
-                                 args.pin and k == 1)
+                                 args.pin)
                 if cfg is cand:
                     out["candidate_steps"] = real.step_rows
                 measured_k = W.recorded(real, None)
