@@ -10,7 +10,8 @@ into one matrix each so a decoder layer is a handful of large matmuls.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +29,15 @@ WeightSource = torch.Tensor | Callable[[], torch.Tensor]
 
 def _materialise(w: WeightSource) -> torch.Tensor:
     return w if isinstance(w, torch.Tensor) else w()
+
+
+def _keep_guards(entries: Sequence) -> list[bool]:
+    """``compile_decode``'s guard filter: drop the guards on the model (``self``, ``self.…``)
+    and on every KV tensor past the first (``kv_caches[0][0]``)."""
+    def drop(name: str) -> bool:
+        return (name == "self" or name.startswith("self.")
+                or (name.startswith("kv_caches[") and not name.startswith("kv_caches[0][0]")))
+    return [not drop(e.name) for e in entries]
 
 
 @dataclass
@@ -284,11 +294,19 @@ class LlamaModel:
         (the row-count dispatch is a guard). ``ModelRunner`` compiles them at start."""
         if self.batch_invariant:
             raise ValueError("compile cannot run batch_invariant (its kernels are not traced)")
-        # dynamo keeps at most recompile_limit graphs per code object (``_decode_step``'s, one
-        # for all the models of a process; up to 3 graphs each): past the default 8, a third
-        # compiled model's steps would fall back to eager with only a log line
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self._compiled_decode = torch.compile(self._decode_step)
+        # Dynamo checks every graph's guards before each call: one per weight tensor, per KV
+        # tensor, per config constant and attribute it read, ~2,000 here (0.9 ms of a 12 ms
+        # batch-1 step). This model's weights, config and structure never change once loaded
+        # and the runner passes the same KV tensors every step, so those guards can only ever
+        # pass: the step is compiled as this model's own function (its own code object, so its
+        # own graph cache, which no other model's calls can reach) and ``_keep_guard`` drops
+        # them, keeping the inputs' (the batch size picks the graph), the first KV tensor's
+        # (another runner's pool) and the global ones. 0.23 ms a call is left.
+        f = LlamaModel._decode_step
+        own = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__,
+                                 f.__defaults__, f.__closure__)
+        self._compiled_decode = torch.compile(types.MethodType(own, self),
+                                              options={"guard_filter_fn": _keep_guards})
 
     def _decode(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

@@ -98,6 +98,42 @@ def test_decodes_of_very_different_lengths_run_eagerly_in_their_groups(monkeypat
     assert counter.calls >= calls + 11 and 3 in counter.rows
 
 
+def test_each_model_compiles_its_own_graphs_and_guards_only_its_inputs():
+    """The compiled step drops dynamo's guards on the model's weights and structure
+    (``engine.model._keep_guards``): sound only because each model's step is its own function,
+    with a graph cache no other model reaches. A second model of other shapes (another
+    vocabulary) in the same process gets graphs of its own and its eager engine's tokens, and
+    the first model's steps still run its own graphs (both vocabularies' logits come back)."""
+    config = dict(num_kv_blocks=32, max_num_seqs=4)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    engines = {}
+    for model in ("tiny", "tiny:1000"):
+        eager = Engine(load_model(model), EngineConfig(**config))
+        compiled = Engine(load_model(model), EngineConfig(**config, compile=True))
+        engines[model] = (eager, compiled)
+    assert engines["tiny"][1].model.config.vocab_size != 1000
+    for eager, compiled in engines.values():
+        counter = CountingDecode(compiled.model._compiled_decode)
+        compiled.model._compiled_decode = counter
+        vocab = compiled.model.config.vocab_size
+        prompts = [[5, 17, 300 % vocab, 42], [3, 4, 5]]
+        for batch in ([prompts[0]], prompts):
+            got, want = compiled.generate(batch, params), eager.generate(batch, params)
+            assert [r.output_token_ids for r in got] == [r.output_token_ids for r in want]
+        assert counter.calls >= 2 * 5
+    # the guards left: the inputs' and one KV tensor's, no weight among them
+    from engine.model import _keep_guards
+
+    class G:
+        def __init__(self, name):
+            self.name = name
+
+    names = ["input_ids", "self", "self.embed", "self.layers[3].qkv.packed", "kv_caches[0][0]",
+             "kv_caches[0][1]", "kv_caches[7][0]", "G['torch']"]
+    assert [n for n, keep in zip(names, _keep_guards([G(n) for n in names]), strict=True)
+            if keep] == ["input_ids", "kv_caches[0][0]", "G['torch']"]
+
+
 def test_compile_is_refused_with_batch_invariant():
     with pytest.raises(ValueError, match="compile cannot run batch_invariant"):
         EngineConfig(compile=True, batch_invariant=True)
