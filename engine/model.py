@@ -302,7 +302,7 @@ class LlamaModel:
         # own graph cache, which no other model's calls can reach) and ``_keep_guard`` drops
         # them, keeping the inputs' (the batch size picks the graph), the first KV tensor's
         # (another runner's pool) and the global ones. 0.23 ms a call is left.
-        f = LlamaModel._decode_step
+        f = type(self)._decode_step
         own = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__,
                                  f.__defaults__, f.__closure__)
         self._compiled_decode = torch.compile(types.MethodType(own, self),
