@@ -653,7 +653,8 @@ def cmd_size(args: argparse.Namespace) -> int:
               "max_inflight": args.max_inflight, "step_speed": args.step_speed}
     stored = _keep_run(args, s, target, "size", w, params, out)
     if args.json:
-        print(json.dumps({"run_id": stored, **out}, indent=2, default=float))
+        print(json.dumps({"run_id": stored, "step_speed": args.step_speed, **out}, indent=2,
+                         default=float))
         return 0
     _print_window(w)
     c = out["per_replica_goodput_rps"]

@@ -234,7 +234,7 @@ def test_size_names_the_replica_count_that_real_runs_at_the_peak_rate_confirm(bu
         out = _cli(servers[1], *size, "--peak-rate", str(1.8 * c), "--utilisation", "0.95")
         n = out["replicas"]
         assert out["formula_replicas"] == 2 and n in (2, 3), out
-        assert out["contention"] == {"beta": beta, "source": "flag"}
+        assert out["contention"] == {"beta": beta, "source": "flag"} and out["step_speed"] == 1.0
         checks = {chk["replicas"]: chk["attainment"] for chk in out["checks"]}
         assert checks[n - 1] < 0.9 <= checks[n], checks
         real = {}
