@@ -299,7 +299,7 @@ class LlamaModel:
         # batch-1 step). This model's weights, config and structure never change once loaded
         # and the runner passes the same KV tensors every step, so those guards can only ever
         # pass: the step is compiled as this model's own function (its own code object, so its
-        # own graph cache, which no other model's calls can reach) and ``_keep_guard`` drops
+        # own graph cache, which no other model's calls can reach) and ``_keep_guards`` drops
         # them, keeping the inputs' (the batch size picks the graph), the first KV tensor's
         # (another runner's pool) and the global ones. 0.23 ms a call is left.
         f = type(self)._decode_step
