@@ -301,7 +301,9 @@ class LlamaModel:
         # pass: the step is compiled as this model's own function (its own code object, so its
         # own graph cache, which no other model's calls can reach) and ``_keep_guards`` drops
         # them, keeping the inputs' (the batch size picks the graph), the first KV tensor's
-        # (another runner's pool) and the global ones. 0.23 ms a call is left.
+        # (another runner's pool) and the global ones. 0.23 ms a call is left. Anything that
+        # someday swaps a loaded model's weights or layers in place (a LoRA, a reload) must
+        # call compile_decode again: these graphs would not notice.
         f = type(self)._decode_step
         own = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__,
                                  f.__defaults__, f.__closure__)
