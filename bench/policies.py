@@ -323,7 +323,8 @@ def main() -> int:
               f"p90 {f['light']['engine_ttft_p90']:.1f} / {alone['engine_ttft_p90']:.1f} ms; "
               f"without the step in progress at arrival: p99 "
               f"{f['light']['policy_ttft_p99']:.1f} / {alone['policy_ttft_p99']:.1f} ms = "
-              f"{f['light']['policy_ttft_p99'] / max(alone['policy_ttft_p99'], 1e-9):.2f}x);"
+              f"{f['light']['policy_ttft_p99'] / max(alone['policy_ttft_p99'], 1e-9):.2f}x, "
+              f"p90 {f['light']['policy_ttft_p90'] / max(alone['policy_ttft_p90'], 1e-9):.2f}x);"
               f" heavy throughput fair / fcfs "
               f"{f['heavy']['tok_s'] / max(c['heavy']['tok_s'], 1e-9):.2f}x (per engine step "
               f"{f['heavy']['tok_per_step'] / max(c['heavy']['tok_per_step'], 1e-9):.3f}x)")

