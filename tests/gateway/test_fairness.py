@@ -124,7 +124,7 @@ def test_fair_keeps_the_light_tenants_tail_where_fcfs_lets_the_flood_blow_it_up(
     2x is where the whole engine TTFT is bound to be in theory, not a margin. The bounds hold
     the part the policy decides instead, without that first wait (bench.policies.engine_ttft):
     three steps for two alone, 1.5x in theory; measured p90 1.02-1.57x, p99 0.71-2.29x over
-    eight runs (p99: one or two requests of ~100, as noisy as a step's cost on this VM), while
+    seven runs (p99: one or two requests of ~100, as noisy as a step's cost on this VM), while
     under fcfs both are 500-1100x (alone's p90 itself 4.7-6.4 ms from run to run).
 
     The heavy tenant's throughput is compared per engine step (output tokens over the steps
