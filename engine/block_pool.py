@@ -6,14 +6,18 @@ ref count (prefix sharing and forked branches hold one block from several tables
 last holder frees it goes back to the free list, unless it is *cached*: a full block registered
 under the chained hash of its tokens (``BlockKey``) stays where it is, evictable, so a later
 request with the same prefix can take it back; ``allocate`` evicts cached blocks least recently
-used first, only when the free list is empty. Freeing a block nobody holds raises instead of
-corrupting the free list; the counters (allocations, releases, hits, evictions) let tests
-check the books balance.
+used first, only when the free list is empty. The free list hands out the lowest block id first
+(a heap): the model runner's KV tensors become resident only where written
+(``engine.model_runner.zero_pages``), so reusing low ids keeps the engine's memory at the
+high-water mark of the blocks in use and cached instead of cycling through the whole pool.
+Freeing a block nobody holds raises instead of corrupting the free list; the counters
+(allocations, releases, hits, evictions) let tests check the books balance.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import heapq
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 
@@ -57,7 +61,7 @@ class BlockPool:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: list[int] = list(range(num_blocks))  # a heap (sorted is one)
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, ref 0, LRU first
         self.ref_counts = [0] * num_blocks
         self.block_key: list[BlockKey | None] = [None] * num_blocks
@@ -89,7 +93,7 @@ class BlockPool:
         out = []
         for _ in range(n):
             if self._free:
-                b = self._free.popleft()
+                b = heapq.heappop(self._free)
             else:  # evict the least recently used cached block
                 b, _ = self._evictable.popitem(last=False)
                 self._uncache(b)
@@ -120,7 +124,7 @@ class BlockPool:
                 if self.block_key[b] is not None:
                     self._evictable[b] = None  # most recently used end
                 else:
-                    self._free.append(b)
+                    heapq.heappush(self._free, b)
 
     # ---- the prefix cache -------------------------------------------------------------------
     def lookup(self, key: BlockKey) -> int | None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
+import mmap
 import time
 from dataclasses import dataclass, field
 
@@ -50,6 +52,26 @@ def _tune_allocator() -> None:
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
+def zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor whose memory becomes resident only where it is written.
+
+    A KV pool is the engine's largest allocation (512 MiB by default), and ``torch.zeros``
+    writes every byte of it at start, so a replica held its whole budget from the first second
+    whatever its traffic. Here the tensor is a private anonymous mapping of its own: the kernel
+    gives its pages out zero-filled on first touch (reading an untouched page maps the shared
+    zero page, which costs nothing), and ``BlockPool`` hands out the lowest free block ids
+    first, so the resident part is the high-water mark of the blocks in use and cached, not
+    the budget. Under traffic that keeps the prefix cache full it still grows to the whole
+    budget. One mapping per tensor: views of one shared mapping would alias each other, and
+    ``torch.compile`` treats mutated aliased inputs specially."""
+    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if not size:
+        return torch.zeros(shape, dtype=dtype)
+    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # the tensor keeps the mapping alive (torch.frombuffer holds a reference to its buffer)
+    return torch.frombuffer(mapping, dtype=dtype).view(shape)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
                  compile: bool = False) -> None:
@@ -62,7 +84,7 @@ class ModelRunner:
         self.block_size = block_size
         shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
+            (zero_pages(shape, model.dtype), zero_pages(shape, model.dtype))
             for _ in range(c.num_layers)
         ]
         self.sampler = Sampler(c.eos_token_ids)
