@@ -67,7 +67,7 @@ def zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     the budget. Under traffic that keeps the prefix cache full it still grows to the whole
     budget. One mapping per tensor: views of one shared mapping would alias each other, and
     ``torch.compile`` treats mutated aliased inputs specially."""
-    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    size = math.prod(shape) * dtype.itemsize
     if not size or not hasattr(mmap, "MAP_ANONYMOUS"):  # (Windows: no such flags)
         return torch.zeros(shape, dtype=dtype)
     mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
