@@ -67,6 +67,29 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out.reshape(b, h, d)
 
 
+def paged_decode_attention_direct(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """``paged_decode_attention`` (masked) written for ``torch.compile``: inductor turns the
+    indexing of the caches by the block tables into loads inside the fused score and output
+    loops, so no gathered copy of the keys and values is made (eager, this materialises
+    ``[B, keys, H, D]`` products: trace it, never call it as is). Scores, softmax and the
+    weighted sum are float32 (or the inputs' wider type)."""
+    b, m = block_tables.shape
+    _, bs, hk, d = k_cache.shape
+    h = q.shape[1]
+    g = h // hk
+    acc = torch.promote_types(q.dtype, torch.float32)
+    k = k_cache[block_tables].view(b, m, bs, hk, 1, d).to(acc)
+    v = v_cache[block_tables].view(b, m, bs, hk, 1, d).to(acc)
+    s = (q.view(b, 1, 1, hk, g, d).to(acc) * k).sum(-1) * scale  # [b, m, bs, hk, g]
+    pos = torch.arange(m * bs, device=q.device).view(1, m, bs, 1, 1)
+    s = s.masked_fill(pos >= context_lens.view(b, 1, 1, 1, 1), float("-inf"))
+    p = torch.softmax(s.view(b, m * bs, hk, g), dim=1).view(b, m, bs, hk, g, 1)
+    return (p * v).sum((1, 2)).to(q.dtype).reshape(b, h, d)
+
+
 # What one more group of decodes costs, in padded keys it would have to save to pay for itself
 # (its gather, mask, attention call and output scatter in every layer). Tried on the bundled
 # model (bf16, one thread) at 128, 384 and 1024 on 8 and 32 decodes of mixed lengths: the

@@ -56,6 +56,28 @@ def test_decode_attention_over_ragged_paged_contexts(heads, kv_heads, block_size
         torch.testing.assert_close(out[i], dense_attention(q[i:i + 1], k, v, scale)[0])
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (9, 3)])
+@pytest.mark.parametrize("lens", [[33], [1, 7, 16, 33]])
+def test_direct_decode_attention_gives_the_gathered_ones_values(heads, kv_heads, lens):
+    """The compiled batch-1 step's attention (indexing the caches by the block tables, no
+    gathered copy) against dense attention and the gathering kernel, padding masked."""
+    g = torch.Generator().manual_seed(heads + len(lens))
+    d, bs, scale = 8, 16, 8 ** -0.5
+    seqs = [(torch.randn(n, kv_heads, d, dtype=torch.float64, generator=g),
+             torch.randn(n, kv_heads, d, dtype=torch.float64, generator=g)) for n in lens]
+    k_cache, v_cache, tables = paged_copy(seqs, bs, 16, g)
+    width = max(map(len, tables)) + 1  # one block of padding past the widest
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    q = torch.randn(len(lens), heads, d, dtype=torch.float64, generator=g)
+    out = reference.paged_decode_attention_direct(q, k_cache, v_cache, block_tables,
+                                                  torch.tensor(lens), scale)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    for i, (k, v) in enumerate(seqs):
+        torch.testing.assert_close(out[i], dense_attention(q[i:i + 1], k, v, scale)[0])
+    torch.testing.assert_close(out, reference.paged_decode_attention(
+        q, k_cache, v_cache, block_tables, torch.tensor(lens), scale, masked=True))
+
+
 @pytest.mark.parametrize("lens,groups", [
     ([1, 7, 16, 33], 1),  # little padding to save: one group, in the step's own order
     ([30, 2000, 31, 29, 1500, 3], 2),  # long ones, then short ones (widest 31: + 3 merged)
