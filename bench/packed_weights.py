@@ -4,13 +4,16 @@ the engines take turns, round after round, so this machine's drift (15-25% betwe
 falls on all of them alike.
 
     python bench/packed_weights.py [--dtype bfloat16] [--rounds 5] [--tokens 48] [--threads 2]
-        [--engines native,int4,int8] [--streams 1]
+        [--engines native,int4,int8] [--streams 1] [--prompt-tokens 64]
 
 ``--engines``: comma-separated ``WEIGHTS`` or ``WEIGHTS+compile`` (``int4+compile``: the
-``compile`` setting; its compile time, at engine start, is printed apart). ``--streams N``: N
-requests decoding together (64-token prompts) instead of one. Prints each engine's decode
-ms/token per round (the median over the streams), the medians, the ratios to the first engine,
-and the aggregate output tok/s.
+``compile`` setting; its compile time, at engine start, is printed apart), and
+``WEIGHTS+compile+gather``: the same with the compiled batch-1 step attending as batches of
+more do (gathered K/V and SDPA) instead of straight from the paged cache
+(``LlamaModel.direct_decode_attention``). ``--streams N``: N requests decoding together
+instead of one; ``--prompt-tokens``: their prompts' length (the context decode attends over).
+Prints each engine's decode ms/token per round (the median over the streams), the medians, the
+ratios to the first engine, and the aggregate output tok/s.
 """
 
 from __future__ import annotations
@@ -32,22 +35,25 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--engines", default="native,int4,int8")
     ap.add_argument("--streams", type=int, default=1)
+    ap.add_argument("--prompt-tokens", type=int, default=64)
     args = ap.parse_args()
     import torch
 
     from engine import Engine, EngineConfig, SamplingParams, load_model
 
     torch.set_num_threads(args.threads)
-    prompts = [list(range(100 + i, 164 + i)) for i in range(args.streams)]  # 64 tokens each
+    prompts = [list(range(100 + i, 100 + i + args.prompt_tokens)) for i in range(args.streams)]
     engines = {}
     for spec in args.engines.split(","):
         weights, _, extra = spec.partition("+")
-        if extra not in ("", "compile"):
-            ap.error(f"--engines: {spec!r} is not WEIGHTS or WEIGHTS+compile")
+        if extra not in ("", "compile", "compile+gather"):
+            ap.error(f"--engines: {spec!r} is not WEIGHTS, WEIGHTS+compile or "
+                     "WEIGHTS+compile+gather")
         t = time.perf_counter()
-        engines[spec] = Engine(load_model(None, args.dtype, weights=weights),
-                               EngineConfig(dtype=args.dtype, weights=weights, kv_cache_mb=128,
-                                            compile=extra == "compile"))
+        model = load_model(None, args.dtype, weights=weights)
+        model.direct_decode_attention = not extra.endswith("gather")
+        engines[spec] = Engine(model, EngineConfig(dtype=args.dtype, weights=weights,
+                                                   kv_cache_mb=128, compile=extra != ""))
         if extra:
             print(f"{spec}: engine start {time.perf_counter() - t:.1f} s (compile "
                   f"{engines[spec].runner.compile_s:.1f} s)", flush=True)

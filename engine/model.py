@@ -166,6 +166,9 @@ class LlamaModel:
         self.rope = {key: self._rope(*key) for key in dict.fromkeys(self.layer_rope)}
         self.cos, self.sin_signed, self.cos_half, self.sin_half = self.rope[self.layer_rope[0]]
         self._compiled_decode = None  # compile_decode
+        # the compiled batch-1 step's attention: straight from the paged cache (False: gather
+        # and SDPA, as batches of more; bench/packed_weights.py's +gather compares the two)
+        self.direct_decode_attention = True
 
     def _rope(self, theta: float, scale: float) -> tuple[torch.Tensor, ...]:
         """cos and sign-folded sin ``[max_pos, D]``, and the ``[max_pos, D/2]`` cos and sin
@@ -334,11 +337,14 @@ class LlamaModel:
         length (no data-dependent Python). Logits of every row.
 
         A batch of one (its own graph) attends through ``paged_decode_attention_direct``, which
-        inductor fuses into the step with no gathered copy of K/V: 20.9 against 25.9 ms a
-        bf16 step, faster in 4 of 4 interleaved rounds (``bench/packed_weights.py``-style A/B
-        in one process, 2026-12-04). Batches of two and more keep the gather and SDPA: the
-        direct loops were slower at 8 sequences (39.1 against 35.0 ms, 0 of 4 rounds)."""
-        direct = input_ids.shape[0] == 1  # fixed per graph: size 1 is specialised
+        inductor fuses into the step with no gathered copy of K/V (``direct_decode_attention``;
+        ``bench/packed_weights.py --engines int4+compile,int4+compile+gather`` compares):
+        bf16 + int4 decode 9.5 against 10.1 ms/token after a 64-token prompt and 15.9 against
+        23.7 after a 1,000-token one, faster in 5 of 5 interleaved rounds each (2026-12-04).
+        Batches of two and more keep the gather and SDPA: the direct loops were slower at 8
+        sequences (39.1 against 35.0 ms a step, 0 of 4 rounds)."""
+        # fixed per graph: size 1 is specialised
+        direct = self.direct_decode_attention and input_ids.shape[0] == 1
         h = self._embed(input_ids)
         for lw, rope, (k_cache, v_cache) in zip(self.layers, self._rope_tables(positions),
                                                 kv_caches, strict=True):
