@@ -4,13 +4,14 @@ the engines take turns, round after round, so this machine's drift (15-25% betwe
 falls on all of them alike.
 
     python bench/packed_weights.py [--dtype bfloat16] [--rounds 5] [--tokens 48] [--threads 2]
-        [--engines native,int4,int8] [--streams 1] [--prompt-tokens 64]
+        [--engines native,int4,int8,int4+out=int4+compile] [--streams 1] [--prompt-tokens 64]
 
 ``--engines``: comma-separated ``WEIGHTS`` or ``WEIGHTS+compile`` (``int4+compile``: the
 ``compile`` setting; its compile time, at engine start, is printed apart), and
 ``WEIGHTS+compile+gather``: the same with the compiled batch-1 step attending as batches of
 more do (gathered K/V and SDPA) instead of straight from the paged cache
-(``LlamaModel.direct_decode_attention``). ``--streams N``: N requests decoding together
+(``LlamaModel.direct_decode_attention``); ``+out=int4`` / ``+out=int8`` after ``WEIGHTS``
+sets ``output_weights`` (``int4+out=int4+compile``). ``--streams N``: N requests decoding together
 instead of one; ``--prompt-tokens``: their prompts' length (the context decode attends over).
 Prints each engine's decode ms/token per round (the median over the streams), the medians, the
 ratios to the first engine, and the aggregate output tok/s.
@@ -45,16 +46,21 @@ def main() -> int:
     prompts = [list(range(100 + i, 100 + i + args.prompt_tokens)) for i in range(args.streams)]
     engines = {}
     for spec in args.engines.split(","):
-        weights, _, extra = spec.partition("+")
-        if extra not in ("", "compile", "compile+gather"):
-            ap.error(f"--engines: {spec!r} is not WEIGHTS, WEIGHTS+compile or "
-                     "WEIGHTS+compile+gather")
+        weights, *extras = spec.split("+")
+        output = next((e.removeprefix("out=") for e in extras if e.startswith("out=")),
+                      "native")
+        compiled = "compile" in extras
+        if weights not in ("native", "int4", "int8") or output not in ("native", "int4", "int8") \
+                or any(e not in ("compile", "gather") and not e.startswith("out=")
+                       for e in extras) or ("gather" in extras and not compiled):
+            ap.error(f"--engines: {spec!r} is not WEIGHTS[+out=OUTPUT][+compile[+gather]]")
         t = time.perf_counter()
-        model = load_model(None, args.dtype, weights=weights)
-        model.direct_decode_attention = not extra.endswith("gather")
-        engines[spec] = Engine(model, EngineConfig(dtype=args.dtype, weights=weights,
-                                                   kv_cache_mb=128, compile=extra != ""))
-        if extra:
+        model = load_model(None, args.dtype, weights=weights, output_weights=output)
+        model.direct_decode_attention = "gather" not in extras
+        engines[spec] = Engine(model, EngineConfig(
+            dtype=args.dtype, weights=weights, output_weights=output, kv_cache_mb=128,
+            compile=compiled))
+        if compiled:
             print(f"{spec}: engine start {time.perf_counter() - t:.1f} s (compile "
                   f"{engines[spec].runner.compile_s:.1f} s)", flush=True)
         engines[spec].generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))  # warm
@@ -75,7 +81,7 @@ def main() -> int:
     base = statistics.median(ms[first])
     for w, v in ms.items():
         med = statistics.median(v)
-        print(f"{w:<14} median {med:6.1f}  ({base / med:.2f}x {first})  "
+        print(f"{w:<22} median {med:6.1f}  ({base / med:.2f}x {first})  "
               f"{statistics.median(tok_s[w]):6.1f} tok/s   rounds: "
               + " ".join(f"{x:.1f}" for x in v))
     return 0

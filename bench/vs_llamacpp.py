@@ -11,8 +11,9 @@ model's own GGUF (Q4_1) with ``-t/-tb <threads>`` and 32 slots; Tailscope serves
 (``tailscope serve``, one replica with ``TAILSCOPE_THREADS=<threads>``, a fresh embedded store
 with full capture) once per ``--dtypes`` entry (``DTYPE+int4`` / ``DTYPE+int8``: with
 ``--weights int4`` / ``int8``; int4 keeps the GGUF's Q4_1 blocks packed for small decode
-steps; ``+compile``: with ``--compile``, decode steps through ``torch.compile``, e.g.
-``bfloat16+int4+compile``). All servers start first and stay up; then ``--rounds`` rounds
+steps; ``+out=int4``: with ``--output-weights int4``, the output matrix too;
+``+compile``: with ``--compile``, decode steps through ``torch.compile``, e.g.
+``bfloat16+int4+out=int4+compile``). All servers start first and stay up; then ``--rounds`` rounds
 (default 3) measure them in turns, one server at a time (the others idle), and the medians over
 the rounds are printed: this machine's speed drifts 15-50% over minutes, and turns spread that
 drift over every server alike instead of handing one server a slow stretch. Each measurement
@@ -158,18 +159,21 @@ def start_llama(exe: Path, threads: int, w: dict) -> Server:
 
 
 def start_tailscope(spec: str, threads: int) -> Server:
-    """``spec``: an engine dtype, then optionally ``+int4`` / ``+int8`` (the weights) and
-    ``+compile`` (``bfloat16+int4+compile``)."""
+    """``spec``: an engine dtype, then optionally ``+int4`` / ``+int8`` (the weights),
+    ``+out=int4`` / ``+out=int8`` (the output matrix) and ``+compile``
+    (``bfloat16+int4+out=int4+compile``)."""
     import httpx
 
     from bench.trace_overhead import PeakRss
     from tracing.client import GatewayProcess
 
     dtype, *extra = spec.split("+")
-    weights = [x for x in extra if x != "compile"]
-    if len(weights) > 1:
-        raise SystemExit(f"--dtypes: {spec!r} is not DTYPE[+WEIGHTS][+compile]")
-    args = ["--dtype", dtype, "--weights", weights[0] if weights else "native"]
+    outputs = [x.removeprefix("out=") for x in extra if x.startswith("out=")]
+    weights = [x for x in extra if x != "compile" and not x.startswith("out=")]
+    if len(weights) > 1 or len(outputs) > 1:
+        raise SystemExit(f"--dtypes: {spec!r} is not DTYPE[+WEIGHTS][+out=WEIGHTS][+compile]")
+    args = ["--dtype", dtype, "--weights", weights[0] if weights else "native",
+            "--output-weights", outputs[0] if outputs else "native"]
     args += ["--compile"] if "compile" in extra else []
     store = tempfile.mkdtemp(prefix="tailscope-vs-llamacpp-")
     gw = GatewayProcess(args, cwd=ROOT, quiet=True, ready_timeout_s=600,
@@ -244,8 +248,8 @@ def main() -> int:
     ap.add_argument("--llama-cpp-python", default="0.3.36", help="sdist version to build from")
     ap.add_argument("--dtypes", default="float32,bfloat16,bfloat16+int4",
                     help="Tailscope runs, one per engine dtype, DTYPE+int4 / DTYPE+int8 for "
-                         "packed weights, +compile for compiled decode steps "
-                         "(comma-separated)")
+                         "packed weights, +out=int4 for a packed output matrix, +compile for "
+                         "compiled decode steps (comma-separated)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3,
                     help="each server measured this many times, in turns; medians printed")

@@ -120,6 +120,12 @@ class EngineConfig:
                             "or int8 (a scale per output row, quantized from float); decode "
                             "steps of up to 4 rows run the packed kernel, larger steps a dense "
                             "copy of the same values: engine.quant")
+    output_weights: str = _setting("native", "how the output matrix (lm_head, or the tied "
+                                   "embedding's values) is held: native, int4 or int8 as for "
+                                   "weights (the embedding lookup stays in dtype); int4 reads a "
+                                   "quarter of bf16's bytes in each batch-1 decode step (a "
+                                   "quarter of the bundled model's step was this matrix), at "
+                                   "4-bit rounding of every logit")
     kv_cache_mb: int = _setting(512, "paged KV-cache budget in MiB; the block count derives "
                                      "from it")
     num_kv_blocks: int | None = _setting(None, "pins the number of KV blocks (tests use tiny "
@@ -172,11 +178,13 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got "
                              f"{self.scheduling_policy!r}")
-        if self.weights not in WEIGHT_FORMATS:
-            raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {self.weights!r}")
-        if self.weights != "native" and self.batch_invariant:
-            raise ValueError(f"weights: {self.weights} cannot run batch_invariant: its two "
-                             "kernels (by a step's row count) round differently")
+        for name in ("weights", "output_weights"):
+            value = getattr(self, name)
+            if value not in WEIGHT_FORMATS:
+                raise ValueError(f"{name} must be one of {WEIGHT_FORMATS}, got {value!r}")
+            if value != "native" and self.batch_invariant:
+                raise ValueError(f"{name}: {value} cannot run batch_invariant: its two "
+                                 "kernels (by a step's row count) round differently")
         if self.compile and self.batch_invariant:
             raise ValueError("compile cannot run batch_invariant: its kernels are not traced")
         if self.preemption not in PREEMPTION_MODES:

@@ -22,7 +22,7 @@ from engine.config import WEIGHT_FORMATS, ModelConfig
 from engine.quant import GROUP, Int4Weight, quantize_int4, quantize_int8
 from kernels import invariant, reference
 from kernels.invariant import InvariantLinear
-from kernels.linear import Int4Linear, Int8Linear, Linear
+from kernels.linear import Int4Linear, Int8Linear, Linear, RescoredOutput
 
 WeightSource = torch.Tensor | Callable[[], torch.Tensor]
 
@@ -86,23 +86,26 @@ class LlamaModel:
 
     ``weight_format`` ``int4`` / ``int8``: the decoder layers' projections hold 4-bit weights
     (``engine.quant``; a GGUF's Q4 tensors as stored, anything else quantized) or 8-bit ones
-    (a scale per output row) and run ``kernels.linear.Int4Linear`` / ``Int8Linear``; norms,
-    embeddings and the output matrix stay in ``dtype``."""
+    (a scale per output row) and run ``kernels.linear.Int4Linear`` / ``Int8Linear``; norms and
+    the embedding stay in ``dtype``. ``output_format`` does the same for the output matrix
+    (``lm_head``; with tied embeddings the embedding's values, quantized from float, while the
+    embedding lookup keeps them in ``dtype``)."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, WeightSource],
                  dtype: torch.dtype = torch.float32, batch_invariant: bool = False,
-                 weight_format: str = "native") -> None:
+                 weight_format: str = "native", output_format: str = "native") -> None:
         """Consumes ``weights`` (entries are popped as they are converted and fused; callables
         are materialised only then), so peak load memory stays near one copy of the model."""
         self.config = config
         self.dtype = dtype
         self.batch_invariant = batch_invariant
         self.weight_format = weight_format
-        if weight_format not in WEIGHT_FORMATS:
-            raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got "
-                             f"{weight_format!r}")
-        if weight_format != "native" and batch_invariant:
-            raise ValueError(f"weights: {weight_format} cannot run batch_invariant")
+        self.output_format = output_format
+        for what, fmt in (("weight_format", weight_format), ("output_format", output_format)):
+            if fmt not in WEIGHT_FORMATS:
+                raise ValueError(f"{what} must be one of {WEIGHT_FORMATS}, got {fmt!r}")
+            if fmt != "native" and batch_invariant:
+                raise ValueError(f"{what} {fmt} cannot run batch_invariant")
         c = config
         # Gemma 3's extra norms, GELU and per-layer RoPE run on the plain torch path (the fused
         # Triton norm / activation / rotary kernels and the batch-invariant ones are Llama's)
@@ -124,23 +127,33 @@ class LlamaModel:
             parts = [_materialise(weights.pop(n)).to(dtype) for n in names]
             return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
 
-        def int4(name: str) -> Int4Weight:
-            src = weights.pop(name)
+        def int4(src: WeightSource) -> Int4Weight:
             exact = src.int4() if hasattr(src, "int4") else None  # a GGUF Q4 tensor's codes
             return exact if exact is not None else quantize_int4(_materialise(src))
+
+        def packed(fmt: str, sources: list[WeightSource], dense: torch.Tensor | None = None
+                   ) -> Int4Linear | Int8Linear:
+            """``dense``: what steps past the packed kernel's rows multiply by (default: the
+            packed values in ``dtype``)."""
+            if fmt == "int8":  # from the float32 values, each row its own scale
+                q8, s8 = quantize_int8(torch.cat([_materialise(w).float() for w in sources]))
+                return Int8Linear(q8, s8, (q8.float() * s8[:, None]).to(dtype)
+                                  if dense is None else dense)
+            q = Int4Weight.cat([int4(w) for w in sources])
+            return Int4Linear(q.codes, q.scale, q.zero, q.dequantize().to(dtype)
+                              if dense is None else dense, GROUP)
 
         def proj(*names: str) -> Linear | InvariantLinear | Int4Linear | Int8Linear:
             if weight_format == "native":
                 return linear(take(*names))
-            if weight_format == "int8":  # from the float32 values, each row its own scale
-                q8, s8 = quantize_int8(torch.cat([_materialise(weights.pop(n)).float()
-                                                  for n in names]))
-                return Int8Linear(q8, s8, (q8.float() * s8[:, None]).to(dtype))
-            q = Int4Weight.cat([int4(n) for n in names])
-            return Int4Linear(q.codes, q.scale, q.zero, q.dequantize().to(dtype), GROUP)
+            return packed(weight_format, [weights.pop(n) for n in names])
 
         self.embed = take("embed")
-        self.lm_head = linear(self.embed if c.tie_word_embeddings else take("lm_head"))
+        exact = self.embed if c.tie_word_embeddings else take("lm_head")
+        if output_format == "native":
+            self.lm_head = linear(exact)
+        else:  # low-bit for small steps, the top logits rescored from ``exact``
+            self.lm_head = RescoredOutput(packed(output_format, [exact], dense=exact), exact)
         self.final_norm = take("final_norm")
         self.layers = [
             LayerWeights(
@@ -204,6 +217,8 @@ class LlamaModel:
         packed low-bit ones as their codes and scales (what a step of up to 4 rows reads)."""
         packed = [m for lw in self.layers for m in (lw.qkv, lw.o, lw.gate_up, lw.down)
                   if isinstance(m, Int4Linear | Int8Linear)]
+        if isinstance(self.lm_head, RescoredOutput):
+            packed.append(self.lm_head)  # tied: the embedding is read a row at a time
         rest = self.num_parameters - sum(m.numel for m in packed)
         return rest * self.embed.element_size() + sum(m.nbytes for m in packed)
 

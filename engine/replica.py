@@ -269,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # a YAML syntax error in the file
         p.error(f"--engine-config-file {args.engine_config_file}: {exc}")
     model = load_model(args.model, config.dtype, batch_invariant=config.batch_invariant,
-                       weights=config.weights)
+                       weights=config.weights,
+                       output_weights=config.output_weights)
     grammar = None
     if args.tokenizer:
         from engine.constrained import GrammarCompiler

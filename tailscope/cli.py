@@ -60,7 +60,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     t0 = time.perf_counter()
     model = load_model(path, config.dtype, batch_invariant=config.batch_invariant,
-                       weights=config.weights)
+                       weights=config.weights,
+                       output_weights=config.output_weights)
     tokenizer = load_tokenizer(path)
     structured = None
     if args.json_schema is not None:

@@ -64,12 +64,14 @@ def load_weights(model: str | Path | None) -> tuple[ModelConfig, dict[str, Weigh
 
 
 def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "float32",
-               batch_invariant: bool = False, weights: str = "native") -> LlamaModel:
+               batch_invariant: bool = False, weights: str = "native",
+               output_weights: str = "native") -> LlamaModel:
     """``batch_invariant``: run on the batch-invariant kernels (``engine.batch_invariant``);
-    ``weights``: ``native`` or ``int4`` (``EngineConfig.weights``)."""
+    ``weights`` / ``output_weights``: ``native``, ``int4`` or ``int8`` for the decoder layers'
+    projections / the output matrix (``EngineConfig.weights`` / ``output_weights``)."""
     from engine.dtypes import parse_dtype
     from engine.model import LlamaModel
 
     config, tensors = load_weights(model)
     return LlamaModel(config, tensors, parse_dtype(dtype), batch_invariant=batch_invariant,
-                      weight_format=weights)
+                      weight_format=weights, output_format=output_weights)

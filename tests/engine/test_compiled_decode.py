@@ -31,9 +31,12 @@ class CountingDecode:
 
 
 def _engines(weights: str) -> tuple[Engine, Engine]:
-    config = dict(weights=weights, num_kv_blocks=64, max_num_seqs=8)
-    eager = Engine(load_model("tiny", weights=weights), EngineConfig(**config))
-    compiled = Engine(load_model("tiny", weights=weights), EngineConfig(**config, compile=True))
+    """``int4``: the output matrix too (``RescoredOutput``'s top-k rescoring, traced)."""
+    config = dict(weights=weights, output_weights=weights, num_kv_blocks=64, max_num_seqs=8)
+    eager = Engine(load_model("tiny", weights=weights, output_weights=weights),
+                   EngineConfig(**config))
+    compiled = Engine(load_model("tiny", weights=weights, output_weights=weights),
+                      EngineConfig(**config, compile=True))
     return eager, compiled
 
 
