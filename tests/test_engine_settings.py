@@ -5,6 +5,7 @@ process, with nothing else to edit."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -20,7 +21,8 @@ SAMPLE = {"dtype": "bfloat16", "kv_cache_mb": 64, "num_kv_blocks": 40, "block_si
           "prefix_caching": False, "preemption": "swap", "step_detail": False,
           "scheduling_policy": "priority", "priority_aging_s": 2.5, "batch_invariant": True,
           "sjf_token_s": 0.05, "budget_split": "prefill_first", "decode_reserve_tokens": 8,
-          "fair_decode_cost": 1.5, "weights": "int4", "compile": True}
+          "fair_decode_cost": 1.5, "weights": "int4", "compile": True,
+          "output_weights": "int4"}
 # settings with one valid value so far (no other value to send through every surface)
 SINGLE_CHOICE: dict[str, tuple] = {}
 
@@ -92,6 +94,17 @@ def test_the_replica_receives_the_whole_config(bundled_path):
         assert engine["dtype"] == body["dtype_auto"]["chooses"] == auto_dtype()[0]
     finally:
         stop_server(server)
+
+
+@pytest.mark.parametrize("path", sorted(
+    (Path(__file__).resolve().parents[1] / "evals" / "configs").glob("*.yaml")),
+    ids=lambda p: p.stem)
+def test_the_shipped_eval_configs_load(path):
+    file = load(path)
+    config = EngineConfig.from_mapping(file.engine, str(path))
+    assert file.name.startswith(path.stem) and file.model == "bundled"
+    assert config.as_dict().items() >= {
+        k: v for k, v in file.engine.items() if k != "dtype"}.items()
 
 
 @pytest.mark.parametrize("name", ["vllm", "sglang", "llamacpp"])
