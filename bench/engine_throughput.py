@@ -1,7 +1,8 @@
 """Engine throughput vs ``transformers.generate``, side by side in one run.
 
     python bench/engine_throughput.py [--dtype float32|bfloat16] [--weights native|int4|int8]
-        [--compile] [--threads 2] [--quick] [--reference-dtype float32|bfloat16]
+        [--output-weights native|int4|int8] [--compile] [--threads 2] [--quick]
+        [--reference-dtype float32|bfloat16]
     python bench/engine_throughput.py --batch-invariant [--dtype ...]
 
 With ``--batch-invariant`` the engine runs twice, with ``engine.batch_invariant`` off and on
@@ -69,14 +70,15 @@ def copy_bandwidth_gbs() -> float:
 
 
 def run_engine(w: dict, dtype: str, batch_invariant: bool = False, weights: str = "native",
-               compile: bool = False) -> dict:
+               compile: bool = False, output_weights: str = "native") -> dict:
     from engine import Engine, EngineConfig, SamplingParams, load_model
 
     t0 = time.perf_counter()
-    model = load_model(None, dtype, batch_invariant=batch_invariant, weights=weights)
+    model = load_model(None, dtype, batch_invariant=batch_invariant, weights=weights,
+                       output_weights=output_weights)
     engine = Engine(model, EngineConfig(dtype=dtype, max_num_seqs=64, max_batched_tokens=512,
                                         batch_invariant=batch_invariant, weights=weights,
-                                        compile=compile))
+                                        output_weights=output_weights, compile=compile))
     load_s = time.perf_counter() - t0
 
     def run(prompts: list[list[int]], n: int) -> tuple[float, list]:
@@ -169,7 +171,8 @@ def child(part: str, args: argparse.Namespace) -> dict:
     dtype = args.reference_dtype if part == "transformers" and args.reference_dtype \
         else args.dtype
     cmd = [sys.executable, __file__, "--part", part, "--dtype", dtype, "--weights",
-           args.weights, "--threads", str(args.threads)] + (["--quick"] if args.quick else []) \
+           args.weights, "--output-weights", args.output_weights, "--threads",
+           str(args.threads)] + (["--quick"] if args.quick else []) \
         + (["--compile"] if args.compile else [])
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
@@ -179,6 +182,7 @@ def child(part: str, args: argparse.Namespace) -> dict:
 def report(e: dict, h: dict | None, args: argparse.Namespace) -> None:
     floor_ms = e["weight_bytes"] / (e["bandwidth_gbs"] * 1e9) * 1e3
     print(f"# engine_throughput  dtype={args.dtype}  weights={args.weights}  "
+          f"output_weights={args.output_weights}  "
           f"threads={args.threads}{'  compile' if args.compile else ''}"
           f"{'  (quick)' if args.quick else ''}")
     print(f"weights {e['weight_bytes'] / 1e6:.0f} MB, copy bandwidth {e['bandwidth_gbs']:.1f} GB/s"
@@ -208,6 +212,8 @@ def main() -> None:
     p.add_argument("--weights", default="native", choices=["native", "int4", "int8"],
                    help="the engine's linear-layer weights (EngineConfig.weights); transformers "
                         "always runs the dequantized model in --dtype")
+    p.add_argument("--output-weights", default="native", choices=["native", "int4", "int8"],
+                   help="the engine's output matrix (EngineConfig.output_weights)")
     p.add_argument("--compile", action="store_true",
                    help="the engine's decode steps through torch.compile (EngineConfig.compile)")
     p.add_argument("--threads", type=int, default=2)
@@ -231,7 +237,7 @@ def main() -> None:
             print(json.dumps(run_transformers(w, args.dtype)))
         else:
             print(json.dumps(run_engine(w, args.dtype, args.part == "engine-bi", args.weights,
-                                        args.compile)))
+                                        args.compile, args.output_weights)))
         return
     if args.batch_invariant:
         report_invariant(child("engine", args), child("engine-bi", args), args)
