@@ -121,11 +121,12 @@ class EngineConfig:
                             "steps of up to 4 rows run the packed kernel, larger steps a dense "
                             "copy of the same values: engine.quant")
     output_weights: str = _setting("native", "how the output matrix (lm_head, or the tied "
-                                   "embedding's values) is held: native, int4 or int8 as for "
-                                   "weights (the embedding lookup stays in dtype); int4 reads a "
-                                   "quarter of bf16's bytes in each batch-1 decode step (a "
-                                   "quarter of the bundled model's step was this matrix), at "
-                                   "4-bit rounding of every logit")
+                                   "embedding's values) is held for decode steps of up to 4 "
+                                   "rows: native, int4 or int8 as for weights, each row's 64 "
+                                   "highest logits then recomputed from the exact matrix (only "
+                                   "the tail keeps low-bit rounding); larger steps and the "
+                                   "embedding lookup use the exact matrix: "
+                                   "kernels.linear.RescoredOutput")
     kv_cache_mb: int = _setting(512, "paged KV-cache budget in MiB; the block count derives "
                                      "from it")
     num_kv_blocks: int | None = _setting(None, "pins the number of KV blocks (tests use tiny "
