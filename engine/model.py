@@ -213,13 +213,16 @@ class LlamaModel:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes one decode step must read: every weight once (the tied output matrix once), the
-        packed low-bit ones as their codes and scales (what a step of up to 4 rows reads)."""
+        """Bytes one batch-1 decode step must read: every weight once (the tied output matrix
+        once; an untied embedding not at all, its lookup reads one row), the packed low-bit ones
+        as their codes and scales (what a step of up to 4 rows reads)."""
         packed = [m for lw in self.layers for m in (lw.qkv, lw.o, lw.gate_up, lw.down)
                   if isinstance(m, Int4Linear | Int8Linear)]
         if isinstance(self.lm_head, RescoredOutput):
-            packed.append(self.lm_head)  # tied: the embedding is read a row at a time
+            packed.append(self.lm_head)
         rest = self.num_parameters - sum(m.numel for m in packed)
+        if not self.config.tie_word_embeddings:  # the lookup reads a row a token, not all
+            rest -= self.embed.numel()
         return rest * self.embed.element_size() + sum(m.nbytes for m in packed)
 
     def _rope_tables(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -258,6 +258,21 @@ def test_int8_weights_from_float_serve_the_paged_engine():
     assert _greedy_agrees(reqs, prompts, model, 6, tie=0.1) >= 1
 
 
+def test_weight_bytes_counts_what_a_batch_1_step_reads():
+    """Every matrix once (packed ones as codes and scales, the output matrix with its rescored
+    rows), the norms, and of an untied embedding nothing: its lookup reads one row a token."""
+    native = load_model("tiny")
+    assert not native.config.tie_word_embeddings
+    assert native.weight_bytes == (native.num_parameters - native.embed.numel()) * 4
+    packed = load_model("tiny", weights="int4", output_weights="int4")
+    mats = [m for lw in packed.layers for m in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+    norms = packed.num_parameters - packed.embed.numel() - packed.lm_head.numel - \
+        sum(m.numel for m in mats)
+    assert packed.weight_bytes == sum(m.nbytes for m in mats) + packed.lm_head.nbytes + \
+        norms * 4
+    assert packed.weight_bytes < 0.4 * native.weight_bytes
+
+
 def test_the_weights_setting_is_checked():
     # (an env var, a flag, a YAML key and part of config_id: tests/test_engine_settings.py)
     with pytest.raises(ValueError, match="weights must be one of"):
