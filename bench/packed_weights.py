@@ -41,6 +41,7 @@ def main() -> int:
     import torch
 
     from engine import Engine, EngineConfig, SamplingParams, load_model
+    from engine.config import WEIGHT_FORMATS
 
     torch.set_num_threads(args.threads)
     prompts = [list(range(100 + i, 100 + i + args.prompt_tokens)) for i in range(args.streams)]
@@ -50,7 +51,7 @@ def main() -> int:
         output = next((e.removeprefix("out=") for e in extras if e.startswith("out=")),
                       "native")
         compiled = "compile" in extras
-        if weights not in ("native", "int4", "int8") or output not in ("native", "int4", "int8") \
+        if weights not in WEIGHT_FORMATS or output not in WEIGHT_FORMATS \
                 or any(e not in ("compile", "gather") and not e.startswith("out=")
                        for e in extras) or ("gather" in extras and not compiled):
             ap.error(f"--engines: {spec!r} is not WEIGHTS[+out=OUTPUT][+compile[+gather]]")

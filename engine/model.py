@@ -88,8 +88,9 @@ class LlamaModel:
     (``engine.quant``; a GGUF's Q4 tensors as stored, anything else quantized) or 8-bit ones
     (a scale per output row) and run ``kernels.linear.Int4Linear`` / ``Int8Linear``; norms and
     the embedding stay in ``dtype``. ``output_format`` does the same for the output matrix
-    (``lm_head``; with tied embeddings the embedding's values, quantized from float, while the
-    embedding lookup keeps them in ``dtype``)."""
+    (``lm_head``; with tied embeddings the embedding's values), quantized from its values in
+    ``dtype``, with each small step's top logits rescored from them (``RescoredOutput``); the
+    embedding lookup and larger steps use those values as they are."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, WeightSource],
                  dtype: torch.dtype = torch.float32, batch_invariant: bool = False,
