@@ -4,6 +4,10 @@ ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
 WORKDIR /app
 # The CPU build of torch, pinned like everywhere else (a bare `torch` would pull CUDA wheels).
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+# C and C++ compilers: `weights: int4` builds its 4-bit kernel on first use (kernels/native.py);
+# without them it falls back to torch's slower int4 kernel.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc g++ \
+    && rm -rf /var/lib/apt/lists/*
 COPY pyproject.toml README.md ./
 COPY tailscope tailscope
 COPY engine engine

@@ -11,8 +11,10 @@ falls on all of them alike.
 ``WEIGHTS+compile+gather``: the same with the compiled batch-1 step attending as batches of
 more do (gathered K/V and SDPA) instead of straight from the paged cache
 (``LlamaModel.direct_decode_attention``); ``+out=int4`` / ``+out=int8`` after ``WEIGHTS``
-sets ``output_weights`` (``int4+out=int4+compile``). ``--streams N``: N requests decoding together
-instead of one; ``--prompt-tokens``: their prompts' length (the context decode attends over).
+sets ``output_weights`` (``int4+out=int4+compile``); ``+aten`` runs 4-bit matrices on torch's
+int4 kernel instead of ours (``kernels.native``; as ``TAILSCOPE_NATIVE_KERNELS=0`` does).
+``--streams N``: N requests decoding together instead of one; ``--prompt-tokens``: their
+prompts' length (the context decode attends over).
 Prints each engine's decode ms/token per round (the median over the streams), the medians, the
 ratios to the first engine, and the aggregate output tok/s.
 """
@@ -20,6 +22,7 @@ ratios to the first engine, and the aggregate output tok/s.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -42,6 +45,7 @@ def main() -> int:
 
     from engine import Engine, EngineConfig, SamplingParams, load_model
     from engine.config import WEIGHT_FORMATS
+    from kernels import native
 
     torch.set_num_threads(args.threads)
     prompts = [list(range(100 + i, 100 + i + args.prompt_tokens)) for i in range(args.streams)]
@@ -52,11 +56,21 @@ def main() -> int:
                       "native")
         compiled = "compile" in extras
         if weights not in WEIGHT_FORMATS or output not in WEIGHT_FORMATS \
-                or any(e not in ("compile", "gather") and not e.startswith("out=")
+                or any(e not in ("compile", "gather", "aten") and not e.startswith("out=")
                        for e in extras) or ("gather" in extras and not compiled):
-            ap.error(f"--engines: {spec!r} is not WEIGHTS[+out=OUTPUT][+compile[+gather]]")
+            ap.error(f"--engines: {spec!r} is not "
+                     "WEIGHTS[+out=OUTPUT][+aten][+compile[+gather]]")
         t = time.perf_counter()
+        switch = os.environ.get("TAILSCOPE_NATIVE_KERNELS")
+        if "aten" in extras:  # read again with the switch off while this model is built
+            os.environ["TAILSCOPE_NATIVE_KERNELS"] = "0"
+            native.available.cache_clear()
         model = load_model(None, args.dtype, weights=weights, output_weights=output)
+        if "aten" in extras:  # models built with ours keep using it
+            os.environ.pop("TAILSCOPE_NATIVE_KERNELS")
+            if switch is not None:
+                os.environ["TAILSCOPE_NATIVE_KERNELS"] = switch
+            native.available.cache_clear()
         model.direct_decode_attention = "gather" not in extras
         engines[spec] = Engine(model, EngineConfig(
             dtype=args.dtype, weights=weights, output_weights=output, kv_cache_mb=128,

@@ -99,15 +99,16 @@ class ModelRunner:
     def _compile(self) -> None:
         """Compile the decode step for every graph serving will need (a batch of one: torch
         specialises size 1; of two and more; with packed weights, past their ``max_rows`` rows,
-        where they switch kernels), on dummy decodes at position 0 of block 0. Block 0 is free
-        now; whatever they write there is overwritten before any sequence reads it (a slot is
-        written before it is attended)."""
+        where they switch kernels), on dummy decodes attending to block 0, each writing its own
+        slot of the first blocks (a batch past one block's slots writes into the next). Those
+        blocks are free now; whatever they write there is overwritten before any sequence reads
+        it (a slot is written before it is attended)."""
         t = time.perf_counter()
         self.model.compile_decode()
         rows = {1, 2}
         for lw in self.model.layers:
             if hasattr(lw.qkv, "max_rows"):
-                rows.add(min(lw.qkv.max_rows + 1, self.block_size))
+                rows.add(lw.qkv.max_rows + 1)
         for b in sorted(rows):
             meta = AttentionMetadata(slot_mapping=torch.arange(b), num_decodes=b,
                                      decode_block_tables=torch.zeros(b, 1, dtype=torch.long),

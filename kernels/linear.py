@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import native
+
 
 def can_prepack(weight: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)
                 ) -> bool:
@@ -79,6 +81,11 @@ class Linear:
 # int4 89 / 100 / 140 / 284 us at 1 / 2 / 4 / 8 rows, int8 about the same, bf16 ~300 us at
 # each; int4 at 64 rows 2 ms.
 PACKED_MAX_ROWS = 4
+# The same with our own 4-bit kernel (kernels/native.py), which reads each weight once for up
+# to 8 rows. The bundled model's 120 layer matrices in sequence, 2 threads (ms, native / aten
+# int4 / prepacked bf16): 1 row 3.4 / 5.2 / 13.3, 8 rows 7.0 / 12.1 / 13.4, 16 rows
+# 11.8 / 22.2 / 15.8, 24 rows 21.0 / 37.7 / 24.2, 32 rows 28.4 / 50.2 / 28.6.
+NATIVE_MAX_ROWS = 16
 
 
 class _PackedLinear:
@@ -90,50 +97,67 @@ class _PackedLinear:
     2.97 ms, int8 1.47 ms against ~90 us at one row here), so float32 activations go through
     them as bfloat16."""
 
-    def __init__(self, shape: tuple[int, int], dense: torch.Tensor, max_rows: int) -> None:
+    def __init__(self, shape: tuple[int, int], dense: torch.Tensor, max_rows: int | None
+                 ) -> None:
         self.shape = shape
         self.dtype = dense.dtype
-        self.max_rows = max_rows
+        self.max_rows = PACKED_MAX_ROWS if max_rows is None else max_rows
         self.dense = Linear(dense)
 
     @property
     def numel(self) -> int:
         return self.shape[0] * self.shape[1]
 
-    def _packed(self, x: torch.Tensor) -> torch.Tensor:
+    def _packed(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """``x`` in bfloat16; the result in ``out_dtype`` or bfloat16 (the caller casts)."""
         raise NotImplementedError
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.max_rows:
-            return self._packed(x.to(torch.bfloat16)).to(x.dtype)
+            return self._packed(x.to(torch.bfloat16), x.dtype).to(x.dtype)
         return self.dense(x)
 
 
 class Int4Linear(_PackedLinear):
     """``w = (code - 8) * scale + zero`` per group of ``group`` inputs
-    (``engine.quant.Int4Weight``, the form of torch's ``_weight_int4pack_mm_for_cpu``)."""
+    (``engine.quant.Int4Weight``). Small steps run our own kernel (``kernels.native``: each
+    weight read once for up to 8 rows, scales in float16 or float32, float32 accumulation) up to
+    ``NATIVE_MAX_ROWS`` rows where it is available and the shape fits it (N a multiple of 16, K
+    of 32, groups of 32); otherwise torch's ``_weight_int4pack_mm_for_cpu`` (scales and zeros
+    rounded to bfloat16, one GEMV per row) up to ``PACKED_MAX_ROWS``. ``self.native`` says
+    which."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                 dense: torch.Tensor, group: int, max_rows: int = PACKED_MAX_ROWS) -> None:
+                 dense: torch.Tensor, group: int, max_rows: int | None = None,
+                 use_native: bool = True) -> None:
         """``codes`` [N, K] (0..15), ``scale`` / ``zero`` [N, K / group]; ``dense`` the same
-        values in the model's dtype (``Int4Weight.dequantize``)."""
-        super().__init__(tuple(codes.shape), dense, max_rows)
+        values in the model's dtype (``Int4Weight.dequantize``). ``max_rows`` defaults to the
+        kernel's own (above); ``use_native=False`` keeps torch's kernel."""
+        packed = native.pack_int4(codes, scale, zero, group) \
+            if use_native and native.available() else None
+        self.native = packed is not None
+        super().__init__(tuple(codes.shape), dense, max_rows if max_rows is not None
+                         else NATIVE_MAX_ROWS if self.native else PACKED_MAX_ROWS)
         self.group = group
-        # [N, K / 2] bytes in the kernel's own layout; [K / group, N, 2] scales and zeros
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            codes.to(torch.int32).contiguous(), 1)
-        self.scales_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(
-            torch.bfloat16)
+        if packed is not None:  # [N/16, K/32, 8, 32] bytes; [N/16, K/32, 16] scales and zeros
+            self.packed, self.scale, self.zero = packed
+        else:  # [N, K / 2] bytes in torch's kernel's layout; [K / group, N, 2] scales and zeros
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                codes.to(torch.int32).contiguous(), 1)
+            self.scales_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(
+                torch.bfloat16)
 
     @property
     def nbytes(self) -> int:
         """What a small step reads: the packed codes and the scales and zeros."""
-        return self.packed.numel() * self.packed.element_size() + \
-            self.scales_zeros.numel() * self.scales_zeros.element_size()
+        extra = (self.scale, self.zero) if self.native else (self.scales_zeros,)
+        return sum(t.numel() * t.element_size() for t in (self.packed, *extra))
 
-    def _packed(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group,
-                                                          self.scales_zeros)
+    def _packed(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        if not self.native:
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group,
+                                                              self.scales_zeros)
+        return native.int4_mm(x, self.packed, self.scale, self.zero, self.shape[0], out_dtype)
 
 
 class Int8Linear(_PackedLinear):
@@ -141,7 +165,7 @@ class Int8Linear(_PackedLinear):
     ``_weight_int8pack_mm``)."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, dense: torch.Tensor,
-                 max_rows: int = PACKED_MAX_ROWS) -> None:
+                 max_rows: int | None = None) -> None:
         """``q`` int8 [N, K], ``scale`` [N]; ``dense`` the same values in the model's dtype."""
         super().__init__(tuple(q.shape), dense, max_rows)
         self.q = q.contiguous()
@@ -151,7 +175,7 @@ class Int8Linear(_PackedLinear):
     def nbytes(self) -> int:
         return self.q.numel() + self.scale.numel() * self.scale.element_size()
 
-    def _packed(self, x: torch.Tensor) -> torch.Tensor:
+    def _packed(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
 
 

@@ -12,7 +12,15 @@ from gguf import GGMLQuantizationType as Q
 
 from engine import Engine, EngineConfig, SamplingParams, load_model
 from engine.quant import GROUP, from_gguf, quantize_int4, quantize_int8
-from kernels.linear import PACKED_MAX_ROWS, Int4Linear, Int8Linear, Linear, RescoredOutput
+from kernels import native
+from kernels.linear import (
+    NATIVE_MAX_ROWS,
+    PACKED_MAX_ROWS,
+    Int4Linear,
+    Int8Linear,
+    Linear,
+    RescoredOutput,
+)
 from tests.engine.helpers import reference_greedy
 from tests.engine.test_loaders import write_tiny_gguf
 
@@ -74,25 +82,30 @@ def test_int8_quantization_is_per_row_within_half_a_step():
 
 def _packed(kind: str, dtype: torch.dtype):
     w = torch.randn(192, 256) * 0.05
-    if kind == "int4":
+    if kind.startswith("int4"):
         q = quantize_int4(w)
         values = q.dequantize()
-        return Int4Linear(q.codes, q.scale, q.zero, values.to(dtype), GROUP), values
+        lin = Int4Linear(q.codes, q.scale, q.zero, values.to(dtype), GROUP,
+                         use_native=kind == "int4")
+        assert lin.native == (kind == "int4" and native.available())
+        return lin, values
     q8, s8 = quantize_int8(w)
     values = q8.float() * s8[:, None]
     return Int8Linear(q8, s8, values.to(dtype)), values
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("kind", ["int4", "int4-aten", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_linear_runs_small_steps_packed_and_large_ones_dense(kind, dtype):
     lin, values = _packed(kind, dtype)
     dense = Linear(values.to(dtype))
-    big = torch.randn(PACKED_MAX_ROWS + 1, 256, dtype=dtype)
+    rows = lin.max_rows
+    assert rows == (NATIVE_MAX_ROWS if getattr(lin, "native", False) else PACKED_MAX_ROWS)
+    big = torch.randn(rows + 1, 256, dtype=dtype)
     assert torch.equal(lin(big), dense(big))  # the dense copy: the same values
-    small = torch.randn(PACKED_MAX_ROWS, 256, dtype=dtype)
+    small = torch.randn(rows, 256, dtype=dtype)
     got, want = lin(small), dense(small)
-    assert got.dtype == dtype and got.shape == (PACKED_MAX_ROWS, 192)
+    assert got.dtype == dtype and got.shape == (rows, 192)
     assert (got.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max()
     # int4 ~0.6 bytes a weight (codes, scales, zeros); int8 ~1
     assert lin.nbytes < (0.7 if kind == "int4" else 1.1) * 192 * 256
@@ -113,12 +126,13 @@ def test_a_low_bit_output_matrix_gives_its_top_logits_exactly(kind, dtype):
         q8, s8 = quantize_int8(exact.float())
         packed = Int8Linear(q8, s8, exact)
     head, ref = RescoredOutput(packed, exact, top_k=16), Linear(exact)
-    big = torch.randn(PACKED_MAX_ROWS + 1, 256, dtype=dtype)
+    rows = packed.max_rows
+    big = torch.randn(rows + 1, 256, dtype=dtype)
     assert torch.equal(head(big), ref(big))
-    small = torch.randn(PACKED_MAX_ROWS, 256, dtype=dtype)
+    small = torch.randn(rows, 256, dtype=dtype)
     got, want, low = head(small).float(), ref(small).float(), packed(small).float()
-    assert got.shape == (PACKED_MAX_ROWS, 512)
-    for row in range(PACKED_MAX_ROWS):
+    assert got.shape == (rows, 512)
+    for row in range(rows):
         top = low[row].topk(16).indices
         tail = torch.ones(512, dtype=torch.bool)
         tail[top] = False
@@ -137,19 +151,20 @@ def test_a_q4_gguf_is_loaded_from_its_codes_as_stored(tmp_path, qtype):
     max per group) would give other ones."""
     path = tmp_path / f"tiny-{qtype.name}.gguf"
     write_tiny_gguf(path, qtype)
-    native, packed = load_model(path), load_model(path, weights="int4")
-    for a, b in zip(native.layers, packed.layers, strict=True):
+    plain, packed = load_model(path), load_model(path, weights="int4")
+    for a, b in zip(plain.layers, packed.layers, strict=True):
         for name in ("qkv", "o", "gate_up", "down"):
             lin = getattr(b, name)
             assert isinstance(lin, Int4Linear), name
             assert torch.equal(lin.dense.weight, getattr(a, name).weight), name
-    ids = torch.tensor([5, 17, 300, 42, 9, 88, 123])
-    assert torch.equal(packed.dense_forward(ids), native.dense_forward(ids))  # 7 rows: dense
-    one = packed.dense_forward(ids[:1]) - native.dense_forward(ids[:1])  # 1 row: packed
-    assert 0 < one.abs().max() < 0.05 * native.dense_forward(ids[:1]).abs().max()
+    rows = packed.layers[0].qkv.max_rows + 1  # past the packed kernel's rows: the dense copy
+    ids = torch.tensor([5, 17, 300, 42, 9, 88, 123] * 3)[:rows]
+    assert torch.equal(packed.dense_forward(ids), plain.dense_forward(ids))
+    one = packed.dense_forward(ids[:1]) - plain.dense_forward(ids[:1])  # 1 row: packed
+    assert 0 < one.abs().max() < 0.05 * plain.dense_forward(ids[:1]).abs().max()
     if qtype == Q.Q4_0:
-        requantized = quantize_int4(native.layers[0].o.weight).dequantize()
-        assert not torch.equal(requantized, native.layers[0].o.weight)
+        requantized = quantize_int4(plain.layers[0].o.weight).dequantize()
+        assert not torch.equal(requantized, plain.layers[0].o.weight)
 
 
 def test_a_phi3_q4_gguf_splits_its_fused_matrices_from_the_codes(tmp_path):
@@ -160,13 +175,14 @@ def test_a_phi3_q4_gguf_splits_its_fused_matrices_from_the_codes(tmp_path):
     ref = tiny("phi3", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                num_key_value_heads=2)  # widths that are whole Q4 blocks
     write_gguf(ref, "phi3", tmp_path / "p.gguf", qtype=Q.Q4_0)
-    native, packed = load_model(tmp_path / "p.gguf"), load_model(tmp_path / "p.gguf",
-                                                                 weights="int4")
-    for a, b in zip(native.layers, packed.layers, strict=True):
+    plain, packed = load_model(tmp_path / "p.gguf"), load_model(tmp_path / "p.gguf",
+                                                                weights="int4")
+    for a, b in zip(plain.layers, packed.layers, strict=True):
         for name in ("qkv", "o", "gate_up", "down"):
             assert torch.equal(getattr(b, name).dense.weight, getattr(a, name).weight), name
-    ids = torch.tensor([3, 17, 255, 42, 99, 1])
-    assert torch.equal(packed.dense_forward(ids), native.dense_forward(ids))
+    rows = packed.layers[0].qkv.max_rows + 1  # past the packed kernel's rows: the dense copy
+    ids = torch.tensor([3, 17, 255, 42, 99, 1] * 3)[:rows]
+    assert torch.equal(packed.dense_forward(ids), plain.dense_forward(ids))
 
 
 def test_float_weights_are_quantized_on_load_and_served_by_the_paged_engine():

@@ -1,0 +1,117 @@
+/* A weight-only 4-bit matmul for a few rows of bfloat16 activations (decode steps), AVX-512 BF16.
+ *
+ * Why our own: torch's CPU int4 kernel (aten::_weight_int4pack_mm_for_cpu, torch 2.13) runs one
+ * GEMV per activation row, so a step of 8 rows reads every weight 8 times and costs about what
+ * the dense bf16 matmul does; no library installable here does better on x86 (torchao's wheel has
+ * no x86 kernels, IPEX does not support this torch). This one reads each weight once for up to 8
+ * rows: 4-bit codes are widened to bf16 *as integers* (0x4300 | code is the bf16 of 128 + code,
+ * exact) and multiplied with vdpbf16ps; the per-group scale and zero and the 128 offset are applied
+ * once per group of 32 inputs in float32:
+ *
+ *   sum_k x_k w_k = S * (sum_k x_k (128 + c_k) - 128 * sx) + Z * sx,   sx = sum_k x_k,
+ *   where w = c * S + Z over the group (Z = zero - 8 * scale in engine.quant's form).
+ *
+ * Layout (kernels/native.py packs it): outputs in tiles of 16 (one zmm of float32 accumulators),
+ * codes [T][G][8][32] bytes: in block b of group g, byte j holds output 16t + j/2's code for input
+ * 32g + 4b + j%2 in its low nibble and for input 32g + 4b + 2 + j%2 in its high nibble, so a
+ * 32-byte load widened to 16-bit lanes gives two vdpbf16ps operands (input pairs per output)
+ * with one AND and one shift. Scales and zeros [T][G][16], float16 or float32.
+ * N must be a multiple of 16, K of 32. Threads: OpenMP, torch's own runtime (libgomp.so.1 is
+ * already loaded by torch when this library is), as many as the caller passes (ops.cpp: torch's
+ * own thread count).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAXR 8
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline __m512 load_scale(const void *p, int f32) {
+    if (f32) return _mm512_loadu_ps(p);
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+/* One tile of 16 outputs for mr (<= MAXR) rows; mr is a constant where this is inlined. */
+static inline __attribute__((always_inline)) void tile(
+        const uint16_t *x, int K, int G, const uint8_t *codes, const char *scale,
+        const char *zero, int f32, const float *sx, int mr, __m512 *tot) {
+    const __m512i low = _mm512_set1_epi16(0x000F), bias = _mm512_set1_epi16(0x4300);
+    const int ssz = f32 ? 64 : 32;
+    __m512 acc[MAXR];
+    for (int r = 0; r < mr; r++) tot[r] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        const uint8_t *cg = codes + (size_t)g * 256;
+        for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(cg + 1024 + 64 * i), _MM_HINT_T0);
+        for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
+        for (int b = 0; b < 8; b++) {
+            __m512i d = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(cg + b * 32)));
+            __m512bh lo = (__m512bh)_mm512_ternarylogic_epi32(d, low, bias, 0xEA); /* d&low|bias */
+            __m512bh hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(d, 4), bias);
+            const uint16_t *xp = x + g * 32 + 4 * b;
+            for (int r = 0; r < mr; r++) {
+                int32_t a, c;
+                memcpy(&a, xp + (size_t)r * K, 4);
+                memcpy(&c, xp + (size_t)r * K + 2, 4);
+                acc[r] = _mm512_dpbf16_ps(acc[r], lo, (__m512bh)_mm512_set1_epi32(a));
+                acc[r] = _mm512_dpbf16_ps(acc[r], hi, (__m512bh)_mm512_set1_epi32(c));
+            }
+        }
+        __m512 S = load_scale(scale + (size_t)g * ssz, f32);
+        __m512 Z = load_scale(zero + (size_t)g * ssz, f32);
+        for (int r = 0; r < mr; r++) {
+            __m512 s = _mm512_set1_ps(sx[r * G + g]);
+            __m512 a = _mm512_fnmadd_ps(s, _mm512_set1_ps(128.0f), acc[r]);
+            tot[r] = _mm512_fmadd_ps(a, S, tot[r]);
+            tot[r] = _mm512_fmadd_ps(Z, s, tot[r]);
+        }
+    }
+}
+
+/* out[M, N] (bf16 if out_bf16, else float32) = x[M, K] (bf16, rows K apart) @ W.T */
+int q4_gemm(const uint16_t *x, int M, int K, int N, const uint8_t *codes, const void *scale,
+            const void *zero, int scale_f32, void *out, int out_bf16, int threads) {
+    if (M < 1 || K % 32 || N % 16) return 1;
+    const int G = K / 32, T = N / 16, ssz = scale_f32 ? 4 : 2;
+    float *sx = (float *)malloc(sizeof(float) * (size_t)M * G);
+    if (!sx) return 2;
+    for (int r = 0; r < M; r++)
+        for (int g = 0; g < G; g++) {
+            float s = 0;
+            for (int j = 0; j < 32; j++) s += bf16_to_f32(x[(size_t)r * K + g * 32 + j]);
+            sx[r * G + g] = s;
+        }
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int t = 0; t < T; t++) {
+        const uint8_t *ct = codes + (size_t)t * G * 256;
+        const char *st = (const char *)scale + (size_t)t * G * 16 * ssz;
+        const char *zt = (const char *)zero + (size_t)t * G * 16 * ssz;
+        for (int r0 = 0; r0 < M; r0 += MAXR) {
+            const int mr = M - r0 < MAXR ? M - r0 : MAXR;
+            const uint16_t *xr = x + (size_t)r0 * K;
+            __m512 tot[MAXR];
+            switch (mr) {
+#define ROWS(R) case R: tile(xr, K, G, ct, st, zt, scale_f32, sx + r0 * G, R, tot); break;
+            ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+#undef ROWS
+            }
+            for (int r = 0; r < mr; r++) {
+                size_t o = (size_t)(r0 + r) * N + (size_t)t * 16;
+                if (out_bf16)
+                    _mm256_storeu_si256((__m256i *)((uint16_t *)out + o),
+                                        (__m256i)_mm512_cvtneps_pbh(tot[r]));
+                else
+                    _mm512_storeu_ps((float *)out + o, tot[r]);
+            }
+        }
+    }
+    free(sx);
+    return 0;
+}

@@ -1,0 +1,150 @@
+"""Our own C kernel for 4-bit decode steps (``csrc/q4_gemm.c``: why it exists is said there),
+registered as the torch operator ``tailscope_native::int4_mm`` (``csrc/ops.cpp``), compiled on
+first use with the system C and C++ compilers against the installed torch's headers (~8 s).
+
+It is an accelerator, never a requirement: without compilers, on a CPU without AVX-512 BF16, with
+``TAILSCOPE_NATIVE_KERNELS=0``, or when the build fails (logged once), ``available()`` is False
+and ``kernels.linear.Int4Linear`` runs torch's own int4 kernel as before. The shared object is
+cached under ``$TAILSCOPE_CACHE_DIR/kernels`` (default ``~/.cache/tailscope/kernels``), named by
+a hash of the sources, the compilers, the flags and the torch version, built in a temporary
+directory and renamed into place, so processes building at once (replicas starting together)
+never load a half-written file.
+
+A torch operator rather than a ctypes call: compiled decode graphs call it like an aten op
+(~4.6 us a call here; a Python ``torch.library.custom_op`` around ctypes cost ~17 us, and a
+batch-1 step of the bundled model makes 121 calls). The kernel's threads come from torch's own
+OpenMP runtime (the library links ``libgomp.so.1``, the soname torch has already loaded): one
+thread pool, not two competing for the cores.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "q4_gemm.c", CSRC / "ops.cpp")
+C_FLAGS = ["-O3", "-std=c11", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c",
+           "-mfma", "-fopenmp", "-fPIC"]
+CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c", "fma"}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TAILSCOPE_CACHE_DIR") or Path.home() / ".cache" / "tailscope"
+                ) / "kernels"
+
+
+def cpu_supported() -> tuple[bool, str]:
+    """The CPU has every instruction set the kernel uses (/proc/cpuinfo's flags)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((set(line.split(":", 1)[1].split()) for line in f
+                          if line.startswith("flags")), set())
+    except OSError:
+        return False, "no /proc/cpuinfo"
+    missing = sorted(CPU_FLAGS - flags)
+    return (not missing, f"CPU lacks {', '.join(missing)}" if missing else "")
+
+
+def _cxx_flags() -> list[str]:
+    from torch.utils.cpp_extension import include_paths
+
+    return ["-O2", "-std=c++20", "-fPIC", "-w",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            *(f"-I{p}" for p in include_paths())]
+
+
+def _build(cc: str, cxx: str, path: Path) -> None:
+    torch_lib = Path(torch.__file__).parent / "lib"
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        steps = [[cc, *C_FLAGS, "-c", str(SOURCES[0]), "-o", f"{tmp}/q4_gemm.o"],
+                 [cxx, *_cxx_flags(), "-c", str(SOURCES[1]), "-o", f"{tmp}/ops.o"],
+                 [cxx, "-shared", "-fopenmp", f"{tmp}/ops.o", f"{tmp}/q4_gemm.o",
+                  f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-o", f"{tmp}/lib.so"]]
+        for cmd in steps:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            if done.returncode != 0:
+                raise OSError(f"{cmd[0]} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(f"{tmp}/lib.so", path)
+
+
+@functools.cache
+def available() -> bool:
+    """``torch.ops.tailscope_native.int4_mm`` is loaded (built first if need be); when not, the
+    reason is logged once (INFO: not this machine or switched off; WARNING: the build failed)."""
+    if os.environ.get("TAILSCOPE_NATIVE_KERNELS", "1").strip().lower() in ("0", "false", "no",
+                                                                            "off"):
+        log.info("native kernels off (TAILSCOPE_NATIVE_KERNELS)")
+        return False
+    ok, why = cpu_supported()
+    if not ok:
+        log.info("native 4-bit kernel not used: %s", why)
+        return False
+    cc = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
+    cxx = shutil.which(os.environ.get("CXX") or "c++") or shutil.which("g++")
+    if cc is None or cxx is None:
+        log.info("native 4-bit kernel not used: no C / C++ compiler (cc, c++) on PATH")
+        return False
+    if hasattr(torch.ops.tailscope_native, "int4_mm"):  # loaded already (available.cache_clear)
+        return True
+    try:
+        versions = [subprocess.run([c, "--version"], capture_output=True, text=True,
+                                   timeout=30).stdout for c in (cc, cxx)]
+        key = hashlib.sha256("\0".join([*(p.read_text() for p in SOURCES), cc, cxx, *versions,
+                                        *C_FLAGS, *_cxx_flags(), torch.__version__]).encode()
+                             ).hexdigest()[:16]
+        path = cache_dir() / f"tailscope_native-{key}.so"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _build(cc, cxx, path)
+        torch.ops.load_library(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("native 4-bit kernel not built, torch's int4 kernel is used: %s", e)
+        return False
+    torch.library.register_fake("tailscope_native::int4_mm")(_int4_mm_fake)
+    return True
+
+
+def _int4_mm_fake(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                  zero: torch.Tensor, out_features: int, out_dtype: torch.dtype) -> torch.Tensor:
+    return x.new_empty((x.shape[0], out_features), dtype=out_dtype)
+
+
+def pack_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``w = (code - 8) * scale + zero`` ([N, K] codes 0..15, [N, K / group] scales and zeros)
+    in the kernel's layout: codes as [N/16, K/32, 8, 32] bytes, and the kernel's scale ``S`` and
+    zero ``Z = zero - 8 * scale`` as [N/16, K/32, 16], float16 where that holds them exactly
+    (GGUF's Q4_0 / Q4_1 scales are float16), else float32. None where the shape does not fit
+    the kernel (N a multiple of 16, K of 32, groups of 32)."""
+    n, k = codes.shape
+    if group != 32 or n % 16 or k % 32:
+        return None
+    c = codes.to(torch.uint8).view(n // 16, 16, k // 32, 8, 2, 2)
+    packed = (c[..., 0, :] | (c[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).contiguous()
+    s = scale.float()
+    z = zero.float() - 8 * s
+    half = all(bool(torch.equal(t.half().float(), t)) for t in (s, z))
+
+    def tiles(t: torch.Tensor) -> torch.Tensor:
+        t = t.view(n // 16, 16, k // 32).permute(0, 2, 1).contiguous()
+        return t.half() if half else t
+
+    return packed, tiles(s), tiles(z)
+
+
+def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+            out_features: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """``x`` [M, K] bfloat16 times the packed matrix (``pack_int4``): [M, N] in ``out_dtype``
+    (bfloat16 or float32). Only where ``available()``."""
+    return torch.ops.tailscope_native.int4_mm(x, packed, scale, zero, out_features, out_dtype)
