@@ -118,11 +118,13 @@ class EngineConfig:
                             "dtype), int4 (4-bit codes with a scale and zero per 32 inputs: "
                             "GGUF Q4_0 / Q4_1 / Q4_K tensors kept as stored, others quantized) "
                             "or int8 (a scale per output row, quantized from float); decode "
-                            "steps of up to 4 rows run the packed kernel, larger steps a dense "
-                            "copy of the same values: engine.quant")
+                            "steps of up to 16 rows (int4 on our own kernel, kernels.native) or "
+                            "4 (int8, or int4 on torch's kernel) run packed, larger steps a "
+                            "dense copy of the same values: engine.quant")
     output_weights: str = _setting("native", "how the output matrix (lm_head, or the tied "
-                                   "embedding's values) is held for decode steps of up to 4 "
-                                   "rows: native, int4 or int8 as for weights, each row's 64 "
+                                   "embedding's values) is held for small decode steps (as "
+                                   "many rows as for weights): native, int4 or int8 as for "
+                                   "weights, each row's 64 "
                                    "highest logits then recomputed from the exact matrix (only "
                                    "the tail keeps low-bit rounding); larger steps and the "
                                    "embedding lookup use the exact matrix: "

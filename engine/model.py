@@ -216,7 +216,7 @@ class LlamaModel:
     def weight_bytes(self) -> int:
         """Bytes one batch-1 decode step must read: every weight once (the tied output matrix
         once; an untied embedding not at all, its lookup reads one row), the packed low-bit ones
-        as their codes and scales (what a step of up to 4 rows reads)."""
+        as their codes and scales (what a small step, on the packed kernel, reads)."""
         packed = [m for lw in self.layers for m in (lw.qkv, lw.o, lw.gate_up, lw.down)
                   if isinstance(m, Int4Linear | Int8Linear)]
         if isinstance(self.lm_head, RescoredOutput):
