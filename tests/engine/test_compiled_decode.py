@@ -18,6 +18,12 @@ PROMPTS = [[5, 17, 300, 42, 9, 88, 123, 7], [3, 4, 5], list(range(40, 70)),
            [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]]
 
 
+# float32 steps: fused and eager ops round differently in the last bits. int4's packed steps
+# (up to 16 rows on our kernel) take their activations as bfloat16, where such a difference
+# can flip a rounding: 2^-9 of a value, measured 0.0012 of a logprob on this test's tiny model
+LOGPROB_ATOL = {"native": 1e-3, "int4": 4e-3}
+
+
 class CountingDecode:
     """Counts the calls into the compiled decode step (and passes them on)."""
 
@@ -63,7 +69,8 @@ def test_compiled_decode_steps_give_the_eager_engines_tokens(weights):
         for a, b in zip(got, want, strict=True):
             lp_a = torch.tensor([e.logprob for e in a.output_logprobs])
             lp_b = torch.tensor([e.logprob for e in b.output_logprobs])
-            assert torch.allclose(lp_a, lp_b, atol=1e-3), (lp_a - lp_b).abs().max()
+            assert torch.allclose(lp_a, lp_b, atol=LOGPROB_ATOL[weights]), \
+                (lp_a - lp_b).abs().max()
     # every decode step went through the compiled graphs, and none was compiled mid-serving
     assert counter.calls >= 3 * 23 and {1, 4, past} <= counter.rows
     assert counters["frames"]["ok"] == frames
