@@ -112,6 +112,7 @@ def available() -> bool:
         log.warning("native 4-bit kernel not built, torch's int4 kernel is used: %s", e)
         return False
     torch.library.register_fake("tailscope_native::int4_mm")(_int4_mm_fake)
+    log.info("native 4-bit kernel loaded (%s)", path)
     return True
 
 
