@@ -27,6 +27,8 @@ at::Tensor int4_mm(const at::Tensor &x, const at::Tensor &packed, const at::Tens
     const int64_t m = x.size(0), k = x.size(1);
     TORCH_CHECK(packed.numel() == out_features * k / 2 && k % 32 == 0 && out_features % 16 == 0,
                 "packed does not hold [", out_features, ", ", k, "] 4-bit codes");
+    TORCH_CHECK(scale.numel() == out_features * (k / 32) && zero.numel() == scale.numel(),
+                "scale / zero do not hold [", out_features, ", ", k / 32, "] groups");
     const at::Tensor xc = x.contiguous();
     at::Tensor out = at::empty({m, out_features}, x.options().dtype(out_dtype));
     if (m == 0) return out;

@@ -74,6 +74,8 @@ def test_the_operator_refuses_what_it_cannot_run():
         native.int4_mm(x.float(), *packed, 32, torch.float32)
     with pytest.raises(RuntimeError, match="does not hold"):
         native.int4_mm(torch.randn(2, 96).to(torch.bfloat16), *packed, 32, torch.float32)
+    with pytest.raises(RuntimeError, match="groups"):
+        native.int4_mm(x, packed[0], packed[1][:1], packed[2][:1], 32, torch.float32)
     with pytest.raises(RuntimeError, match="out_dtype"):
         native.int4_mm(x, *packed, 32, torch.float16)
     assert native.int4_mm(x[:0], *packed, 32, torch.float32).shape == (0, 32)
