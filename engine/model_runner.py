@@ -107,8 +107,9 @@ class ModelRunner:
         self.model.compile_decode()
         rows = {1, 2}
         for lw in self.model.layers:
-            if hasattr(lw.qkv, "max_rows"):
-                rows.add(lw.qkv.max_rows + 1)
+            if hasattr(lw.qkv, "max_rows"):  # (a pool too small for that many slots never
+                # runs a batch that large either)
+                rows.add(min(lw.qkv.max_rows + 1, self.kv_caches[0][0].shape[0] * self.block_size))
         for b in sorted(rows):
             meta = AttentionMetadata(slot_mapping=torch.arange(b), num_decodes=b,
                                      decode_block_tables=torch.zeros(b, 1, dtype=torch.long),
