@@ -106,10 +106,10 @@ class ModelRunner:
         t = time.perf_counter()
         self.model.compile_decode()
         rows = {1, 2}
-        for lw in self.model.layers:
-            if hasattr(lw.qkv, "max_rows"):  # (a pool too small for that many slots never
-                # runs a batch that large either)
-                rows.add(min(lw.qkv.max_rows + 1, self.kv_caches[0][0].shape[0] * self.block_size))
+        slots = self.kv_caches[0][0].shape[0] * self.block_size  # a pool with fewer never runs
+        for lw in self.model.layers:  # a batch that large either
+            if hasattr(lw.qkv, "max_rows"):
+                rows.add(min(lw.qkv.max_rows + 1, slots))
         for b in sorted(rows):
             meta = AttentionMetadata(slot_mapping=torch.arange(b), num_decodes=b,
                                      decode_block_tables=torch.zeros(b, 1, dtype=torch.long),

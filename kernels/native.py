@@ -64,11 +64,11 @@ def _cxx_flags() -> list[str]:
             *(f"-I{p}" for p in include_paths())]
 
 
-def _build(cc: str, cxx: str, path: Path) -> None:
+def _build(cc: str, cxx: str, cxx_flags: list[str], path: Path) -> None:
     torch_lib = Path(torch.__file__).parent / "lib"
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         steps = [[cc, *C_FLAGS, "-c", str(SOURCES[0]), "-o", f"{tmp}/q4_gemm.o"],
-                 [cxx, *_cxx_flags(), "-c", str(SOURCES[1]), "-o", f"{tmp}/ops.o"],
+                 [cxx, *cxx_flags, "-c", str(SOURCES[1]), "-o", f"{tmp}/ops.o"],
                  [cxx, "-shared", "-fopenmp", f"{tmp}/ops.o", f"{tmp}/q4_gemm.o",
                   f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-o", f"{tmp}/lib.so"]]
         for cmd in steps:
@@ -100,13 +100,14 @@ def available() -> bool:
     try:
         versions = [subprocess.run([c, "--version"], capture_output=True, text=True,
                                    timeout=30).stdout for c in (cc, cxx)]
+        cxx_flags = _cxx_flags()
         key = hashlib.sha256("\0".join([*(p.read_text() for p in SOURCES), cc, cxx, *versions,
-                                        *C_FLAGS, *_cxx_flags(), torch.__version__]).encode()
+                                        *C_FLAGS, *cxx_flags, torch.__version__]).encode()
                              ).hexdigest()[:16]
         path = cache_dir() / f"tailscope_native-{key}.so"
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
-            _build(cc, cxx, path)
+            _build(cc, cxx, cxx_flags, path)
         torch.ops.load_library(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("native 4-bit kernel not built, torch's int4 kernel is used: %s", e)
