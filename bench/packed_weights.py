@@ -12,7 +12,9 @@ falls on all of them alike.
 more do (gathered K/V and SDPA) instead of straight from the paged cache
 (``LlamaModel.direct_decode_attention``); ``+out=int4`` / ``+out=int8`` after ``WEIGHTS``
 sets ``output_weights`` (``int4+out=int4+compile``); ``+aten`` runs 4-bit matrices on torch's
-int4 kernel instead of ours (``kernels.native``; as ``TAILSCOPE_NATIVE_KERNELS=0`` does).
+int4 kernel instead of ours (``kernels.native``; as ``TAILSCOPE_NATIVE_KERNELS=0`` does);
+``+sdpa`` runs decode attention as torch's gather and SDPA instead of our own paged kernel
+(``LlamaModel.native_decode_attention``).
 ``--streams N``: N requests decoding together instead of one; ``--prompt-tokens``: their
 prompts' length (the context decode attends over).
 Prints each engine's decode ms/token per round (the median over the streams), the medians, the
@@ -56,10 +58,11 @@ def main() -> int:
                       "native")
         compiled = "compile" in extras
         if weights not in WEIGHT_FORMATS or output not in WEIGHT_FORMATS \
-                or any(e not in ("compile", "gather", "aten") and not e.startswith("out=")
+                or any(e not in ("compile", "gather", "aten", "sdpa")
+                       and not e.startswith("out=")
                        for e in extras) or ("gather" in extras and not compiled):
             ap.error(f"--engines: {spec!r} is not "
-                     "WEIGHTS[+out=OUTPUT][+aten][+compile[+gather]]")
+                     "WEIGHTS[+out=OUTPUT][+aten][+sdpa][+compile[+gather]]")
         t = time.perf_counter()
         switch = os.environ.get("TAILSCOPE_NATIVE_KERNELS")
         if "aten" in extras:  # read again with the switch off while this model is built
@@ -72,6 +75,8 @@ def main() -> int:
                 os.environ["TAILSCOPE_NATIVE_KERNELS"] = switch
             native.available.cache_clear()
         model.direct_decode_attention = "gather" not in extras
+        if "sdpa" in extras:
+            model.native_decode_attention = False
         engines[spec] = Engine(model, EngineConfig(
             dtype=args.dtype, weights=weights, output_weights=output, kv_cache_mb=128,
             compile=compiled))

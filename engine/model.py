@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import kernels
 from engine.config import WEIGHT_FORMATS, ModelConfig
 from engine.quant import GROUP, Int4Weight, quantize_int4, quantize_int8
-from kernels import invariant, reference
+from kernels import invariant, native, reference
 from kernels.invariant import InvariantLinear
 from kernels.linear import Int4Linear, Int8Linear, Linear, RescoredOutput
 
@@ -183,6 +183,11 @@ class LlamaModel:
         # the compiled batch-1 step's attention: straight from the paged cache (False: gather
         # and SDPA, as batches of more; bench/packed_weights.py's +gather compares the two)
         self.direct_decode_attention = True
+        # decode attention through our own kernel, straight from the paged cache
+        # (kernels/csrc/paged_attention.c: 4-6x torch's gather and SDPA at 8-32 sequences)
+        # where it is built and fits this model (bfloat16); False: torch's gather and SDPA
+        self.native_decode_attention = not batch_invariant and native.attention_fits(
+            c.num_heads, c.num_kv_heads, c.head_dim, dtype) and native.available()
 
     def _rope(self, theta: float, scale: float) -> tuple[torch.Tensor, ...]:
         """cos and sign-folded sin ``[max_pos, D]``, and the ``[max_pos, D/2]`` cos and sin
@@ -361,7 +366,8 @@ class LlamaModel:
         bf16 + int4 decode 9.5 against 10.1 ms/token after a 64-token prompt and 15.9 against
         23.7 after a 1,000-token one, faster in 5 of 5 interleaved rounds each (2026-12-04).
         Batches of two and more keep the gather and SDPA: the direct loops were slower at 8
-        sequences (39.1 against 35.0 ms a step, 0 of 4 rounds)."""
+        sequences (39.1 against 35.0 ms a step, 0 of 4 rounds). Where our own attention kernel
+        runs (``native_decode_attention``) every batch size goes through it instead."""
         # fixed per graph: size 1 is specialised
         direct = self.direct_decode_attention and input_ids.shape[0] == 1
         h = self._embed(input_ids)
@@ -369,10 +375,15 @@ class LlamaModel:
                                                 kv_caches, strict=True):
             q, k, v = self._qkv(lw, h, rope, positions, False)
             reference.write_kv(k, v, k_cache, v_cache, slot_mapping)
-            attn = reference.paged_decode_attention_direct(
-                q, k_cache, v_cache, block_tables, context_lens, self.scale) if direct else \
-                reference.paged_decode_attention(q, k_cache, v_cache, block_tables,
-                                                 context_lens, self.scale, masked=True)
+            if self.native_decode_attention:
+                attn = native.paged_decode_attention(q, k_cache, v_cache, block_tables,
+                                                     context_lens, self.scale)
+            elif direct:
+                attn = reference.paged_decode_attention_direct(
+                    q, k_cache, v_cache, block_tables, context_lens, self.scale)
+            else:
+                attn = reference.paged_decode_attention(q, k_cache, v_cache, block_tables,
+                                                        context_lens, self.scale, masked=True)
             h = self._mlp_residual(lw, h, attn, False)
         return self._logits(h, False)
 
@@ -385,15 +396,17 @@ class LlamaModel:
         ``logits_indices`` (the positions that sample a token this step)."""
         attention = kernels.implementation(self.embed)  # write_kv and paged attention
         nd = meta.num_decodes
-        # on the torch kernels, decodes attend in groups of similar length (shared by every
-        # layer); the Triton kernel walks each sequence's own blocks, with no padding to cut
+        # our own kernel walks each sequence's own blocks (as the Triton kernel does), with no
+        # padding to cut; on torch's, decodes attend in groups of similar length (shared by
+        # every layer)
+        own = self.native_decode_attention and attention is reference
         groups = reference.decode_groups(meta.decode_block_tables, meta.decode_context_lens,
                                          kv_caches[0][0].shape[1]) \
-            if nd and attention is reference and not self.batch_invariant else None
-        # a compiled step masks one batch padded to its widest: decodes of very different
-        # lengths run eagerly instead, in their groups
+            if nd and attention is reference and not self.batch_invariant and not own else None
+        # a compiled step on torch's attention masks one batch padded to its widest: decodes of
+        # very different lengths run eagerly instead, in their groups
         if self._compiled_decode is not None and not meta.prefills and attention is reference \
-                and groups is not None and len(groups) == 1:
+                and (own or (groups is not None and len(groups) == 1)):
             return self._decode(input_ids, positions, meta, kv_caches)[logits_indices]
         triton = attention is not reference and not self.torch_only  # norms, RoPE, activation
         h = self._embed(input_ids)
@@ -405,7 +418,11 @@ class LlamaModel:
             q, k, v = self._qkv(lw, h, rope, positions, triton)
             attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = torch.empty_like(q)
-            if groups:
+            if nd and own:
+                attn[:nd] = native.paged_decode_attention(
+                    q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                    meta.decode_context_lens, self.scale)
+            elif groups:
                 attn[:nd] = reference.grouped_decode_attention(q[:nd], k_cache, v_cache,
                                                                groups, self.scale)
             elif nd:

@@ -1,10 +1,13 @@
-"""Our own C kernel for 4-bit decode steps (``csrc/q4_gemm.c``: why it exists is said there),
-registered as the torch operator ``tailscope_native::int4_mm`` (``csrc/ops.cpp``), compiled on
-first use with the system C and C++ compilers against the installed torch's headers (~8 s).
+"""Our own C kernels for decode steps, each file saying why it exists: a 4-bit matmul
+(``csrc/q4_gemm.c``) and decode attention straight from the paged KV cache
+(``csrc/paged_attention.c``), registered as the torch operators ``tailscope_native::int4_mm``
+and ``tailscope_native::paged_decode_attention`` (``csrc/ops.cpp``), compiled on first use with
+the system C and C++ compilers against the installed torch's headers (~10 s).
 
-It is an accelerator, never a requirement: without compilers, on a CPU without AVX-512 BF16, with
-``TAILSCOPE_NATIVE_KERNELS=0``, or when the build fails (logged once), ``available()`` is False
-and ``kernels.linear.Int4Linear`` runs torch's own int4 kernel as before. The shared object is
+They are accelerators, never a requirement: without compilers, on a CPU without AVX-512 BF16,
+with ``TAILSCOPE_NATIVE_KERNELS=0``, or when the build fails (logged once), ``available()`` is
+False and ``kernels.linear.Int4Linear`` runs torch's own int4 kernel, the model torch's
+gather-and-SDPA decode attention, as before. The shared object is
 cached under ``$TAILSCOPE_CACHE_DIR/kernels`` (default ``~/.cache/tailscope/kernels``), named by
 a hash of the sources, the compilers, the flags and the torch version, built in a temporary
 directory and renamed into place, so processes building at once (replicas starting together)
@@ -33,7 +36,8 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "q4_gemm.c", CSRC / "ops.cpp")
+C_SOURCES = (CSRC / "q4_gemm.c", CSRC / "paged_attention.c")
+SOURCES = (*C_SOURCES, CSRC / "ops.cpp")
 C_FLAGS = ["-O3", "-std=c11", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c",
            "-mfma", "-fopenmp", "-fPIC"]
 CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c", "fma"}
@@ -67,9 +71,11 @@ def _cxx_flags() -> list[str]:
 def _build(cc: str, cxx: str, cxx_flags: list[str], path: Path) -> None:
     torch_lib = Path(torch.__file__).parent / "lib"
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        steps = [[cc, *C_FLAGS, "-c", str(SOURCES[0]), "-o", f"{tmp}/q4_gemm.o"],
-                 [cxx, *cxx_flags, "-c", str(SOURCES[1]), "-o", f"{tmp}/ops.o"],
-                 [cxx, "-shared", "-fopenmp", f"{tmp}/ops.o", f"{tmp}/q4_gemm.o",
+        objects = [f"{tmp}/{src.stem}.o" for src in C_SOURCES]
+        steps = [*([cc, *C_FLAGS, "-c", str(src), "-o", o]
+                   for src, o in zip(C_SOURCES, objects, strict=True)),
+                 [cxx, *cxx_flags, "-c", str(CSRC / "ops.cpp"), "-o", f"{tmp}/ops.o"],
+                 [cxx, "-shared", "-fopenmp", f"{tmp}/ops.o", *objects,
                   f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-o", f"{tmp}/lib.so"]]
         for cmd in steps:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -80,22 +86,24 @@ def _build(cc: str, cxx: str, cxx_flags: list[str], path: Path) -> None:
 
 @functools.cache
 def available() -> bool:
-    """``torch.ops.tailscope_native.int4_mm`` is loaded (built first if need be); when not, the
-    reason is logged once (INFO: not this machine or switched off; WARNING: the build failed)."""
+    """The ``torch.ops.tailscope_native`` operators are loaded (built first if need be); when
+    not, the reason is logged once (INFO: not this machine or switched off; WARNING: the
+    build failed)."""
     if os.environ.get("TAILSCOPE_NATIVE_KERNELS", "1").strip().lower() in ("0", "false", "no",
                                                                             "off"):
         log.info("native kernels off (TAILSCOPE_NATIVE_KERNELS)")
         return False
     ok, why = cpu_supported()
     if not ok:
-        log.info("native 4-bit kernel not used: %s", why)
+        log.info("native kernels not used: %s", why)
         return False
     cc = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
     cxx = shutil.which(os.environ.get("CXX") or "c++") or shutil.which("g++")
     if cc is None or cxx is None:
-        log.info("native 4-bit kernel not used: no C / C++ compiler (cc, c++) on PATH")
+        log.info("native kernels not used: no C / C++ compiler (cc, c++) on PATH")
         return False
-    if hasattr(torch.ops.tailscope_native, "int4_mm"):  # loaded already (available.cache_clear)
+    if hasattr(torch.ops.tailscope_native, "paged_decode_attention"):  # loaded already
+        # (available.cache_clear)
         return True
     try:
         versions = [subprocess.run([c, "--version"], capture_output=True, text=True,
@@ -110,10 +118,12 @@ def available() -> bool:
             _build(cc, cxx, cxx_flags, path)
         torch.ops.load_library(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        log.warning("native 4-bit kernel not built, torch's int4 kernel is used: %s", e)
+        log.warning("native kernels not built, torch's kernels are used: %s", e)
         return False
     torch.library.register_fake("tailscope_native::int4_mm")(_int4_mm_fake)
-    log.info("native 4-bit kernel loaded (%s)", path)
+    torch.library.register_fake("tailscope_native::paged_decode_attention")(
+        lambda q, *_: q.new_empty(q.shape))
+    log.info("native kernels loaded (%s)", path)
     return True
 
 
@@ -150,3 +160,21 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: to
     """``x`` [M, K] bfloat16 times the packed matrix (``pack_int4``): [M, N] in ``out_dtype``
     (bfloat16 or float32). Only where ``available()``."""
     return torch.ops.tailscope_native.int4_mm(x, packed, scale, zero, out_features, out_dtype)
+
+
+def attention_fits(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """``paged_decode_attention`` takes this model's attention: bfloat16, a head size that is a
+    multiple of 32 up to 256, at most 8 query heads per KV head."""
+    return (dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 256
+            and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 8)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float
+                           ) -> torch.Tensor:
+    """``kernels.reference.paged_decode_attention`` (one query token per sequence, ``q``
+    [B, H, D]) read straight from the paged caches [blocks, block_size, Hk, D]: no gathered
+    copy, no padding; bfloat16 in and out, float32 inside. Only where ``available()`` and
+    ``attention_fits``."""
+    return torch.ops.tailscope_native.paged_decode_attention(q, k_cache, v_cache, block_tables,
+                                                              context_lens, scale)

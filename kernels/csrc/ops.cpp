@@ -1,7 +1,8 @@
-// Registers csrc/q4_gemm.c as a torch operator, tailscope_native::int4_mm, so eager code and
-// torch.compile'd graphs call it through the dispatcher like an aten op: ~4.6 us a call here,
+// Registers csrc/q4_gemm.c and csrc/paged_attention.c as torch operators,
+// tailscope_native::int4_mm and tailscope_native::paged_decode_attention, so eager code and
+// torch.compile'd graphs call them through the dispatcher like aten ops: ~4.6 us a call here,
 // against ~17 for a Python custom op (121 calls in a batch-1 step of the bundled model).
-// Its fake (shape) function is registered from Python (kernels/native.py).
+// Their fake (shape) functions are registered from Python (kernels/native.py).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -11,6 +12,11 @@
 extern "C" int q4_gemm(const uint16_t *x, int M, int K, int N, const uint8_t *codes,
                        const void *scale, const void *zero, int scale_f32, void *out,
                        int out_bf16, int threads);
+extern "C" int paged_decode_attention(const uint16_t *q, int64_t q_sb, int64_t q_sh,
+                                      const uint16_t *k_cache,
+                                      const uint16_t *v_cache, const int64_t *tables, int64_t M,
+                                      const int64_t *lens, int B, int H, int HK, int D, int BS,
+                                      int64_t NB, float scale, uint16_t *out, int threads);
 
 namespace {
 
@@ -40,11 +46,55 @@ at::Tensor int4_mm(const at::Tensor &x, const at::Tensor &packed, const at::Tens
     return out;
 }
 
+at::Tensor paged_decode(const at::Tensor &q, const at::Tensor &k_cache, const at::Tensor &v_cache,
+                        const at::Tensor &block_tables, const at::Tensor &context_lens,
+                        double scale) {
+    TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16, "q: [B, H, D] bfloat16");
+    TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kBFloat16 &&
+                    k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                    v_cache.scalar_type() == at::kBFloat16 && v_cache.is_contiguous(),
+                "k_cache / v_cache: contiguous [blocks, block_size, kv_heads, D] bfloat16");
+    const int64_t b = q.size(0), h = q.size(1), d = q.size(2), hk = k_cache.size(2);
+    TORCH_CHECK(k_cache.size(3) == d && hk > 0 && h % hk == 0,
+                "q's heads / head size do not match the cache's");
+    TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == b &&
+                    block_tables.scalar_type() == at::kLong,
+                "block_tables: [B, M] int64");
+    TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == b &&
+                    context_lens.scalar_type() == at::kLong,
+                "context_lens: [B] int64");
+    // q may be a view of the step's QKV output: its rows and heads apart, its elements not
+    const at::Tensor qc = q.stride(2) == 1 ? q : q.contiguous(), tc = block_tables.contiguous(),
+                     lc = context_lens.contiguous();
+    at::Tensor out = at::empty({b, h, d}, q.options());
+    if (b == 0) return out;
+    const int rc = paged_decode_attention(
+        reinterpret_cast<const uint16_t *>(qc.data_ptr()), qc.stride(0), qc.stride(1),
+        reinterpret_cast<const uint16_t *>(k_cache.data_ptr()),
+        reinterpret_cast<const uint16_t *>(v_cache.data_ptr()), tc.data_ptr<int64_t>(),
+        tc.size(1), lc.data_ptr<int64_t>(), (int)b, (int)h, (int)hk, (int)d,
+        (int)k_cache.size(1), k_cache.size(0), (float)scale,
+        reinterpret_cast<uint16_t *>(out.data_ptr()), at::get_num_threads());
+    TORCH_CHECK(rc != 1, "paged_decode_attention: unsupported shape (head size ", d,
+                " must be a multiple of 32 up to 256, at most 8 query heads per KV head)");
+    TORCH_CHECK(!(rc & 2), "paged_decode_attention: a context length outside 1 .. ",
+                tc.size(1) * k_cache.size(1), " (the block table's keys)");
+    TORCH_CHECK(!(rc & 4), "paged_decode_attention: a block id outside the cache's ",
+                k_cache.size(0), " blocks");
+    TORCH_CHECK(rc == 0, "paged_decode_attention failed (", rc, ")");
+    return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tailscope_native, m) {
     m.def("int4_mm(Tensor x, Tensor packed, Tensor scale, Tensor zero, int out_features, "
           "ScalarType out_dtype) -> Tensor");
+    m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+          "Tensor context_lens, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tailscope_native, CPU, m) { m.impl("int4_mm", int4_mm); }
+TORCH_LIBRARY_IMPL(tailscope_native, CPU, m) {
+    m.impl("int4_mm", int4_mm);
+    m.impl("paged_decode_attention", paged_decode);
+}
