@@ -89,7 +89,7 @@ int q4_gemm(const uint16_t *x, int M, int K, int N, const uint8_t *codes, const 
             for (int j = 0; j < 32; j++) s += bf16_to_f32(x[(size_t)r * K + g * 32 + j]);
             sx[r * G + g] = s;
         }
-    #pragma omp parallel for schedule(static) num_threads(threads)
+    #pragma omp parallel for schedule(guided) num_threads(threads)
     for (int t = 0; t < T; t++) {
         const uint8_t *ct = codes + (size_t)t * G * 256;
         const char *st = (const char *)scale + (size_t)t * G * 16 * ssz;

@@ -123,3 +123,29 @@ def test_a_bf16_engine_decodes_through_it_with_torch_attentions_tokens():
         assert ours.output_token_ids == theirs.output_token_ids
         for a, b in zip(ours.output_logprobs, theirs.output_logprobs, strict=True):
             assert abs(a.logprob - b.logprob) <= 0.25
+
+
+@needs_kernel
+def test_argmax_gives_torchs_indices_ties_nan_and_infinities_included():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 49152, generator=g)
+    x[1, 100] = x[1, 40000] = 50.0            # a tie: the first wins
+    x[2] = float("-inf")                       # nothing above -inf: index 0
+    x[3, 7] = float("nan")                     # a NaN is the largest
+    x[3, 3] = float("nan")                     # the first NaN wins
+    x[4, 49151] = 99.0                         # the very last value
+    x[5, 49144:] = 80.0                        # ties inside the last 16 values
+    x[6] = 1.0                                 # all equal
+    x[7, 0] = float("inf")
+    x[8, 12345] = float("inf")
+    x[8, 23456] = float("inf")
+    want = x.argmax(dim=-1)
+    assert native.argmax(x).tolist() == want.tolist()
+    for n in (1, 5, 16, 17, 33):               # lengths with and without a tail
+        y = torch.randn(4, n, generator=g)
+        assert native.argmax(y).tolist() == y.argmax(dim=-1).tolist()
+    view = x[:, 1000:2000]                     # rows apart by more than their length
+    assert native.argmax(view).tolist() == view.argmax(dim=-1).tolist()
+    assert native.argmax(x[:0]).shape == (0,)
+    with pytest.raises(RuntimeError, match="float32"):
+        native.argmax(x.to(torch.bfloat16))
