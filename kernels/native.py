@@ -103,8 +103,7 @@ def available() -> bool:
     if cc is None or cxx is None:
         log.info("native kernels not used: no C / C++ compiler (cc, c++) on PATH")
         return False
-    if hasattr(torch.ops.tailscope_native, "argmax"):  # loaded already
-        # (available.cache_clear)
+    if hasattr(torch.ops.tailscope_native, "argmax"):  # loaded already (after cache_clear)
         return True
     try:
         versions = [subprocess.run([c, "--version"], capture_output=True, text=True,
@@ -185,7 +184,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` of a [rows, n] float32 tensor, the same indices (the first of equal
-    maxima, the first NaN), vectorised (torch's CPU argmax is a
-    scalar loop, ~185 us a decode step of 8 rows here; ``csrc/argmax.c``). Only where
-    ``available()``."""
+    maxima, the first NaN), vectorised (``csrc/argmax.c``: torch's CPU argmax is a scalar loop,
+    ~185 us a decode step of 8 rows here). Only where ``available()``."""
     return torch.ops.tailscope_native.argmax(x)

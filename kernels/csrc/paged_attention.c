@@ -110,7 +110,10 @@ int paged_decode_attention(const uint16_t *q, int64_t q_sb, int64_t q_sh,
             continue;
         }
         const int64_t stride = (L + 15) / 16 * 16; /* one head's scores */
-        float *s = (float *)aligned_alloc(64, (size_t)(G * stride) * 4 + (size_t)L * 8);
+        /* the scores, then the key rows' offsets; C11's aligned_alloc wants a whole number of
+           64-byte lines */
+        float *s =
+            (float *)aligned_alloc(64, (size_t)(G * stride) * 4 + (size_t)(L + 7) / 8 * 64);
         if (!s) {
             failed |= 8;
             continue;
