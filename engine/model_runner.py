@@ -106,8 +106,9 @@ class ModelRunner:
         t = time.perf_counter()
         self.model.compile_decode()
         rows = {1, 2}
-        slots = self.kv_caches[0][0].shape[0] * self.block_size  # a pool with fewer never runs
-        for lw in self.model.layers:  # a batch that large either
+        # a batch of more sequences than the pool has slots never runs: not compiled for either
+        slots = self.kv_caches[0][0].shape[0] * self.block_size
+        for lw in self.model.layers:
             if hasattr(lw.qkv, "max_rows"):
                 rows.add(min(lw.qkv.max_rows + 1, slots))
         for b in sorted(rows):

@@ -19,6 +19,8 @@ from kernels import native, reference
 # lengths across the 16-token blocks: contexts grow past one, two and three blocks while decoding
 PROMPTS = [[5, 17, 300, 42, 9, 88, 123, 7], [3, 4, 5], list(range(40, 70)),
            [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]]
+# a context long enough to sit in another length group than PROMPTS' (decode_groups)
+LONG = [(7 * i) % 400 + 3 for i in range(900)]
 
 
 # float32 steps: fused and eager ops round differently in the last bits. int4's packed steps
@@ -98,8 +100,7 @@ def test_decodes_of_very_different_lengths_run_eagerly_in_their_groups(monkeypat
 
     monkeypatch.setattr(model_module.reference, "decode_groups", groups)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    long = [(7 * i) % 400 + 3 for i in range(900)]
-    prompts = [long, *PROMPTS[:3]]  # one of 900 tokens beside three of 3-30
+    prompts = [LONG, *PROMPTS[:3]]  # one of 900 tokens beside three of 3-30
     want = eager.generate(prompts, params)
     split.clear()
     got = compiled.generate(prompts, params)
@@ -178,8 +179,7 @@ def test_bf16_compiled_steps_attend_through_our_kernel_at_any_mix_of_lengths(mon
     counter = CountingDecode(compiled.model._compiled_decode)
     compiled.model._compiled_decode = counter
     params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=True)
-    long = [(7 * i) % 400 + 3 for i in range(900)]
-    prompts = [long, *PROMPTS[:3]]  # one of 900 tokens beside three of 3-30
+    prompts = [LONG, *PROMPTS[:3]]  # one of 900 tokens beside three of 3-30
     want, got = eager.generate(prompts, params), compiled.generate(prompts, params)
     assert 4 in counter.rows and counter.calls >= 11  # every decode-only step, compiled
     # fused and eager ops round differently in bf16: the logprobs within 0.15 (0.06 seen: bf16
