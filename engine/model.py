@@ -89,8 +89,9 @@ class LlamaModel:
     (a scale per output row) and run ``kernels.linear.Int4Linear`` / ``Int8Linear``; norms and
     the embedding stay in ``dtype``. ``output_format`` does the same for the output matrix
     (``lm_head``; with tied embeddings the embedding's values), quantized from its values in
-    ``dtype``, with each small step's top logits rescored from them (``RescoredOutput``); the
-    embedding lookup and larger steps use those values as they are."""
+    ``dtype``, with each small step's top logits rescored from them (``RescoredOutput``; every
+    step's where the packed matrix keeps no dense copy); the embedding lookup uses those values
+    as they are."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, WeightSource],
                  dtype: torch.dtype = torch.float32, batch_invariant: bool = False,
@@ -141,8 +142,8 @@ class LlamaModel:
                 return Int8Linear(q8, s8, (q8.float() * s8[:, None]).to(dtype)
                                   if dense is None else dense)
             q = Int4Weight.cat([int4(w) for w in sources])
-            return Int4Linear(q.codes, q.scale, q.zero, q.dequantize().to(dtype)
-                              if dense is None else dense, GROUP)
+            return Int4Linear(q.codes, q.scale, q.zero, (lambda: q.dequantize().to(dtype))
+                              if dense is None else dense, GROUP, dtype=dtype)
 
         def proj(*names: str) -> Linear | InvariantLinear | Int4Linear | Int8Linear:
             if weight_format == "native":
@@ -317,8 +318,9 @@ class LlamaModel:
         and dispatch for each of its ~40 small ops per layer (norms, RoPE, residual adds,
         activations). The batch size and the block-table width are symbolic (``_decode``
         marks them), so a few graphs serve every step: a batch of one (torch specialises size
-        1), batches of two and more, and with packed weights batches past their ``max_rows``
-        (the row-count dispatch is a guard). ``ModelRunner`` compiles them at start."""
+        1), batches of two and more, and with packed weights that keep a dense copy, batches
+        past their ``max_rows`` (the row-count dispatch is a guard). ``ModelRunner`` compiles
+        them at start."""
         if self.batch_invariant:
             raise ValueError("compile cannot run batch_invariant (its kernels are not traced)")
         # Dynamo checks every graph's guards before each call: one per weight tensor, per KV

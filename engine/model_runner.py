@@ -98,18 +98,18 @@ class ModelRunner:
     @torch.inference_mode()
     def _compile(self) -> None:
         """Compile the decode step for every graph serving will need (a batch of one: torch
-        specialises size 1; of two and more; with packed weights, past their ``max_rows`` rows,
-        where they switch kernels), on dummy decodes attending to block 0, each writing its own
-        slot of the first blocks (a batch past one block's slots writes into the next). Those
-        blocks are free now; whatever they write there is overwritten before any sequence reads
-        it (a slot is written before it is attended)."""
+        specialises size 1; of two and more; with packed weights that keep a dense copy, past
+        their ``max_rows`` rows, where they switch to it), on dummy decodes attending to block
+        0, each writing its own slot of the first blocks (a batch past one block's slots writes
+        into the next). Those blocks are free now; whatever they write there is overwritten
+        before any sequence reads it (a slot is written before it is attended)."""
         t = time.perf_counter()
         self.model.compile_decode()
         rows = {1, 2}
         # a batch of more sequences than the pool has slots never runs: not compiled for either
         slots = self.kv_caches[0][0].shape[0] * self.block_size
         for lw in self.model.layers:
-            if hasattr(lw.qkv, "max_rows"):
+            if getattr(lw.qkv, "dense", None) is not None:  # a packed kernel with a dense copy
                 rows.add(min(lw.qkv.max_rows + 1, slots))
         for b in sorted(rows):
             meta = AttentionMetadata(slot_mapping=torch.arange(b), num_decodes=b,

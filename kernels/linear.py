@@ -9,6 +9,8 @@ path of ``F.linear`` is kept: prepacking made batch-1 decode slower. Results are
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -89,20 +91,20 @@ NATIVE_MAX_ROWS = 16
 
 
 class _PackedLinear:
-    """``y = x @ w.T`` with ``w`` held twice: packed low-bit (``_packed``) for steps of up to
-    ``max_rows`` rows (batch-1 and small-batch decode, where reading the weights is the cost)
-    and as a dense copy of the same values in the model's dtype for larger ones (prefill, many
-    streams, where the matmul is the cost and the packed kernels are slower). The packed
-    kernels run on bfloat16 activations: their float32 paths are slow reference ones (int4
-    2.97 ms, int8 1.47 ms against ~90 us at one row here), so float32 activations go through
-    them as bfloat16."""
+    """``y = x @ w.T`` with ``w`` packed low-bit (``_packed``) for steps of up to ``max_rows``
+    rows (batch-1 and small-batch decode, where reading the weights is the cost) and, where the
+    packed kernel is slow past them (prefill, many streams: the matmul is the cost there), a
+    dense copy of the same values in the model's dtype for those (``dense``; None where the
+    packed kernel takes every step). The packed kernels run on bfloat16 activations: their
+    float32 paths are slow reference ones (int4 2.97 ms, int8 1.47 ms against ~90 us at one row
+    here), so float32 activations go through them as bfloat16."""
 
-    def __init__(self, shape: tuple[int, int], dense: torch.Tensor, max_rows: int | None
-                 ) -> None:
+    def __init__(self, shape: tuple[int, int], dtype: torch.dtype, dense: torch.Tensor | None,
+                 max_rows: int | None) -> None:
         self.shape = shape
-        self.dtype = dense.dtype
+        self.dtype = dtype
         self.max_rows = PACKED_MAX_ROWS if max_rows is None else max_rows
-        self.dense = Linear(dense)
+        self.dense = Linear(dense) if dense is not None else None
 
     @property
     def numel(self) -> int:
@@ -113,30 +115,44 @@ class _PackedLinear:
         raise NotImplementedError
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.max_rows:
+        if self.dense is None or x.shape[0] <= self.max_rows:
             return self._packed(x.to(torch.bfloat16), x.dtype).to(x.dtype)
         return self.dense(x)
 
 
 class Int4Linear(_PackedLinear):
     """``w = (code - 8) * scale + zero`` per group of ``group`` inputs
-    (``engine.quant.Int4Weight``). Small steps run our own kernel (``kernels.native``: each
-    weight read once for up to 8 rows, scales in float16 or float32, float32 accumulation) up to
-    ``NATIVE_MAX_ROWS`` rows where it is available and the shape fits it (N a multiple of 16, K
-    of 32, groups of 32); otherwise torch's ``_weight_int4pack_mm_for_cpu`` (scales and zeros
-    rounded to bfloat16, one GEMV per row) up to ``PACKED_MAX_ROWS``. ``self.native`` says
-    which."""
+    (``engine.quant.Int4Weight``). Where our own kernel is available and the shape fits it (N a
+    multiple of 16, K of 32, groups of 32; ``self.native`` says so) it runs every step of a
+    bfloat16 model: up to 31 rows on the exact values (each weight read once for up to 8 rows,
+    scales in float16 or float32, float32 accumulation), from 32 rows on the values rounded to
+    bfloat16 (each tile of 16 outputs dequantized once, then multiplied with every row: the
+    dense bf16 copy's values at its speed; kernels/csrc/q4_gemm.c), so such a model keeps no
+    dense copy (the bundled model's was 212 MB). A float32 model keeps its float32 copy for
+    steps past ``NATIVE_MAX_ROWS`` rows (the kernel's bf16 activations would round them).
+    Without our kernel: torch's ``_weight_int4pack_mm_for_cpu`` (scales and zeros rounded to
+    bfloat16, one GEMV per row) up to ``PACKED_MAX_ROWS`` rows, the dense copy past them."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                 dense: torch.Tensor, group: int, max_rows: int | None = None,
-                 use_native: bool = True) -> None:
+                 dense: torch.Tensor | Callable[[], torch.Tensor], group: int,
+                 max_rows: int | None = None, use_native: bool = True,
+                 dtype: torch.dtype | None = None) -> None:
         """``codes`` [N, K] (0..15), ``scale`` / ``zero`` [N, K / group]; ``dense`` the same
-        values in the model's dtype (``Int4Weight.dequantize``). ``max_rows`` defaults to the
-        kernel's own (above); ``use_native=False`` keeps torch's kernel."""
+        values in the model's dtype (``Int4Weight.dequantize``), or a function that makes them,
+        called only where the copy is kept (then ``dtype`` names the model's dtype).
+        ``max_rows`` defaults to the kernel's own (above); ``use_native=False`` keeps torch's
+        kernel."""
+        dtype = dense.dtype if isinstance(dense, torch.Tensor) else dtype
+        if dtype is None:
+            raise ValueError("Int4Linear: dtype is needed where dense is a function")
         packed = native.pack_int4(codes, scale, zero, group) \
             if use_native and native.available() else None
         self.native = packed is not None
-        super().__init__(tuple(codes.shape), dense, max_rows if max_rows is not None
+        if self.native and dtype == torch.bfloat16:
+            dense = None
+        elif not isinstance(dense, torch.Tensor):
+            dense = dense()
+        super().__init__(tuple(codes.shape), dtype, dense, max_rows if max_rows is not None
                          else NATIVE_MAX_ROWS if self.native else PACKED_MAX_ROWS)
         self.group = group
         if packed is not None:  # [N/16, K/32, 8, 32] bytes; [N/16, K/32, 16] scales and zeros
@@ -167,7 +183,7 @@ class Int8Linear(_PackedLinear):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, dense: torch.Tensor,
                  max_rows: int | None = None) -> None:
         """``q`` int8 [N, K], ``scale`` [N]; ``dense`` the same values in the model's dtype."""
-        super().__init__(tuple(q.shape), dense, max_rows)
+        super().__init__(tuple(q.shape), dense.dtype, dense, max_rows)
         self.q = q.contiguous()
         self.scale = scale.to(torch.bfloat16)
 
@@ -185,7 +201,9 @@ class RescoredOutput:
     recomputed from the exact weights (``exact``: ``[vocab, hidden]`` in the model's dtype, the
     tied embedding itself where there is one), so the tokens greedy, top-k, top-p and min-p
     choose among carry the model's own logits and only the tail keeps low-bit rounding.
-    Larger steps run ``packed``'s dense copy, which holds the exact values.
+    Larger steps run ``packed``'s dense copy where it keeps one (the exact values: every logit
+    exact); where it keeps none (our 4-bit kernel in a bfloat16 model) they are rescored the
+    same way, so a row's top logits are exact whatever the step's size.
 
     Why: the output matrix is a quarter of a batch-1 bf16 + int4 decode step (56.6 MB a token
     for the bundled model); at 4 bits alone it moves the bundled model's logits by up to ~4
@@ -214,7 +232,7 @@ class RescoredOutput:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.packed(x)
-        if x.shape[0] > self.packed.max_rows:
+        if self.packed.dense is not None and x.shape[0] > self.packed.max_rows:
             return y
         idx = y.topk(self.top_k, dim=-1).indices  # [B, k]
         top = torch.bmm(self.exact[idx], x.to(self.exact.dtype).unsqueeze(-1)).squeeze(-1)

@@ -76,10 +76,127 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
+/* Rows per block of the many-rows path: 16 float32 accumulators and the weight register. */
+#define BIGR 16
+
+/* One tile's 16 x K weights as bf16 input pairs, [K/2][16 outputs][2] (vdpbf16ps's operand
+ * order): w = c * S + Z in float32, rounded to nearest even, the values the dense bf16 copy of
+ * the same matrix would hold (up to the rounding of Z = zero - 8 * scale, one float32 ulp). */
+static void dequant_tile(const uint8_t *codes, const char *scale, const char *zero, int f32,
+                         int G, __m512i *buf) {
+    const __m512i low = _mm512_set1_epi32(0x0F);
+    const int ssz = f32 ? 64 : 32;
+    for (int g = 0; g < G; g++) {
+        const __m512 S = load_scale(scale + (size_t)g * ssz, f32);
+        const __m512 Z = load_scale(zero + (size_t)g * ssz, f32);
+        for (int b = 0; b < 8; b++) {
+            /* 32-bit lane o: output o's bytes 2o (inputs 4b, 4b+2) and 2o+1 (4b+1, 4b+3) */
+            __m512i d = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                (const __m256i *)(codes + (size_t)g * 256 + b * 32)));
+            for (int h = 0; h < 2; h++) { /* low nibbles: inputs 4b, 4b+1; high: 4b+2, 4b+3 */
+                __m512i e = _mm512_and_si512(_mm512_srli_epi32(d, 4 * h), low);
+                __m512i o = _mm512_and_si512(_mm512_srli_epi32(d, 8 + 4 * h), low);
+                __m512 we = _mm512_fmadd_ps(_mm512_cvtepi32_ps(e), S, Z);
+                __m512 wo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(o), S, Z);
+                __m512i pe = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(we));
+                __m512i po = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(wo));
+                buf[g * 16 + b * 2 + h] = _mm512_or_si512(pe, _mm512_slli_epi32(po, 16));
+            }
+        }
+    }
+}
+
+/* Rows [mr] of one tile from its dequantized weights: plain bf16 products, float32 sums. ``xb``
+ * holds the row block's input pairs interleaved, [K/2][BIGR] (each row's pair at a constant
+ * offset from one pointer: sixteen row pointers would not fit the general registers). */
+static inline __attribute__((always_inline)) void tile_bf16(
+        const int32_t *xb, int K, const __m512i *buf, int mr, __m512 *tot) {
+    __m512 acc[BIGR]; /* local, not the caller's: gcc stored those back every iteration */
+    for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
+    for (int p = 0; p < K / 2; p++) {
+        const __m512bh w = (__m512bh)_mm512_load_si512(buf + p);
+        const int32_t *pairs = xb + (size_t)p * BIGR;
+        for (int r = 0; r < mr; r++)
+            __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc[r]) : "v"(w), "m"(pairs[r]));
+    }
+    for (int r = 0; r < mr; r++) tot[r] = acc[r];
+}
+
+static void store_rows(const __m512 *tot, int mr, size_t row0, int N, int t, void *out,
+                       int out_bf16) {
+    for (int r = 0; r < mr; r++) {
+        size_t o = (row0 + r) * N + (size_t)t * 16;
+        if (out_bf16)
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + o),
+                                (__m256i)_mm512_cvtneps_pbh(tot[r]));
+        else
+            _mm512_storeu_ps((float *)out + o, tot[r]);
+    }
+}
+
+/* Many rows (prefill chunks, large batches): each tile of 16 outputs is dequantized once into a
+ * bf16 buffer (L1 / L2-resident: K * 32 bytes) and multiplied with every row, 16 rows at a time,
+ * so the work per weight is one load for 16 products, as in a dense bf16 GEMM, and the engine
+ * keeps no dense copy of its 4-bit matrices (the bundled model's: 212 MB). The values are the
+ * dense copy's (bf16-rounded weights), not the few-rows path's exact ones. */
+static int q4_gemm_many(const uint16_t *x, int M, int K, int N, const uint8_t *codes,
+                        const void *scale, const void *zero, int scale_f32, void *out,
+                        int out_bf16, int threads) {
+    const int G = K / 32, T = N / 16, ssz = scale_f32 ? 4 : 2, RB = (M + BIGR - 1) / BIGR;
+    /* the rows' input pairs, [RB][K/2][BIGR] (zeros past M) */
+    int32_t *xp = (int32_t *)aligned_alloc(64, (size_t)RB * K * BIGR * 2);
+    if (!xp) return 2;
+    int rc = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp for schedule(static)
+        for (int rb = 0; rb < RB; rb++)
+            for (int r = 0; r < BIGR; r++) {
+                const int row = rb * BIGR + r;
+                const int32_t *src = (const int32_t *)(x + (size_t)row * K);
+                int32_t *dst = xp + (size_t)rb * (K / 2) * BIGR + r;
+                for (int p = 0; p < K / 2; p++) dst[(size_t)p * BIGR] = row < M ? src[p] : 0;
+            }
+        __m512i *buf = (__m512i *)aligned_alloc(64, (size_t)K * 32);
+        if (!buf) {
+            #pragma omp atomic write
+            rc = 2;
+        }
+        #pragma omp for schedule(static)
+        for (int t = 0; t < T; t++) {
+            if (!buf) continue;
+            dequant_tile(codes + (size_t)t * G * 256,
+                         (const char *)scale + (size_t)t * G * 16 * ssz,
+                         (const char *)zero + (size_t)t * G * 16 * ssz, scale_f32, G, buf);
+            for (int r0 = 0; r0 < M; r0 += BIGR) {
+                const int mr = M - r0 < BIGR ? M - r0 : BIGR;
+                const int32_t *xr = xp + (size_t)(r0 / BIGR) * (K / 2) * BIGR;
+                __m512 tot[BIGR];
+                switch (mr) {
+#define ROWS(R) case R: tile_bf16(xr, K, buf, R, tot); break;
+                ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+                ROWS(9) ROWS(10) ROWS(11) ROWS(12) ROWS(13) ROWS(14) ROWS(15) ROWS(16)
+#undef ROWS
+                }
+                store_rows(tot, mr, (size_t)r0, N, t, out, out_bf16);
+            }
+        }
+        free(buf);
+    }
+    free(xp);
+    return rc;
+}
+
+/* Rows from which q4_gemm takes the many-rows path (q4_gemm_many): dequantizing a tile costs
+ * about what 16 rows' products of it do, so below this the exact few-rows path is as fast. */
+#define MANY_ROWS 32
+
 /* out[M, N] (bf16 if out_bf16, else float32) = x[M, K] (bf16, rows K apart) @ W.T */
 int q4_gemm(const uint16_t *x, int M, int K, int N, const uint8_t *codes, const void *scale,
             const void *zero, int scale_f32, void *out, int out_bf16, int threads) {
     if (M < 1 || K % 32 || N % 16) return 1;
+    if (M >= MANY_ROWS)
+        return q4_gemm_many(x, M, K, N, codes, scale, zero, scale_f32, out, out_bf16, threads);
     const int G = K / 32, T = N / 16, ssz = scale_f32 ? 4 : 2;
     float *sx = (float *)malloc(sizeof(float) * (size_t)M * G);
     if (!sx) return 2;
@@ -103,14 +220,7 @@ int q4_gemm(const uint16_t *x, int M, int K, int N, const uint8_t *codes, const 
             ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 #undef ROWS
             }
-            for (int r = 0; r < mr; r++) {
-                size_t o = (size_t)(r0 + r) * N + (size_t)t * 16;
-                if (out_bf16)
-                    _mm256_storeu_si256((__m256i *)((uint16_t *)out + o),
-                                        (__m256i)_mm512_cvtneps_pbh(tot[r]));
-                else
-                    _mm512_storeu_ps((float *)out + o, tot[r]);
-            }
+            store_rows(tot, mr, (size_t)r0, N, t, out, out_bf16);
         }
     }
     free(sx);

@@ -66,6 +66,29 @@ def test_products_equal_the_dequantized_matrix_in_float32(rows, fp16_scales):
 
 
 @needs_kernel
+@pytest.mark.parametrize("fp16_scales", [True, False])
+@pytest.mark.parametrize("rows", [32, 33, 47, 64, 130])
+def test_many_rows_multiply_the_weights_rounded_to_bfloat16(rows, fp16_scales):
+    """From 32 rows on, the kernel dequantizes each tile of 16 outputs to bfloat16 once and
+    multiplies every row by it: the products of the weights rounded to bf16 (a dense bf16 copy's
+    values), to float32's rounding, for full row blocks of 16 and tails of 1-15 rows, and not
+    the exact weights' (which is what shows it is the other path)."""
+    n, k = 208, 320
+    codes, scale, zero, w = _weights(n, k, fp16_scales, seed=rows)
+    packed = native.pack_int4(codes, scale, zero, 32)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    rounded = x.double() @ w.to(torch.bfloat16).double().T
+    got = native.int4_mm(x, *packed, n, torch.float32)
+    assert got.shape == (rows, n)
+    err = (got.double() - rounded).abs().max()
+    assert err <= 1e-5 * rounded.abs().max()
+    exact = x.double() @ w.double().T
+    assert (got.double() - exact).abs().max() > 10 * err
+    out16 = native.int4_mm(x, *packed, n, torch.bfloat16)
+    torch.testing.assert_close(out16, got.to(torch.bfloat16), atol=0, rtol=0)
+
+
+@needs_kernel
 def test_the_operator_refuses_what_it_cannot_run():
     codes, scale, zero, _ = _weights(32, 64, True)
     packed = native.pack_int4(codes, scale, zero, 32)
