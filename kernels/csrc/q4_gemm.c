@@ -85,6 +85,10 @@ static inline __attribute__((always_inline)) void tile(
 static void dequant_tile(const uint8_t *codes, const char *scale, const char *zero, int f32,
                          int G, __m512i *buf) {
     const __m512i low = _mm512_set1_epi32(0x0F);
+    /* 16-bit lane 2i takes element i, lane 2i + 1 element 16 + i */
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
+                                           1, 16, 0);
     const int ssz = f32 ? 64 : 32;
     for (int g = 0; g < G; g++) {
         const __m512 S = load_scale(scale + (size_t)g * ssz, f32);
@@ -98,9 +102,9 @@ static void dequant_tile(const uint8_t *codes, const char *scale, const char *ze
                 __m512i o = _mm512_and_si512(_mm512_srli_epi32(d, 8 + 4 * h), low);
                 __m512 we = _mm512_fmadd_ps(_mm512_cvtepi32_ps(e), S, Z);
                 __m512 wo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(o), S, Z);
-                __m512i pe = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(we));
-                __m512i po = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(wo));
-                buf[g * 16 + b * 2 + h] = _mm512_or_si512(pe, _mm512_slli_epi32(po, 16));
+                /* [we 0..15, wo 0..15] in bf16, then interleaved to (we_i, wo_i) pairs */
+                buf[g * 16 + b * 2 + h] = _mm512_permutexvar_epi16(
+                    pairs, (__m512i)_mm512_cvtne2ps_pbh(wo, we));
             }
         }
     }
