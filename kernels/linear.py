@@ -86,7 +86,10 @@ PACKED_MAX_ROWS = 4
 # The same with our own 4-bit kernel (kernels/native.py), which reads each weight once for up
 # to 8 rows. The bundled model's 120 layer matrices in sequence, 2 threads (ms, native / aten
 # int4 / prepacked bf16): 1 row 3.4 / 5.2 / 13.3, 8 rows 7.0 / 12.1 / 13.4, 16 rows
-# 11.8 / 22.2 / 15.8, 24 rows 21.0 / 37.7 / 24.2, 32 rows 28.4 / 50.2 / 28.6.
+# 11.8 / 22.2 / 15.8, 24 rows 21.0 / 37.7 / 24.2, 32 rows 28.4 / 50.2 / 28.6. It bounds the
+# kernel only where a dense copy is kept (a float32 model); a bfloat16 model keeps none and runs
+# every step on the kernel, whose many-rows path (from 32 rows) matches the bf16 GEMM
+# (bench/int4_matmul.py).
 NATIVE_MAX_ROWS = 16
 
 
