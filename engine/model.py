@@ -22,7 +22,7 @@ from engine.config import WEIGHT_FORMATS, ModelConfig
 from engine.quant import GROUP, Int4Weight, quantize_int4, quantize_int8
 from kernels import invariant, native, reference
 from kernels.invariant import InvariantLinear
-from kernels.linear import Int4Linear, Int8Linear, Linear, RescoredOutput
+from kernels.linear import Int4Linear, Int8Linear, Int8Rows, Linear, RescoredOutput
 
 WeightSource = torch.Tensor | Callable[[], torch.Tensor]
 
@@ -87,11 +87,13 @@ class LlamaModel:
     ``weight_format`` ``int4`` / ``int8``: the decoder layers' projections hold 4-bit weights
     (``engine.quant``; a GGUF's Q4 tensors as stored, anything else quantized) or 8-bit ones
     (a scale per output row) and run ``kernels.linear.Int4Linear`` / ``Int8Linear``; norms and
-    the embedding stay in ``dtype``. ``output_format`` does the same for the output matrix
-    (``lm_head``; with tied embeddings the embedding's values), quantized from its values in
-    ``dtype``, with each small step's top logits rescored from them (``RescoredOutput``; every
-    step's where the packed matrix keeps no dense copy); the embedding lookup uses those values
-    as they are."""
+    the embedding stay in ``dtype`` (a GGUF's Q8_0 embedding as stored, ``Int8Rows``, where no
+    copy in ``dtype`` is needed: an untied one, or one tied to a packed output matrix without a
+    dense copy; its rows read are the same values). ``output_format`` does the same for the
+    output matrix (``lm_head``; with tied embeddings the embedding's values), quantized from its
+    values in ``dtype``, with each small step's top logits rescored from them
+    (``RescoredOutput``; every step's where the packed matrix keeps no dense copy); the
+    embedding lookup uses those values as they are."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, WeightSource],
                  dtype: torch.dtype = torch.float32, batch_invariant: bool = False,
@@ -150,12 +152,25 @@ class LlamaModel:
                 return linear(take(*names))
             return packed(weight_format, [weights.pop(n) for n in names])
 
-        self.embed = take("embed")
-        exact = self.embed if c.tie_word_embeddings else take("lm_head")
+        # a GGUF's Q8_0 embedding (the bundled model's) is kept as stored where nothing needs
+        # all of it in ``dtype`` at once: untied (the lookup reads a row a token), or tied to an
+        # output matrix packed without a dense copy (every step's top logits rescored from it)
+        src = weights.pop("embed")
+        rows = src.int8_rows() if hasattr(src, "int8_rows") else None
+        rows = Int8Rows(*rows, dtype) if rows is not None else None
+        dense = rows.dequantize() if rows is not None and c.tie_word_embeddings else None
+        if dense is None and rows is None:
+            dense = _materialise(src).to(dtype).contiguous()
+        del src
+        exact = dense if c.tie_word_embeddings else take("lm_head")
         if output_format == "native":
             self.lm_head = linear(exact)
         else:  # low-bit for small steps, the top logits rescored from ``exact``
-            self.lm_head = RescoredOutput(packed(output_format, [exact], dense=exact), exact)
+            head = packed(output_format, [exact], dense=exact)
+            if c.tie_word_embeddings and rows is not None and head.dense is None:
+                exact = dense = None  # rescored from ``rows``: no copy in ``dtype`` kept
+            self.lm_head = RescoredOutput(head, exact if exact is not None else rows)
+        self.embed: torch.Tensor | Int8Rows = dense if dense is not None else rows
         self.final_norm = take("final_norm")
         self.layers = [
             LayerWeights(
@@ -230,7 +245,7 @@ class LlamaModel:
         rest = self.num_parameters - sum(m.numel for m in packed)
         if not self.config.tie_word_embeddings:  # the lookup reads a row a token, not all
             rest -= self.embed.numel()
-        return rest * self.embed.element_size() + sum(m.nbytes for m in packed)
+        return rest * self.dtype.itemsize + sum(m.nbytes for m in packed)
 
     def _rope_tables(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, cos and sign-folded sin for this step's positions (gathered once per
@@ -396,7 +411,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Run one step over the flattened tokens; returns float32 logits only at
         ``logits_indices`` (the positions that sample a token this step)."""
-        attention = kernels.implementation(self.embed)  # write_kv and paged attention
+        attention = kernels.implementation(self.final_norm)  # write_kv and paged attention
         nd = meta.num_decodes
         # our own kernel walks each sequence's own blocks (as the Triton kernel does), with no
         # padding to cut; on torch's, decodes attend in groups of similar length (shared by

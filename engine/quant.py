@@ -96,6 +96,20 @@ def from_gguf(data: np.ndarray, qtype: Q, shape: tuple[int, int]) -> Int4Weight 
                       torch.from_numpy(np.ascontiguousarray(zero).reshape(n, groups)))
 
 
+def q8_0_from_gguf(data: np.ndarray, qtype: Q, shape: tuple[int, int]
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A GGUF Q8_0 tensor's raw blocks (a float16 scale, then 32 int8 codes) as its codes
+    ``[rows, cols]`` int8 and scales ``[rows, cols / 32]`` float16, exactly
+    (``kernels.linear.Int8Rows``); None for another type."""
+    if qtype != Q.Q8_0:
+        return None
+    n, k = shape
+    blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(n, k // 32, 34)
+    scale = np.ascontiguousarray(blocks[..., :2]).view(np.float16).reshape(n, k // 32)
+    codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n, k)
+    return torch.from_numpy(codes), torch.from_numpy(scale)
+
+
 def _block_values(qtype: Q) -> int:
     return 256 if qtype == Q.Q4_K else 32
 

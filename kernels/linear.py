@@ -198,6 +198,55 @@ class Int8Linear(_PackedLinear):
         return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
 
 
+class Int8Rows:
+    """A ``[rows, cols]`` matrix kept as GGUF's Q8_0 stores it, ``w = scale * code`` per block
+    of 32 columns (``codes`` int8, ``scale`` float16 ``[rows, cols / 32]``), read a row at a
+    time: a tied embedding that is also the exact output matrix of ``RescoredOutput`` (the
+    lookup reads a token's row, the rescoring ``top_k`` rows a step row). Half the memory of a
+    bfloat16 copy (27 MB of the bundled model's 57), and the same values: a row read is
+    ``scale * code`` in float32 (exact) cast to ``dtype``, what a copy in ``dtype`` holds."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+        if codes.dtype != torch.int8 or codes.dim() != 2 or codes.shape[1] % 32 \
+                or tuple(scale.shape) != (codes.shape[0], codes.shape[1] // 32):
+            raise ValueError("Int8Rows: codes [rows, cols] int8 (cols a multiple of 32) and "
+                             f"scale [rows, cols / 32]; got {tuple(codes.shape)} "
+                             f"{codes.dtype} and {tuple(scale.shape)}")
+        self.codes = codes.contiguous()
+        self.scale = scale.to(torch.float16).contiguous()
+        self.dtype = dtype
+        self.shape = tuple(codes.shape)
+        # rows_dot through our kernel (bfloat16 only: its rounding is bfloat16's)
+        self.native = dtype == torch.bfloat16 and native.available()
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    @property
+    def row_bytes(self) -> int:
+        return self.shape[1] + 2 * self.shape[1] // 32
+
+    def __getitem__(self, idx: torch.Tensor) -> torch.Tensor:
+        """Rows ``idx`` (a tensor of row indices, any shape) as ``[*idx.shape, cols]``."""
+        codes, scale = self.codes[idx], self.scale[idx]
+        values = codes.view(*codes.shape[:-1], -1, 32).float() * scale.float().unsqueeze(-1)
+        return values.view(codes.shape).to(self.dtype)
+
+    def dequantize(self, chunk: int = 4096) -> torch.Tensor:
+        """The whole matrix in ``dtype`` (a few thousand rows at a time: no float32 copy)."""
+        out = torch.empty(self.shape, dtype=self.dtype)
+        for i in range(0, self.shape[0], chunk):
+            out[i:i + chunk] = self[torch.arange(i, min(i + chunk, self.shape[0]))]
+        return out
+
+    def rows_dot(self, idx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``out[b, j] = row(idx[b, j]) . x[b]`` in float32 (``idx`` [B, k], ``x`` [B, cols]):
+        our kernel in bfloat16 (``csrc/q8_rows.c``), else the rows gathered and a bmm."""
+        if self.native:
+            return native.q8_rows_dot(x.to(torch.bfloat16), self.codes, self.scale, idx)
+        return torch.bmm(self[idx], x.to(self.dtype).unsqueeze(-1)).squeeze(-1).float()
+
+
 class RescoredOutput:
     """The output matrix for ``output_weights: int4 | int8``: a packed low-bit copy scores every
     token in steps of up to ``max_rows`` rows, then each row's ``top_k`` highest logits are
@@ -216,8 +265,13 @@ class RescoredOutput:
     0.013 at 0.7; a larger ``top_k`` narrows it (256: 0.026) and costs more (1,024 cost as much
     as the exact matrix)."""
 
-    def __init__(self, packed: Int4Linear | Int8Linear, exact: torch.Tensor,
+    def __init__(self, packed: Int4Linear | Int8Linear, exact: torch.Tensor | Int8Rows,
                  top_k: int = 64) -> None:
+        """``exact`` a tensor or, where ``packed`` keeps no dense copy (every step rescored),
+        the matrix as ``Int8Rows``."""
+        if isinstance(exact, Int8Rows) and packed.dense is not None:
+            raise ValueError("RescoredOutput: exact Int8Rows needs a packed matrix without a "
+                             "dense copy (its large steps multiply that copy)")
         self.packed = packed
         self.exact = exact
         self.top_k = min(top_k, exact.shape[0])
@@ -231,12 +285,17 @@ class RescoredOutput:
     @property
     def nbytes(self) -> int:
         """What a small step reads: the packed matrix and ``top_k`` exact rows a row."""
-        return self.packed.nbytes + self.top_k * self.shape[1] * self.exact.element_size()
+        row = self.exact.row_bytes if isinstance(self.exact, Int8Rows) \
+            else self.shape[1] * self.exact.element_size()
+        return self.packed.nbytes + self.top_k * row
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.packed(x)
         if self.packed.dense is not None and x.shape[0] > self.packed.max_rows:
             return y
         idx = y.topk(self.top_k, dim=-1).indices  # [B, k]
-        top = torch.bmm(self.exact[idx], x.to(self.exact.dtype).unsqueeze(-1)).squeeze(-1)
+        if isinstance(self.exact, Int8Rows):
+            top = self.exact.rows_dot(idx, x)
+        else:
+            top = torch.bmm(self.exact[idx], x.to(self.exact.dtype).unsqueeze(-1)).squeeze(-1)
         return y.scatter(-1, idx, top.to(y.dtype))

@@ -1,18 +1,20 @@
 """Our own C kernels for decode steps, each file saying why it exists: a 4-bit matmul
 (``csrc/q4_gemm.c``), decode attention straight from the paged KV cache
-(``csrc/paged_attention.c``) and greedy sampling's argmax (``csrc/argmax.c``), registered as
-the torch operators ``tailscope_native::int4_mm``, ``::paged_decode_attention`` and ``::argmax``
-(``csrc/ops.cpp``), compiled on first use with the system C and C++ compilers against the
-installed torch's headers (~10 s).
+(``csrc/paged_attention.c``), greedy sampling's argmax (``csrc/argmax.c``) and the rescoring
+of top logits from an output matrix kept as Q8_0 blocks (``csrc/q8_rows.c``), registered as the
+torch operators ``tailscope_native::int4_mm``, ``::paged_decode_attention``, ``::argmax`` and
+``::q8_rows_dot`` (``csrc/ops.cpp``), compiled on first use with the system C and C++ compilers
+against the installed torch's headers (~10 s).
 
 They are accelerators, never a requirement: without compilers, on a CPU without AVX-512 BF16,
 with ``TAILSCOPE_NATIVE_KERNELS=0``, or when the build fails (logged once), ``available()`` is
 False and ``kernels.linear.Int4Linear`` runs torch's own int4 kernel, the model torch's
-gather-and-SDPA decode attention, the sampler ``torch.argmax``, as before. The shared object is
-cached under ``$TAILSCOPE_CACHE_DIR/kernels`` (default ``~/.cache/tailscope/kernels``), named by
-a hash of the sources, the compilers, the flags and the torch version, built in a temporary
-directory and renamed into place, so processes building at once (replicas starting together)
-never load a half-written file.
+gather-and-SDPA decode attention, the sampler ``torch.argmax``, ``kernels.linear.Int8Rows``
+a gather and a bmm, as before. The shared object is cached under
+``$TAILSCOPE_CACHE_DIR/kernels`` (default ``~/.cache/tailscope/kernels``), named by a hash of
+the sources, the compilers, the flags and the torch version, built in a temporary directory and
+renamed into place, so processes building at once (replicas starting together) never load a
+half-written file.
 
 A torch operator rather than a ctypes call: compiled decode graphs call it like an aten op
 (~4.6 us a call here; a Python ``torch.library.custom_op`` around ctypes cost ~17 us, and a
@@ -37,7 +39,8 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-C_SOURCES = (CSRC / "q4_gemm.c", CSRC / "paged_attention.c", CSRC / "argmax.c")
+C_SOURCES = (CSRC / "q4_gemm.c", CSRC / "paged_attention.c", CSRC / "argmax.c",
+             CSRC / "q8_rows.c")
 SOURCES = (*C_SOURCES, CSRC / "ops.cpp")
 C_FLAGS = ["-O3", "-std=c11", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c",
            "-mfma", "-fopenmp", "-fPIC"]
@@ -103,7 +106,7 @@ def available() -> bool:
     if cc is None or cxx is None:
         log.info("native kernels not used: no C / C++ compiler (cc, c++) on PATH")
         return False
-    if hasattr(torch.ops.tailscope_native, "argmax"):  # loaded already (after cache_clear)
+    if hasattr(torch.ops.tailscope_native, "q8_rows_dot"):  # loaded already (cache_clear)
         return True
     try:
         versions = [subprocess.run([c, "--version"], capture_output=True, text=True,
@@ -125,6 +128,8 @@ def available() -> bool:
         lambda q, *_: q.new_empty(q.shape))
     torch.library.register_fake("tailscope_native::argmax")(
         lambda x: x.new_empty(x.shape[:1], dtype=torch.long))
+    torch.library.register_fake("tailscope_native::q8_rows_dot")(
+        lambda x, codes, scale, idx: x.new_empty(idx.shape, dtype=torch.float32))
     log.info("native kernels loaded (%s)", path)
     return True
 
@@ -187,3 +192,12 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     maxima, the first NaN), vectorised (``csrc/argmax.c``: torch's CPU argmax is a scalar loop,
     ~185 us a decode step of 8 rows here). Only where ``available()``."""
     return torch.ops.tailscope_native.argmax(x)
+
+
+def q8_rows_dot(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, idx: torch.Tensor
+                ) -> torch.Tensor:
+    """``out[b, j] = rows[idx[b, j]] . x[b]`` in float32 for a matrix of GGUF Q8_0 blocks
+    (``codes`` [V, H] int8, ``scale`` [V, H / 32] float16; ``kernels.linear.Int8Rows``), each
+    weight rounded to bfloat16 as a bfloat16 copy of the matrix holds it; ``x`` [B, H]
+    bfloat16, ``idx`` [B, k] int64 (``csrc/q8_rows.c``). Only where ``available()``."""
+    return torch.ops.tailscope_native.q8_rows_dot(x, codes, scale, idx)

@@ -17,7 +17,7 @@ from gguf.quants import dequantize
 from engine.config import ModelConfig
 from engine.loader.errors import UnsupportedModelError
 from engine.loader.gguf_read import GGUFFile
-from engine.quant import Int4Weight, from_gguf
+from engine.quant import Int4Weight, from_gguf, q8_0_from_gguf
 
 # llama.cpp's names; its converter permutes Q/K rows for llama only (qwen2/qwen3/phi3 keep HF's:
 # their RoPE is the NEOX / rotate_half kind). phi3 keeps HF's fused matrices: attn_qkv holds
@@ -213,9 +213,9 @@ def _phi3_rows(c: ModelConfig, kind: str) -> tuple[int, ...]:
 
 class _Tensor:
     """A lazy weight: called, the tensor dequantized to float32; ``int4()``, a 4-bit tensor's
-    codes, scales and zeros as stored (``engine.quant``), None for other types. Llama's Q/K rows
-    are un-permuted either way. Each form is made once (a fused Phi-3 tensor feeds several
-    parts) and only when asked for."""
+    codes, scales and zeros as stored (``engine.quant``), None for other types; ``int8_rows()``,
+    a Q8_0 tensor's codes and scales. Llama's Q/K rows are un-permuted either way. Each form is
+    made once (a fused Phi-3 tensor feeds several parts) and only when asked for."""
 
     def __init__(self, t, unpermute_heads: int | None) -> None:
         self.t = t
@@ -239,6 +239,14 @@ class _Tensor:
 
     def int4(self) -> Int4Weight | None:
         return self._int4
+
+    def int8_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A Q8_0 tensor's int8 codes and float16 scales as stored (``engine.quant``); None for
+        other types and for Q/K tensors (un-permuted rows: never an embedding)."""
+        if self.heads is not None:
+            return None
+        return q8_0_from_gguf(self.t.data, Q(self.t.tensor_type),
+                              tuple(int(x) for x in reversed(self.t.shape)))
 
 
 class _Rows:

@@ -1,5 +1,5 @@
-// Registers csrc/q4_gemm.c, csrc/paged_attention.c and csrc/argmax.c as torch operators,
-// tailscope_native::int4_mm, ::paged_decode_attention and ::argmax, so eager code and
+// Registers csrc/q4_gemm.c, csrc/paged_attention.c, csrc/argmax.c and csrc/q8_rows.c as torch
+// operators, tailscope_native::int4_mm, ::paged_decode_attention, ::argmax and ::q8_rows_dot, so eager code and
 // torch.compile'd graphs call them through the dispatcher like aten ops: ~4.6 us a call here,
 // against ~17 for a Python custom op (121 calls in a batch-1 step of the bundled model).
 // Their fake (shape) functions are registered from Python (kernels/native.py).
@@ -21,6 +21,9 @@ extern "C" int paged_decode_attention(const uint16_t *q, int64_t q_sb, int64_t q
                                       int64_t NB, float scale, uint16_t *out, int threads);
 extern "C" void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t ld, int64_t *out,
                             int threads);
+extern "C" int q8_rows_dot(const uint16_t *x, int64_t B, int64_t H, const int8_t *codes,
+                           const uint16_t *scale, int64_t V, const int64_t *idx, int64_t k,
+                           float *out, int threads);
 
 namespace {
 
@@ -101,6 +104,30 @@ at::Tensor argmax(const at::Tensor &x) {
     return out;
 }
 
+at::Tensor q8_rows_dot_op(const at::Tensor &x, const at::Tensor &codes, const at::Tensor &scale,
+                          const at::Tensor &idx) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: [B, H] bfloat16");
+    TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(),
+                "codes: contiguous [V, H] int8");
+    const int64_t v = codes.size(0), h = codes.size(1);
+    TORCH_CHECK(h % 32 == 0 && x.size(1) == h, "x's columns must be codes' (a multiple of 32)");
+    TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() &&
+                    scale.numel() == v * (h / 32),
+                "scale: contiguous [V, H / 32] float16");
+    TORCH_CHECK(idx.dim() == 2 && idx.size(0) == x.size(0) && idx.scalar_type() == at::kLong,
+                "idx: [B, k] int64");
+    const at::Tensor xc = x.contiguous(), ic = idx.contiguous();
+    at::Tensor out = at::empty({idx.size(0), idx.size(1)}, x.options().dtype(at::kFloat));
+    if (out.numel() == 0) return out;
+    const int rc = q8_rows_dot(reinterpret_cast<const uint16_t *>(xc.data_ptr()), x.size(0), h,
+                               codes.data_ptr<int8_t>(),
+                               reinterpret_cast<const uint16_t *>(scale.data_ptr()), v,
+                               ic.data_ptr<int64_t>(), idx.size(1), out.data_ptr<float>(),
+                               at::get_num_threads());
+    TORCH_CHECK(rc == 0, "q8_rows_dot: a row index outside 0 .. ", v - 1);
+    return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tailscope_native, m) {
@@ -109,10 +136,12 @@ TORCH_LIBRARY(tailscope_native, m) {
     m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
           "Tensor context_lens, float scale) -> Tensor");
     m.def("argmax(Tensor x) -> Tensor");
+    m.def("q8_rows_dot(Tensor x, Tensor codes, Tensor scale, Tensor idx) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tailscope_native, CPU, m) {
     m.impl("int4_mm", int4_mm);
     m.impl("paged_decode_attention", paged_decode);
     m.impl("argmax", argmax);
+    m.impl("q8_rows_dot", q8_rows_dot_op);
 }

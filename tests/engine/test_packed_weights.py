@@ -316,3 +316,76 @@ def test_the_weights_setting_is_checked():
         for name in ("weights", "output_weights"):
             with pytest.raises(ValueError, match=f"{name}: {kind} cannot run batch_invariant"):
                 EngineConfig(**{name: kind}, batch_invariant=True)
+
+
+def test_the_bundled_models_q8_0_embedding_is_kept_as_stored(bundled_path, bundled_tokenizer,
+                                                             monkeypatch):
+    """A tied Q8_0 embedding (the bundled model's) stays int8 codes and scales where the packed
+    output matrix keeps no dense copy (bfloat16 on our kernel): lookups give the bf16 values,
+    every step's top logits are rescored from it, and greedy tokens are the dense
+    embedding's. A float32 model (its packed output keeps a dense copy) keeps a tensor."""
+    from engine.loader import gguf_loader
+    from kernels.linear import Int8Rows
+
+    model = load_model(bundled_path, "bfloat16", weights="int4", output_weights="int4")
+    assert isinstance(load_model(bundled_path, "float32", weights="int4",
+                                 output_weights="int4").embed, torch.Tensor)
+    if not native.available():
+        assert isinstance(model.embed, torch.Tensor)  # torch's int4 kernel keeps a dense copy
+        return
+    assert isinstance(model.embed, Int8Rows) and model.lm_head.exact is model.embed
+    assert model.lm_head.packed.dense is None
+    # the same weights with the embedding read as a float tensor (the path before Int8Rows)
+    monkeypatch.setattr(gguf_loader._Tensor, "int8_rows", lambda self: None)
+    dense = load_model(bundled_path, "bfloat16", weights="int4", output_weights="int4")
+    assert isinstance(dense.embed, torch.Tensor)
+    ids = torch.arange(dense.embed.shape[0])
+    assert torch.equal(model.embed[ids], dense.embed)
+    assert model.weight_bytes < dense.weight_bytes  # 64 rows of 612 bytes, not 1,152
+    prompts = [bundled_tokenizer.encode(t) for t in
+               ["The capital of France is", "def fibonacci(n):\n    ", "List three colours:"]]
+    x = torch.randn(40, 576, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    got, want = model.lm_head(x), dense.lm_head(x)
+    top = got.topk(64).indices
+    # the same rows rescored: float32 sums here, a bf16 bmm there
+    assert (got.gather(1, top) - want.gather(1, top)).abs().max() <= \
+        0.01 * want.abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    cfg = EngineConfig(dtype="bfloat16", weights="int4", output_weights="int4",
+                       num_kv_blocks=128, max_num_seqs=4)
+    assert [r.output_token_ids for r in Engine(model, cfg).generate(prompts, params)] == \
+        [r.output_token_ids for r in Engine(dense, cfg).generate(prompts, params)]
+
+
+def test_rescoring_from_int8_rows_needs_a_packed_matrix_without_a_dense_copy():
+    from kernels.linear import Int8Rows
+
+    rows = Int8Rows(torch.zeros(64, 64, dtype=torch.int8), torch.ones(64, 2), torch.float32)
+    q = quantize_int4(torch.randn(64, 64))
+    packed = Int4Linear(q.codes, q.scale, q.zero, q.dequantize(), GROUP)  # float32: a copy
+    with pytest.raises(ValueError, match="without a dense copy"):
+        RescoredOutput(packed, rows)
+
+
+def test_an_untied_q8_0_embedding_is_looked_up_from_its_codes(tmp_path, monkeypatch):
+    """An untied embedding is only looked up: kept as the file's Q8_0 blocks in any dtype and
+    weight format, with logits equal to the same model's with a float embedding."""
+    from engine.loader import gguf_loader
+    from kernels.linear import Int8Rows
+
+    path = tmp_path / "tiny-q8_0.gguf"
+    write_tiny_gguf(path, Q.Q8_0)
+    kept = load_model(path)
+    assert isinstance(kept.embed, Int8Rows) and not kept.config.tie_word_embeddings
+    monkeypatch.setattr(gguf_loader._Tensor, "int8_rows", lambda self: None)
+    plain = load_model(path)
+    assert isinstance(plain.embed, torch.Tensor)
+    ids = torch.tensor([5, 17, 300, 42, 9, 88, 123])
+    assert torch.equal(kept.dense_forward(ids), plain.dense_forward(ids))
+    assert kept.num_parameters == plain.num_parameters
+    assert kept.weight_bytes == plain.weight_bytes  # a lookup reads a row either way
+    engine = Engine(kept, EngineConfig(num_kv_blocks=64, max_num_seqs=2))
+    reqs = engine.generate([ids.tolist(), [3, 4, 5]], SamplingParams(max_tokens=6,
+                                                                      ignore_eos=True))
+    assert _greedy_agrees(reqs, [ids.tolist(), [3, 4, 5]], plain, 6, tie=1e-4) == 2
