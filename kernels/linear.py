@@ -201,8 +201,8 @@ class Int8Linear(_PackedLinear):
 class Int8Rows:
     """A ``[rows, cols]`` matrix kept as GGUF's Q8_0 stores it, ``w = scale * code`` per block
     of 32 columns (``codes`` int8, ``scale`` float16 ``[rows, cols / 32]``), read a row at a
-    time: a tied embedding that is also the exact output matrix of ``RescoredOutput`` (the
-    lookup reads a token's row, the rescoring ``top_k`` rows a step row). Half the memory of a
+    time: an embedding (its lookup reads a token's row) and, tied, the exact output matrix of
+    ``RescoredOutput`` (its rescoring reads ``top_k`` rows a step row). Half the memory of a
     bfloat16 copy (27 MB of the bundled model's 57), and the same values: a row read is
     ``scale * code`` in float32 (exact) cast to ``dtype``, what a copy in ``dtype`` holds."""
 
