@@ -347,9 +347,11 @@ def test_the_bundled_models_q8_0_embedding_is_kept_as_stored(bundled_path, bundl
     x = torch.randn(40, 576, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     got, want = model.lm_head(x), dense.lm_head(x)
     top = got.topk(64).indices
-    # the same rows rescored: float32 sums here, a bf16 bmm there
-    assert (got.gather(1, top) - want.gather(1, top)).abs().max() <= \
-        0.01 * want.abs().max()
+    # the same rows rescored and rounded to bf16 (float32 sums here, a bf16 bmm there: only a
+    # sum on a rounding boundary can differ, by one bf16 step; none did in 2,560 here)
+    a, b = got.gather(1, top), want.gather(1, top)
+    assert (a == b).float().mean() >= 0.99
+    assert (a - b).abs().max() <= 2.0 ** (torch.log2(b.abs().max()).floor() - 7)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     cfg = EngineConfig(dtype="bfloat16", weights="int4", output_weights="int4",
