@@ -156,21 +156,23 @@ class LlamaModel:
         # all of it in ``dtype`` at once: untied (the lookup reads a row a token), or tied to an
         # output matrix packed without a dense copy (every step's top logits rescored from it)
         src = weights.pop("embed")
-        rows = src.int8_rows() if hasattr(src, "int8_rows") else None
-        rows = Int8Rows(*rows, dtype) if rows is not None else None
-        dense = rows.dequantize() if rows is not None and c.tie_word_embeddings else None
-        if dense is None and rows is None:
-            dense = _materialise(src).to(dtype).contiguous()
+        q8 = src.int8_rows() if hasattr(src, "int8_rows") else None
+        rows = Int8Rows(*q8, dtype) if q8 is not None else None
+        embed: torch.Tensor | Int8Rows = rows if rows is not None else \
+            _materialise(src).to(dtype).contiguous()
         del src
-        exact = dense if c.tie_word_embeddings else take("lm_head")
+        if not c.tie_word_embeddings:
+            exact = take("lm_head")
+        else:  # the output matrix is built from the values in ``dtype``
+            exact = rows.dequantize() if rows is not None else embed
         if output_format == "native":
             self.lm_head = linear(exact)
         else:  # low-bit for small steps, the top logits rescored from ``exact``
             head = packed(output_format, [exact], dense=exact)
             if c.tie_word_embeddings and rows is not None and head.dense is None:
-                exact = dense = None  # rescored from ``rows``: no copy in ``dtype`` kept
-            self.lm_head = RescoredOutput(head, exact if exact is not None else rows)
-        self.embed: torch.Tensor | Int8Rows = dense if dense is not None else rows
+                exact = rows  # rescored from the rows: no copy in ``dtype`` kept
+            self.lm_head = RescoredOutput(head, exact)
+        self.embed = exact if c.tie_word_embeddings else embed  # tied: one matrix for both
         self.final_norm = take("final_norm")
         self.layers = [
             LayerWeights(
