@@ -1,5 +1,6 @@
-// Registers csrc/q4_gemm.c, csrc/paged_attention.c, csrc/argmax.c and csrc/q8_rows.c as torch
-// operators, tailscope_native::int4_mm, ::paged_decode_attention, ::argmax and ::q8_rows_dot, so eager code and
+// Registers csrc/q4_gemm.c, csrc/paged_attention.c, csrc/argmax.c, csrc/q8_rows.c and csrc/topk.c
+// as torch operators, tailscope_native::int4_mm, ::paged_decode_attention, ::argmax,
+// ::q8_rows_dot, ::topk_indices and ::rescored_logits, so eager code and
 // torch.compile'd graphs call them through the dispatcher like aten ops: ~4.6 us a call here,
 // against ~17 for a Python custom op (121 calls in a batch-1 step of the bundled model).
 // Their fake (shape) functions are registered from Python (kernels/native.py).
@@ -24,6 +25,11 @@ extern "C" void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t ld,
 extern "C" int q8_rows_dot(const uint16_t *x, int64_t B, int64_t H, const int8_t *codes,
                            const uint16_t *scale, int64_t V, const int64_t *idx, int64_t k,
                            float *out, int threads);
+extern "C" int topk_rows(const uint16_t *x, int64_t rows, int64_t n, int64_t ld, int64_t k,
+                         int64_t *out, int threads);
+extern "C" int merge_rows(const uint16_t *y, int64_t rows, int64_t n, int64_t ld,
+                          const int64_t *idx, const uint16_t *top, int64_t k, float *out,
+                          int threads);
 
 namespace {
 
@@ -128,6 +134,38 @@ at::Tensor q8_rows_dot_op(const at::Tensor &x, const at::Tensor &codes, const at
     return out;
 }
 
+at::Tensor topk_indices(const at::Tensor &x, int64_t k) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: [rows, n] bfloat16");
+    TORCH_CHECK(k > 0 && k <= x.size(1), "k must be in 1 .. ", x.size(1), ", not ", k);
+    const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+    at::Tensor out = at::empty({x.size(0), k}, x.options().dtype(at::kLong));
+    if (x.size(0) == 0) return out;
+    const int rc = topk_rows(reinterpret_cast<const uint16_t *>(xc.data_ptr()), xc.size(0),
+                             xc.size(1), xc.stride(0), k, out.data_ptr<int64_t>(),
+                             std::min<int64_t>(at::get_num_threads(), x.size(0)));
+    TORCH_CHECK(rc == 0, "topk_indices: out of memory");
+    return out;
+}
+
+at::Tensor rescored_logits(const at::Tensor &y, const at::Tensor &idx, const at::Tensor &top) {
+    TORCH_CHECK(y.dim() == 2 && y.scalar_type() == at::kBFloat16, "y: [rows, n] bfloat16");
+    TORCH_CHECK(idx.dim() == 2 && idx.size(0) == y.size(0) && idx.scalar_type() == at::kLong,
+                "idx: [rows, k] int64");
+    TORCH_CHECK(top.sizes() == idx.sizes() && top.scalar_type() == at::kBFloat16,
+                "top: bfloat16, idx's shape");
+    const at::Tensor yc = y.stride(1) == 1 ? y : y.contiguous();
+    const at::Tensor ic = idx.contiguous(), tc = top.contiguous();
+    at::Tensor out = at::empty({y.size(0), y.size(1)}, y.options().dtype(at::kFloat));
+    if (y.numel() == 0) return out;
+    const int rc = merge_rows(reinterpret_cast<const uint16_t *>(yc.data_ptr()), yc.size(0),
+                              yc.size(1), yc.stride(0), ic.data_ptr<int64_t>(),
+                              reinterpret_cast<const uint16_t *>(tc.data_ptr()), idx.size(1),
+                              out.data_ptr<float>(),
+                              std::min<int64_t>(at::get_num_threads(), y.size(0)));
+    TORCH_CHECK(rc == 0, "rescored_logits: an index outside 0 .. ", y.size(1) - 1);
+    return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tailscope_native, m) {
@@ -137,6 +175,8 @@ TORCH_LIBRARY(tailscope_native, m) {
           "Tensor context_lens, float scale) -> Tensor");
     m.def("argmax(Tensor x) -> Tensor");
     m.def("q8_rows_dot(Tensor x, Tensor codes, Tensor scale, Tensor idx) -> Tensor");
+    m.def("topk_indices(Tensor x, int k) -> Tensor");
+    m.def("rescored_logits(Tensor y, Tensor idx, Tensor top) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tailscope_native, CPU, m) {
@@ -144,4 +184,6 @@ TORCH_LIBRARY_IMPL(tailscope_native, CPU, m) {
     m.impl("paged_decode_attention", paged_decode);
     m.impl("argmax", argmax);
     m.impl("q8_rows_dot", q8_rows_dot_op);
+    m.impl("topk_indices", topk_indices);
+    m.impl("rescored_logits", rescored_logits);
 }

@@ -148,7 +148,9 @@ def test_a_low_bit_output_matrix_gives_its_top_logits_exactly(kind, dtype):
     got, want, low = head(small).float(), ref(small).float(), packed(small).float()
     assert got.shape == (rows, 512)
     for row in range(rows):
-        top = low[row].topk(16).indices
+        # the candidates: torch's topk, or our kernel's on bf16 (ties to the lower index)
+        top = torch.sort(low[row], descending=True, stable=True).indices[:16] \
+            if dtype == torch.bfloat16 and native.available() else low[row].topk(16).indices
         tail = torch.ones(512, dtype=torch.bool)
         tail[top] = False
         # the same products as the exact matrix's (bmm against F.linear: rounding apart)
