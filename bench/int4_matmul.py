@@ -3,11 +3,13 @@ same values, side by side in one run, on one decoder layer's four matrices of th
 (QKV 960x576, O 576x576, gate/up 3072x576, down 576x1536), at the row counts a step has: decode
 batches (1-16 rows: the few-rows path, exact 4-bit values) and prefill chunks (32-512 rows: the
 many-rows path, each tile dequantized to bf16 once). The bf16 column is what a model kept as a
-dense bf16 copy for those steps before: the many-rows path is why it keeps none now.
+dense bf16 copy for those steps before: the many-rows path is why it keeps none now. The int4a8
+column is the same kernel with a step's inputs rounded to int8 per 32 below 32 rows
+(``weights: int4a8``, ``int4_mm_a8``: AVX-512 VNNI, not exact); from 32 rows it is int4's.
 
     python bench/int4_matmul.py [--rows 1,8,16,32,64,128,256,512] [--rounds 5]
 
-Each round times every row count for both kernels, alternating; the medians over rounds are
+Each round times every row count for the three, alternating; the medians over rounds are
 printed with their ratio (the VM's speed drifts between minutes here: only the ratio in one run
 means anything).
 """
@@ -54,24 +56,27 @@ def main() -> int:
         q = quantize_int4(torch.randn(n, k) * 0.02)
         values = q.dequantize().to(torch.bfloat16)
         packed = Int4Linear(q.codes, q.scale, q.zero, values, GROUP)
-        assert packed.native and packed.dense is None
-        layers.append((packed, Linear(values)))
+        a8 = Int4Linear(q.codes, q.scale, q.zero, values, GROUP, int8_inputs=True)
+        assert packed.native and packed.dense is None and a8.int8_inputs
+        layers.append((packed, Linear(values), a8))
     rows = [int(r) for r in args.rows.split(",")]
     xs = {m: [torch.randn(m, k).to(torch.bfloat16) for _, k in SHAPES] for m in rows}
-    times = {(m, which): [] for m in rows for which in ("int4", "bf16")}
+    kinds = (("int4", 0), ("bf16", 1), ("int4a8", 2))
+    times = {(m, which): [] for m in rows for which, _ in kinds}
     for _ in range(args.rounds):
         for m in rows:
             calls = max(3, 2048 // m)
-            for which, i in (("int4", 0), ("bf16", 1)):
+            for which, i in kinds:
                 fns = [(layer[i], x) for layer, x in zip(layers, xs[m], strict=True)]
                 times[m, which].append(per_call_ms(lambda fns=fns: [f(x) for f, x in fns],
                                                    calls))
     print(f"one decoder layer's four matrices, {torch.get_num_threads()} threads, medians of "
           f"{args.rounds} rounds (ms a layer)")
-    print(f"{'rows':>5} {'int4 (ours)':>12} {'bf16 prepacked':>15} {'ratio':>7}")
+    print(f"{'rows':>5} {'int4 (ours)':>12} {'bf16 prepacked':>15} {'ratio':>7} "
+          f"{'int4a8':>8} {'int4a8/int4':>12}")
     for m in rows:
-        a, b = statistics.median(times[m, "int4"]), statistics.median(times[m, "bf16"])
-        print(f"{m:5d} {a:12.3f} {b:15.3f} {a / b:7.2f}")
+        a, b, c = (statistics.median(times[m, which]) for which, _ in kinds)
+        print(f"{m:5d} {a:12.3f} {b:15.3f} {a / b:7.2f} {c:8.3f} {c / a:12.2f}")
     return 0
 
 

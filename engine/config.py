@@ -71,7 +71,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 PREEMPTION_MODES = ("recompute", "swap", "auto", "off")
 SCHEDULING_POLICIES = ("fcfs", "priority", "sjf", "fair")  # engine.policy.POLICIES (torch-free)
 BUDGET_SPLITS = ("decode_first", "prefill_first", "decode_reserve")
-WEIGHT_FORMATS = ("native", "int4", "int8")
+WEIGHT_FORMATS = ("native", "int4", "int4a8", "int8")
 
 
 def _setting(default, help: str):
@@ -116,15 +116,20 @@ class EngineConfig:
                           "made")
     weights: str = _setting("native", "how the linear layers' weights are held: native (in "
                             "dtype), int4 (4-bit codes with a scale and zero per 32 inputs: "
-                            "GGUF Q4_0 / Q4_1 / Q4_K tensors kept as stored, others quantized) "
+                            "GGUF Q4_0 / Q4_1 / Q4_K tensors kept as stored, others quantized), "
+                            "int4a8 (int4 whose small decode steps quantize their inputs to "
+                            "int8 per 32, GGUF's Q8_0 form, as llama.cpp multiplies its 4-bit "
+                            "weights: twice the products an instruction on our kernel, AVX-512 "
+                            "VNNI; not exact, ~1% relative error of each sum beyond the 4-bit "
+                            "weights'; without our kernels it runs as int4), "
                             "or int8 (a scale per output row, quantized from float); decode "
                             "steps of up to 16 rows (int4 on our own kernel, kernels.native) or "
                             "4 (int8, or int4 on torch's kernel) run packed, larger steps a "
                             "dense copy of the same values: engine.quant")
     output_weights: str = _setting("native", "how the output matrix (lm_head, or the tied "
                                    "embedding's values) is held for small decode steps (as "
-                                   "many rows as for weights): native, int4 or int8 as for "
-                                   "weights, each row's 64 "
+                                   "many rows as for weights): native, int4, int4a8 or int8 "
+                                   "as for weights, each row's 64 "
                                    "highest logits then recomputed from the exact matrix (only "
                                    "the tail keeps low-bit rounding); larger steps and the "
                                    "embedding lookup use the exact matrix: "

@@ -145,7 +145,8 @@ class LlamaModel:
                                   if dense is None else dense)
             q = Int4Weight.cat([int4(w) for w in sources])
             return Int4Linear(q.codes, q.scale, q.zero, (lambda: q.dequantize().to(dtype))
-                              if dense is None else dense, GROUP, dtype=dtype)
+                              if dense is None else dense, GROUP, dtype=dtype,
+                              int8_inputs=fmt == "int4a8")
 
         def proj(*names: str) -> Linear | InvariantLinear | Int4Linear | Int8Linear:
             if weight_format == "native":

@@ -139,18 +139,21 @@ class Int4Linear(_PackedLinear):
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                  dense: torch.Tensor | Callable[[], torch.Tensor], group: int,
                  max_rows: int | None = None, use_native: bool = True,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, int8_inputs: bool = False) -> None:
         """``codes`` [N, K] (0..15), ``scale`` / ``zero`` [N, K / group]; ``dense`` the same
         values in the model's dtype (``Int4Weight.dequantize``), or a function that makes them,
         called only where the copy is kept (then ``dtype`` names the model's dtype).
         ``max_rows`` defaults to the kernel's own (above); ``use_native=False`` keeps torch's
-        kernel."""
+        kernel. ``int8_inputs`` (``weights: int4a8``): our kernel's steps of up to 31 rows
+        quantize their inputs to int8 per group of 32 (``int4_mm_a8``: not exact); no effect
+        on torch's kernel."""
         dtype = dense.dtype if isinstance(dense, torch.Tensor) else dtype
         if dtype is None:
             raise ValueError("Int4Linear: dtype is needed where dense is a function")
         packed = native.pack_int4(codes, scale, zero, group) \
             if use_native and native.available() else None
         self.native = packed is not None
+        self.int8_inputs = int8_inputs and self.native
         if self.native and dtype == torch.bfloat16:
             dense = None
         elif not isinstance(dense, torch.Tensor):
@@ -176,7 +179,8 @@ class Int4Linear(_PackedLinear):
         if not self.native:
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group,
                                                               self.scales_zeros)
-        return native.int4_mm(x, self.packed, self.scale, self.zero, self.shape[0], out_dtype)
+        mm = native.int4_mm_a8 if self.int8_inputs else native.int4_mm
+        return mm(x, self.packed, self.scale, self.zero, self.shape[0], out_dtype)
 
 
 class Int8Linear(_PackedLinear):

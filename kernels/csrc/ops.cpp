@@ -15,6 +15,9 @@
 extern "C" int q4_gemm(const uint16_t *x, int M, int K, int N, const uint8_t *codes,
                        const void *scale, const void *zero, int scale_f32, void *out,
                        int out_bf16, int threads);
+extern "C" int q4_gemm_a8(const uint16_t *x, int M, int K, int N, const uint8_t *codes,
+                          const void *scale, const void *zero, int scale_f32, void *out,
+                          int out_bf16, int threads);
 extern "C" int paged_decode_attention(const uint16_t *q, int64_t q_sb, int64_t q_sh,
                                       const uint16_t *k_cache,
                                       const uint16_t *v_cache, const int64_t *tables, int64_t M,
@@ -33,8 +36,9 @@ extern "C" int merge_rows(const uint16_t *y, int64_t rows, int64_t n, int64_t ld
 
 namespace {
 
-at::Tensor int4_mm(const at::Tensor &x, const at::Tensor &packed, const at::Tensor &scale,
-                   const at::Tensor &zero, int64_t out_features, at::ScalarType out_dtype) {
+at::Tensor int4_mm_impl(const at::Tensor &x, const at::Tensor &packed, const at::Tensor &scale,
+                        const at::Tensor &zero, int64_t out_features, at::ScalarType out_dtype,
+                        bool a8) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: 2-D bfloat16");
     TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed: uint8");
     TORCH_CHECK(scale.scalar_type() == zero.scalar_type() && scale.is_contiguous() &&
@@ -51,12 +55,23 @@ at::Tensor int4_mm(const at::Tensor &x, const at::Tensor &packed, const at::Tens
     const at::Tensor xc = x.contiguous();
     at::Tensor out = at::empty({m, out_features}, x.options().dtype(out_dtype));
     if (m == 0) return out;
-    const int rc = q4_gemm(reinterpret_cast<const uint16_t *>(xc.data_ptr()), (int)m, (int)k,
+    const int rc = (a8 ? q4_gemm_a8 : q4_gemm)(
+                           reinterpret_cast<const uint16_t *>(xc.data_ptr()), (int)m, (int)k,
                            (int)out_features, packed.data_ptr<uint8_t>(), scale.data_ptr(),
                            zero.data_ptr(), scale.scalar_type() == at::kFloat, out.data_ptr(),
                            out_dtype == at::kBFloat16, at::get_num_threads());
     TORCH_CHECK(rc == 0, "q4_gemm failed (", rc, ")");
     return out;
+}
+
+at::Tensor int4_mm(const at::Tensor &x, const at::Tensor &packed, const at::Tensor &scale,
+                   const at::Tensor &zero, int64_t out_features, at::ScalarType out_dtype) {
+    return int4_mm_impl(x, packed, scale, zero, out_features, out_dtype, false);
+}
+
+at::Tensor int4_mm_a8(const at::Tensor &x, const at::Tensor &packed, const at::Tensor &scale,
+                      const at::Tensor &zero, int64_t out_features, at::ScalarType out_dtype) {
+    return int4_mm_impl(x, packed, scale, zero, out_features, out_dtype, true);
 }
 
 at::Tensor paged_decode(const at::Tensor &q, const at::Tensor &k_cache, const at::Tensor &v_cache,
@@ -171,6 +186,8 @@ at::Tensor rescored_logits(const at::Tensor &y, const at::Tensor &idx, const at:
 TORCH_LIBRARY(tailscope_native, m) {
     m.def("int4_mm(Tensor x, Tensor packed, Tensor scale, Tensor zero, int out_features, "
           "ScalarType out_dtype) -> Tensor");
+    m.def("int4_mm_a8(Tensor x, Tensor packed, Tensor scale, Tensor zero, int out_features, "
+          "ScalarType out_dtype) -> Tensor");
     m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
           "Tensor context_lens, float scale) -> Tensor");
     m.def("argmax(Tensor x) -> Tensor");
@@ -181,6 +198,7 @@ TORCH_LIBRARY(tailscope_native, m) {
 
 TORCH_LIBRARY_IMPL(tailscope_native, CPU, m) {
     m.impl("int4_mm", int4_mm);
+    m.impl("int4_mm_a8", int4_mm_a8);
     m.impl("paged_decode_attention", paged_decode);
     m.impl("argmax", argmax);
     m.impl("q8_rows_dot", q8_rows_dot_op);

@@ -16,6 +16,9 @@
  * 32g + 4b + j%2 in its low nibble and for input 32g + 4b + 2 + j%2 in its high nibble, so a
  * 32-byte load widened to 16-bit lanes gives two vdpbf16ps operands (input pairs per output)
  * with one AND and one shift. Scales and zeros [T][G][16], float16 or float32.
+ * q4_gemm_a8 (weights: int4a8) runs the few-rows path on inputs rounded to int8 instead, AVX-512
+ * VNNI (see its section below; not exact).
+ *
  * N must be a multiple of 16, K of 32. Threads: OpenMP, torch's own runtime (libgomp.so.1 is
  * already loaded by torch when this library is), as many as the caller passes (ops.cpp: torch's
  * own thread count).
@@ -195,21 +198,101 @@ static int q4_gemm_many(const uint16_t *x, int M, int K, int N, const uint8_t *c
  * about what 16 rows' products of it do, so below this the exact few-rows path is as fast. */
 #define MANY_ROWS 32
 
-/* out[M, N] (bf16 if out_bf16, else float32) = x[M, K] (bf16, rows K apart) @ W.T */
-int q4_gemm(const uint16_t *x, int M, int K, int N, const uint8_t *codes, const void *scale,
-            const void *zero, int scale_f32, void *out, int out_bf16, int threads) {
-    if (M < 1 || K % 32 || N % 16) return 1;
-    if (M >= MANY_ROWS)
-        return q4_gemm_many(x, M, K, N, codes, scale, zero, scale_f32, out, out_bf16, threads);
-    const int G = K / 32, T = N / 16, ssz = scale_f32 ? 4 : 2;
-    float *sx = (float *)malloc(sizeof(float) * (size_t)M * G);
-    if (!sx) return 2;
+/* ---- activations as int8 (AVX-512 VNNI) ---------------------------------------------------
+ * The few-rows path with each row's inputs quantized to int8 per group of 32
+ * (q = round(x * (127 / max |x|)) in float32, ties to even; d = max |x| / 127 over the
+ * group: GGUF's Q8_0 form, what llama.cpp multiplies its 4-bit weights with), so one vpdpbusd
+ * multiplies 4 codes by 4 inputs per output (64 products an instruction, twice vdpbf16ps's
+ * 32):
+ *
+ *   sum_k x_k w_k ~= S * d * sum_k q_k c_k + Z * sx,   sx = sum_k x_k (of the exact inputs).
+ *
+ * In block b of group g, output o's bytes 2o and 2o + 1 hold the codes of inputs
+ * 4b, 4b+2 (low, high nibble) and 4b+1, 4b+3: widened to 16-bit lanes and each byte's high
+ * nibble moved to the lane's second byte, a 32-bit lane holds the codes of inputs
+ * (4b, 4b+2, 4b+1, 4b+3), and the quantized inputs are stored in that order. */
+
+static void quantize_rows(const uint16_t *x, int M, int K, int8_t *q, float *d, float *sx) {
+    const int G = K / 32;
+    /* within each 4 inputs, the order the codes' lanes hold them: 0, 2, 1, 3 */
+    const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
     for (int r = 0; r < M; r++)
         for (int g = 0; g < G; g++) {
-            float s = 0;
-            for (int j = 0; j < 32; j++) s += bf16_to_f32(x[(size_t)r * K + g * 32 + j]);
-            sx[r * G + g] = s;
+            const uint16_t *xg = x + (size_t)r * K + g * 32;
+            __m512 v[2];
+            for (int h = 0; h < 2; h++) /* bf16 -> float32, exact */
+                v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                    _mm256_loadu_si256((const __m256i *)(xg + 16 * h))), 16));
+            const float amax = _mm512_reduce_max_ps(
+                _mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+            const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+            d[r * G + g] = amax / 127.0f;
+            sx[r * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
+            for (int h = 0; h < 2; h++) {
+                /* the float32 product rounded to the nearest integer, ties to even (the
+                   conversion's default rounding); |t| <= 127 */
+                const __m512i t = _mm512_cvtps_epi32(_mm512_mul_ps(
+                    _mm512_permutexvar_ps(order, v[h]), _mm512_set1_ps(inv)));
+                _mm_storeu_si128((__m128i *)(q + (size_t)r * K + g * 32 + 16 * h),
+                                 _mm512_cvtsepi32_epi8(t));
+            }
         }
+}
+
+static inline __attribute__((always_inline)) void tile_a8(
+        const int8_t *xq, int K, int G, const uint8_t *codes, const char *scale,
+        const char *zero, int f32, const float *d, const float *sx, int mr, __m512 *tot) {
+    const __m512i nibbles = _mm512_set1_epi16(0x0F0F);
+    const int ssz = f32 ? 64 : 32;
+    __m512i acc[MAXR];
+    for (int r = 0; r < mr; r++) tot[r] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        const uint8_t *cg = codes + (size_t)g * 256;
+        for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(cg + 1024 + 64 * i), _MM_HINT_T0);
+        for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_si512();
+        for (int b = 0; b < 8; b++) {
+            const __m512i c =
+                _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(cg + b * 32)));
+            /* (c | c << 4) & 0x0F0F: the low nibble in the lane's first byte, the high in its
+               second */
+            const __m512i w = _mm512_ternarylogic_epi32(c, _mm512_slli_epi16(c, 4), nibbles, 0xA8);
+            const int8_t *xp = xq + g * 32 + 4 * b;
+            for (int r = 0; r < mr; r++) {
+                const int32_t *four = (const int32_t *)(xp + (size_t)r * K);
+                __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc[r]) : "v"(w), "m"(four[0]));
+            }
+        }
+        const __m512 S = load_scale(scale + (size_t)g * ssz, f32);
+        const __m512 Z = load_scale(zero + (size_t)g * ssz, f32);
+        for (int r = 0; r < mr; r++) {
+            tot[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]),
+                                     _mm512_mul_ps(S, _mm512_set1_ps(d[r * G + g])), tot[r]);
+            tot[r] = _mm512_fmadd_ps(Z, _mm512_set1_ps(sx[r * G + g]), tot[r]);
+        }
+    }
+}
+
+/* The few-rows path (M < MANY_ROWS) on bf16 inputs, or with ``a8`` on int8 ones (above). */
+static int few_rows(const uint16_t *x, int M, int K, int N, const uint8_t *codes,
+                    const void *scale, const void *zero, int scale_f32, void *out, int out_bf16,
+                    int threads, int a8) {
+    const int G = K / 32, T = N / 16, ssz = scale_f32 ? 4 : 2;
+    /* each row's group sums (and with a8 its scales d, then its int8 inputs) */
+    float *sx = (float *)malloc(sizeof(float) * (size_t)M * G * (a8 ? 2 : 1) +
+                                (a8 ? (size_t)M * K : 0));
+    if (!sx) return 2;
+    float *d = sx + (size_t)M * G;
+    int8_t *xq = (int8_t *)(d + (size_t)M * G);
+    if (a8) {
+        quantize_rows(x, M, K, xq, d, sx);
+    } else {
+        for (int r = 0; r < M; r++)
+            for (int g = 0; g < G; g++) {
+                float s = 0;
+                for (int j = 0; j < 32; j++) s += bf16_to_f32(x[(size_t)r * K + g * 32 + j]);
+                sx[r * G + g] = s;
+            }
+    }
     #pragma omp parallel for schedule(guided) num_threads(threads)
     for (int t = 0; t < T; t++) {
         const uint8_t *ct = codes + (size_t)t * G * 256;
@@ -218,9 +301,14 @@ int q4_gemm(const uint16_t *x, int M, int K, int N, const uint8_t *codes, const 
         for (int r0 = 0; r0 < M; r0 += MAXR) {
             const int mr = M - r0 < MAXR ? M - r0 : MAXR;
             const uint16_t *xr = x + (size_t)r0 * K;
+            const int8_t *qr = xq + (size_t)r0 * K;
+            const float *sr = sx + r0 * G, *dr = d + r0 * G;
             __m512 tot[MAXR];
             switch (mr) {
-#define ROWS(R) case R: tile(xr, K, G, ct, st, zt, scale_f32, sx + r0 * G, R, tot); break;
+#define ROWS(R) case R:                                                                 \
+                if (a8) tile_a8(qr, K, G, ct, st, zt, scale_f32, dr, sr, R, tot);       \
+                else tile(xr, K, G, ct, st, zt, scale_f32, sr, R, tot);                 \
+                break;
             ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 #undef ROWS
             }
@@ -229,4 +317,24 @@ int q4_gemm(const uint16_t *x, int M, int K, int N, const uint8_t *codes, const 
     }
     free(sx);
     return 0;
+}
+
+static int gemm(const uint16_t *x, int M, int K, int N, const uint8_t *codes, const void *scale,
+                const void *zero, int scale_f32, void *out, int out_bf16, int threads, int a8) {
+    if (M < 1 || K % 32 || N % 16) return 1;
+    if (M >= MANY_ROWS)
+        return q4_gemm_many(x, M, K, N, codes, scale, zero, scale_f32, out, out_bf16, threads);
+    return few_rows(x, M, K, N, codes, scale, zero, scale_f32, out, out_bf16, threads, a8);
+}
+
+/* out[M, N] (bf16 if out_bf16, else float32) = x[M, K] (bf16, rows K apart) @ W.T */
+int q4_gemm(const uint16_t *x, int M, int K, int N, const uint8_t *codes, const void *scale,
+            const void *zero, int scale_f32, void *out, int out_bf16, int threads) {
+    return gemm(x, M, K, N, codes, scale, zero, scale_f32, out, out_bf16, threads, 0);
+}
+
+/* q4_gemm with a few-rows step's inputs as int8 (above); many rows as q4_gemm. */
+int q4_gemm_a8(const uint16_t *x, int M, int K, int N, const uint8_t *codes, const void *scale,
+               const void *zero, int scale_f32, void *out, int out_bf16, int threads) {
+    return gemm(x, M, K, N, codes, scale, zero, scale_f32, out, out_bf16, threads, 1);
 }

@@ -312,7 +312,7 @@ def test_the_weights_setting_is_checked():
         EngineConfig(weights="int3")
     with pytest.raises(ValueError, match="output_weights must be one of"):
         EngineConfig(output_weights="int2")
-    for kind in ("int4", "int8"):
+    for kind in ("int4", "int4a8", "int8"):
         assert EngineConfig(weights=kind).weights == kind
         assert EngineConfig(output_weights=kind).output_weights == kind
         for name in ("weights", "output_weights"):
@@ -393,3 +393,30 @@ def test_an_untied_q8_0_embedding_is_looked_up_from_its_codes(tmp_path, monkeypa
     reqs = engine.generate([ids.tolist(), [3, 4, 5]], SamplingParams(max_tokens=6,
                                                                       ignore_eos=True))
     assert _greedy_agrees(reqs, [ids.tolist(), [3, 4, 5]], plain, 6, tie=1e-4) == 2
+
+
+@pytest.mark.skipif(not native.available(), reason="native kernels not built here")
+def test_int4a8_quantizes_small_steps_inputs_and_keeps_the_rescored_top_exact(
+        bundled_path, bundled_tokenizer):
+    """``weights: int4a8``: the same 4-bit matrices, small steps on inputs rounded to int8
+    (``int4_mm_a8``): each layer's product within a few percent of int4's, not equal to it;
+    large steps (prefill chunks of 32+ rows) the same as int4's. As ``output_weights`` only
+    the candidate scores change, and their top 64 are rescored exactly: the greedy tokens stay
+    int4's (smoke-qa: 0 of 51 outputs changed, README)."""
+    a8 = load_model(bundled_path, "bfloat16", weights="int4a8", output_weights="int4a8")
+    q4 = load_model(bundled_path, "bfloat16", weights="int4", output_weights="int4")
+    lin, ref = a8.layers[3].gate_up, q4.layers[3].gate_up
+    assert lin.int8_inputs and not ref.int8_inputs and a8.lm_head.packed.int8_inputs
+    x = torch.randn(8, 576, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    got, want = lin(x).float(), ref(x).float()
+    rel = ((got - want).norm() / want.norm()).item()
+    assert 1e-3 < rel < 0.05
+    big = torch.randn(40, 576, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    assert torch.equal(lin(big), ref(big))
+    head_only = load_model(bundled_path, "bfloat16", weights="int4", output_weights="int4a8")
+    prompts = [bundled_tokenizer.encode(t) for t in
+               ["The capital of France is", "def fibonacci(n):\n    ", "List three colours:"]]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    cfg = EngineConfig(dtype="bfloat16", weights="int4", num_kv_blocks=128, max_num_seqs=4)
+    assert [r.output_token_ids for r in Engine(head_only, cfg).generate(prompts, params)] == \
+        [r.output_token_ids for r in Engine(q4, cfg).generate(prompts, params)]

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -85,6 +86,49 @@ def test_many_rows_multiply_the_weights_rounded_to_bfloat16(rows, fp16_scales):
     exact = x.double() @ w.double().T
     assert (got.double() - exact).abs().max() > 10 * err
     out16 = native.int4_mm(x, *packed, n, torch.bfloat16)
+    torch.testing.assert_close(out16, got.to(torch.bfloat16), atol=0, rtol=0)
+
+
+def _q8_0(x: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` as int8 per group of 32 and back, in the kernel's float32 steps
+    (``d = max |x| / 127``, ``q = round(x * (127 / max |x|))``, ties to even): the inputs
+    ``int4_mm_a8`` multiplies."""
+    # numpy's float32 operations, each rounded once (torch's vectorised ones can differ in the
+    # last bit, which moves a value sitting on a .5 to the other integer)
+    v = x.float().numpy().reshape(x.shape[0], -1, 32)
+    amax = np.abs(v).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, np.float32(1)),
+                   np.float32(0)).astype(np.float32)
+    q = np.rint(v * inv)
+    return torch.from_numpy(q.astype(np.float64) * (amax / np.float32(127)).astype(np.float64)
+                            ).view(x.shape)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 31, 32, 40])
+def test_int8_inputs_are_the_q8_0_rounding_of_the_rows(rows):
+    """``int4_mm_a8`` (``weights: int4a8``): below 32 rows the inputs are rounded to int8 per
+    group of 32 and multiplied by the exact 4-bit weights; each output within float32's rounding
+    of that product (the group sums of the exact inputs carry the zeros), ~1% from the exact
+    one; from 32 rows on the many-rows path, the same as ``int4_mm``."""
+    n, k = 208, 320
+    codes, scale, zero, w = _weights(n, k, True, seed=100 + rows)
+    packed = native.pack_int4(codes, scale, zero, 32)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    x[0, :32] = 0  # a group of zeros: d = 0
+    got = native.int4_mm_a8(x, *packed, n, torch.float32)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    if rows >= 32:
+        assert torch.equal(got, native.int4_mm(x, *packed, n, torch.float32))
+        return
+    # S d sum(q c) + Z sum(x): w's zero part times the exact inputs, its code part the rounded
+    z = (zero - 8 * scale).repeat_interleave(32, dim=1).double()  # the kernel's Z
+    want = _q8_0(x) @ (w.double() - z).T + x.double() @ z.T
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    exact = x.double() @ w.double().T
+    rel = ((got.double() - exact).norm() / exact.norm()).item()
+    assert 1e-4 < rel < 0.03  # rounded inputs: not the exact product, but near it
+    out16 = native.int4_mm_a8(x, *packed, n, torch.bfloat16)
     torch.testing.assert_close(out16, got.to(torch.bfloat16), atol=0, rtol=0)
 
 
