@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 C_SOURCES = (CSRC / "q4_gemm.c", CSRC / "paged_attention.c", CSRC / "argmax.c",
              CSRC / "q8_rows.c", CSRC / "topk.c")
-SOURCES = (*C_SOURCES, CSRC / "ops.cpp")
+SOURCES = (*C_SOURCES, CSRC / "bf16.h", CSRC / "ops.cpp")  # what the build's cache key hashes
 C_FLAGS = ["-O3", "-std=c11", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16",
            "-mavx512vnni", "-mf16c", "-mfma", "-fopenmp", "-fPIC"]
 CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "f16c", "fma"}

@@ -27,6 +27,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "bf16.h"
+
 #define MAXG 8
 #define MAXC 8 /* D / 32 */
 
@@ -154,11 +156,8 @@ int paged_decode_attention(const uint16_t *q, int64_t q_sb, int64_t q_sh,
             for (int g = 0; g < G; g++) lo[g] = hi[g] = _mm512_setzero_ps();
             for (int64_t t = 0; t < L; t++) {
                 const __m512i v = _mm512_loadu_si512(v_cache + row[t] + 32 * c);
-                /* bf16 -> float32: each 16-bit value into the high half of a 32-bit lane */
-                const __m512 v0 = _mm512_castsi512_ps(_mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
-                const __m512 v1 = _mm512_castsi512_ps(_mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+                const __m512 v0 = bf16x16_to_f32(_mm512_castsi512_si256(v));
+                const __m512 v1 = bf16x16_to_f32(_mm512_extracti64x4_epi64(v, 1));
                 for (int g = 0; g < G; g++) {
                     const __m512 p = _mm512_set1_ps(s[g * stride + t]);
                     lo[g] = _mm512_fmadd_ps(p, v0, lo[g]);

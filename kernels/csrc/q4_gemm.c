@@ -26,16 +26,10 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
+
+#include "bf16.h"
 
 #define MAXR 8
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 static inline __m512 load_scale(const void *p, int f32) {
     if (f32) return _mm512_loadu_ps(p);
@@ -220,9 +214,8 @@ static void quantize_rows(const uint16_t *x, int M, int K, int8_t *q, float *d, 
         for (int g = 0; g < G; g++) {
             const uint16_t *xg = x + (size_t)r * K + g * 32;
             __m512 v[2];
-            for (int h = 0; h < 2; h++) /* bf16 -> float32, exact */
-                v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                    _mm256_loadu_si256((const __m256i *)(xg + 16 * h))), 16));
+            for (int h = 0; h < 2; h++)
+                v[h] = bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(xg + 16 * h)));
             const float amax = _mm512_reduce_max_ps(
                 _mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
             const float inv = amax > 0 ? 127.0f / amax : 0.0f;

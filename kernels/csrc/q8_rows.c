@@ -8,9 +8,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-static inline __m512 bf16x16_to_f32(__m256i h) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+#include "bf16.h"
 
 /* out[b * k + j] = sum_i w(r, i) * x[b * H + i] for r = idx[b * k + j], where w(r, i) =
  * bfloat16(scale[r][i / 32] * codes[r][i]): the value a bfloat16 copy of the matrix holds

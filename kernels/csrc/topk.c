@@ -16,7 +16,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
+
+#include "bf16.h"
 
 static inline int16_t key_of(uint16_t bits) {
     if ((bits & 0x7FFF) > 0x7F80) return 0x7FFF; /* NaN, either sign */
@@ -106,13 +107,6 @@ int topk_rows(const uint16_t *x, int64_t rows, int64_t n, int64_t ld, int64_t k,
     return rc;
 }
 
-static inline float widen(uint16_t v) {
-    const uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 /* out[r, :] = y[r, :] widened to float32 (exactly), then out[r, idx[r, j]] = top[r, j] (also
  * bfloat16, widened): the logits of a rescored step, the rescored values over the packed
  * matrix's, in one pass (torch.compile's graph for y.scatter(...).float() took ~220 us beyond
@@ -127,9 +121,8 @@ int merge_rows(const uint16_t *y, int64_t rows, int64_t n, int64_t ld, const int
         float *o = out + r * n;
         int64_t i = 0;
         for (; i + 16 <= n; i += 16)
-            _mm512_storeu_ps(o + i, _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + i))), 16)));
-        for (; i < n; i++) o[i] = widen(p[i]);
+            _mm512_storeu_ps(o + i, bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(p + i))));
+        for (; i < n; i++) o[i] = bf16_to_f32(p[i]);
         for (int64_t j = 0; j < k; j++) {
             const int64_t at = idx[r * k + j];
             if (at < 0 || at >= n) {
@@ -137,7 +130,7 @@ int merge_rows(const uint16_t *y, int64_t rows, int64_t n, int64_t ld, const int
                 rc = 1;
                 continue;
             }
-            o[at] = widen(top[r * k + j]);
+            o[at] = bf16_to_f32(top[r * k + j]);
         }
     }
     return rc;
