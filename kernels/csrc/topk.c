@@ -65,13 +65,9 @@ int topk_rows(const uint16_t *x, int64_t rows, int64_t n, int64_t ld, int64_t k,
             }
             for (int64_t j = k / 2 - 1; j >= 0; j--) sift_down(key, idx, (int)k, (int)j);
             const __m512i flip = _mm512_set1_epi16(0x7FFF), inf = _mm512_set1_epi16(0x7F80);
-            int64_t i = k;
-            /* scalar up to a multiple of 32, then 32 keys an instruction */
-            for (; i < n && (i & 31); i++) {
-                const int16_t kv = key_of(p[i]);
-                if (kv > key[0]) { key[0] = kv; idx[0] = i; sift_down(key, idx, (int)k, 0); }
-            }
-            for (; i < n; i += 32) {
+            /* 32 keys an instruction from the first value past the heap's (unaligned loads,
+               the row's tail masked) */
+            for (int64_t i = k; i < n; i += 32) {
                 const __mmask32 m = n - i >= 32 ? (__mmask32)0xFFFFFFFFu
                                                 : (__mmask32)((1u << (n - i)) - 1);
                 const __m512i v = _mm512_maskz_loadu_epi16(m, p + i);
