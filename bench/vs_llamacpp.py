@@ -13,7 +13,9 @@ with full capture) once per ``--dtypes`` entry (``DTYPE+int4`` / ``DTYPE+int8``:
 ``--weights int4`` / ``int8``; int4 keeps the GGUF's Q4_1 blocks packed for small decode
 steps; ``+out=int4``: with ``--output-weights int4``, the output matrix too;
 ``+compile``: with ``--compile``, decode steps through ``torch.compile``, e.g.
-``bfloat16+int4+out=int4+compile``). All servers start first and stay up; then ``--rounds`` rounds
+``bfloat16+int4+out=int4+compile``; ``+aot``: with ``--compile --compile-mode aot``, the same
+step compiled ahead of time, ``engine.aot``: its first build takes ~2 minutes here and is
+cached). All servers start first and stay up; then ``--rounds`` rounds
 (default 3) measure them in turns, one server at a time (the others idle), and the medians over
 the rounds are printed: this machine's speed drifts 15-50% over minutes, and turns spread that
 drift over every server alike instead of handing one server a slow stretch. Each measurement
@@ -160,8 +162,8 @@ def start_llama(exe: Path, threads: int, w: dict) -> Server:
 
 def start_tailscope(spec: str, threads: int) -> Server:
     """``spec``: an engine dtype, then optionally ``+int4`` / ``+int8`` (the weights),
-    ``+out=int4`` / ``+out=int8`` (the output matrix) and ``+compile``
-    (``bfloat16+int4+out=int4+compile``)."""
+    ``+out=int4`` / ``+out=int8`` (the output matrix) and ``+compile`` or ``+aot`` (compiled
+    ahead of time: ``compile_mode: aot``) (``bfloat16+int4+out=int4+compile``)."""
     import httpx
 
     from bench.trace_overhead import PeakRss
@@ -169,12 +171,14 @@ def start_tailscope(spec: str, threads: int) -> Server:
 
     dtype, *extra = spec.split("+")
     outputs = [x.removeprefix("out=") for x in extra if x.startswith("out=")]
-    weights = [x for x in extra if x != "compile" and not x.startswith("out=")]
+    weights = [x for x in extra if x not in ("compile", "aot") and not x.startswith("out=")]
     if len(weights) > 1 or len(outputs) > 1:
-        raise SystemExit(f"--dtypes: {spec!r} is not DTYPE[+WEIGHTS][+out=WEIGHTS][+compile]")
+        raise SystemExit(f"--dtypes: {spec!r} is not "
+                         "DTYPE[+WEIGHTS][+out=WEIGHTS][+compile|+aot]")
     args = ["--dtype", dtype, "--weights", weights[0] if weights else "native",
             "--output-weights", outputs[0] if outputs else "native"]
-    args += ["--compile"] if "compile" in extra else []
+    args += ["--compile"] if "compile" in extra or "aot" in extra else []
+    args += ["--compile-mode", "aot"] if "aot" in extra else []
     store = tempfile.mkdtemp(prefix="tailscope-vs-llamacpp-")
     gw = GatewayProcess(args, cwd=ROOT, quiet=True, ready_timeout_s=600,
                         env={"TAILSCOPE_THREADS": str(threads),

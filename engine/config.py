@@ -72,6 +72,7 @@ PREEMPTION_MODES = ("recompute", "swap", "auto", "off")
 SCHEDULING_POLICIES = ("fcfs", "priority", "sjf", "fair")  # engine.policy.POLICIES (torch-free)
 BUDGET_SPLITS = ("decode_first", "prefill_first", "decode_reserve")
 WEIGHT_FORMATS = ("native", "int4", "int4a8", "int8")
+COMPILE_MODES = ("jit", "aot")
 
 
 def _setting(default, help: str):
@@ -168,6 +169,12 @@ class EngineConfig:
                                     "batch_invariant). The replica compiles at start: tens of "
                                     "seconds, less once inductor's on-disk cache holds the "
                                     "graphs")
+    compile_mode: str = _setting("jit", "with compile: jit (torch.compile in the replica) or "
+                                        "aot (the same step compiled ahead of time with "
+                                        "AOTInductor in a child process, cached under "
+                                        "$TAILSCOPE_CACHE_DIR/aot; the replica loads it without "
+                                        "importing dynamo or inductor: less memory, no Python "
+                                        "per step; weights int4, int4a8 or int8)")
     step_detail: bool = _setting(True, "record each step's members and each waiting request's "
                                        "wait causes (why a request was slow)")
 
@@ -195,6 +202,11 @@ class EngineConfig:
                                  "kernels (by a step's row count) round differently")
         if self.compile and self.batch_invariant:
             raise ValueError("compile cannot run batch_invariant: its kernels are not traced")
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got "
+                             f"{self.compile_mode!r}")
+        if self.compile_mode != "jit" and not self.compile:
+            raise ValueError(f"compile_mode {self.compile_mode} needs compile: true")
         if self.preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got "
                              f"{self.preemption!r}")

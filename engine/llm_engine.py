@@ -76,7 +76,9 @@ class Engine:
                                  prefix_caching=self.config.prefix_caching,
                                  salt=f"{mc.name}|{mc.revision}|{self.config.dtype}")
         self.runner = runner or ModelRunner(model, num_blocks, self.config.block_size,
-                                            compile=self.config.compile)
+                                            compile=self.config.compile,
+                                            compile_mode=self.config.compile_mode,
+                                            max_batch=self.config.max_num_seqs)
         self.scheduler = Scheduler(self.config, self.kv)
         self.preemptions = 0  # total, by any mode (the scheduler's decisions)
         self.swaps = 0

@@ -199,6 +199,7 @@ class LlamaModel:
         self.rope = {key: self._rope(*key) for key in dict.fromkeys(self.layer_rope)}
         self.cos, self.sin_signed, self.cos_half, self.sin_half = self.rope[self.layer_rope[0]]
         self._compiled_decode = None  # compile_decode
+        self._aot = None  # use_aot_decode: the decode step compiled ahead of time (engine.aot)
         # the compiled batch-1 step's attention: straight from the paged cache (False: gather
         # and SDPA, as batches of more; bench/packed_weights.py's +gather compares the two)
         self.direct_decode_attention = True
@@ -363,6 +364,11 @@ class LlamaModel:
                                               options={"guard_filter_fn": _keep_guards,
                                                        "size_asserts": False})
 
+    def use_aot_decode(self, aot) -> None:
+        """Run decode-only steps through ``aot`` (``engine.aot.AotDecode``: the same step as
+        ``compile_decode``'s, compiled ahead of time and loaded without dynamo)."""
+        self._aot = aot
+
     def _decode(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """The compiled decode step on this step's inputs, their sizes marked dynamic (block
@@ -372,6 +378,8 @@ class LlamaModel:
         if tables.shape[1] < 2:
             tables = F.pad(tables, (0, 1))
         inputs = (input_ids, positions, meta.slot_mapping, tables, meta.decode_context_lens)
+        if self._aot is not None:
+            return self._aot(*inputs, kv_caches)
         if meta.num_decodes > 1:
             for t in inputs:
                 torch._dynamo.mark_dynamic(t, 0)
@@ -431,7 +439,10 @@ class LlamaModel:
             if nd and attention is reference and not self.batch_invariant and not own else None
         # a compiled step on torch's attention masks one batch padded to its widest: decodes of
         # very different lengths run eagerly instead, in their groups
-        if self._compiled_decode is not None and not meta.prefills and attention is reference \
+        compiled = self._compiled_decode is not None or (
+            self._aot is not None and nd
+            and self._aot.covers(nd, meta.decode_block_tables.shape[1]))
+        if compiled and not meta.prefills and attention is reference \
                 and (own or (groups is not None and len(groups) == 1)):
             logits = self._decode(input_ids, positions, meta, kv_caches)
             # every row samples, in order (as ModelRunner asks): no copy of the logits (~0.1-0.25

@@ -77,9 +77,12 @@ def zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
-                 compile: bool = False) -> None:
+                 compile: bool = False, compile_mode: str = "jit", max_batch: int = 256
+                 ) -> None:
         """``compile``: decode-only steps run the model's ``torch.compile``d step
-        (``LlamaModel.compile_decode``), compiled here, before the first request."""
+        (``LlamaModel.compile_decode``), compiled here, before the first request; with
+        ``compile_mode`` ``aot``, the same step compiled ahead of time for batches of up to
+        ``max_batch`` sequences (``engine.aot``), loaded (built first if need be) here."""
         kernels.kernel_backend()  # refuse an unknown TAILSCOPE_KERNELS before loading anything
         _tune_allocator()
         c = model.config
@@ -92,7 +95,14 @@ class ModelRunner:
         ]
         self.sampler = Sampler(c.eos_token_ids)
         self.compile_s = 0.0
-        if compile:
+        if compile and compile_mode == "aot":
+            from engine import aot
+
+            t = time.perf_counter()
+            slots = num_blocks * block_size  # a batch never has more sequences than slots
+            model.use_aot_decode(aot.load(model, self.kv_caches, min(max_batch, slots)))
+            self.compile_s = time.perf_counter() - t
+        elif compile:
             self._compile()
 
     @torch.inference_mode()

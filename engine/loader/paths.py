@@ -73,5 +73,11 @@ def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "floa
     from engine.model import LlamaModel
 
     config, tensors = load_weights(model)
-    return LlamaModel(config, tensors, parse_dtype(dtype), batch_invariant=batch_invariant,
-                      weight_format=weights, output_format=output_weights)
+    out = LlamaModel(config, tensors, parse_dtype(dtype), batch_invariant=batch_invariant,
+                     weight_format=weights, output_format=output_weights)
+    # how to load it again (engine.aot builds its compiled decode step in a child process)
+    out.source = {"model": None if model is None else str(model),
+                  "dtype": str(parse_dtype(dtype)).removeprefix("torch."),
+                  "batch_invariant": batch_invariant, "weights": weights,
+                  "output_weights": output_weights}
+    return out

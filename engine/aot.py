@@ -1,0 +1,320 @@
+"""The decode step compiled ahead of time (``compile: true`` with ``compile_mode: aot``).
+
+``compile_mode: jit`` runs ``torch.compile`` in the replica: dynamo and inductor are imported
+there (~1,600 modules, ~250 MB of the replica's memory for as long as it lives) and every step
+goes through inductor's Python wrapper and dynamo's guards (~1.5 ms of a 12 ms 8-row step of the
+bundled model). Here the same decode step (``LlamaModel._decode_step``) is exported
+(``torch.export``) and compiled with AOTInductor, torch's own ahead-of-time path, into a shared
+object with a C++ wrapper, in a child process (``python -m engine.aot``), once per model shape,
+engine config and source version; the replica loads it with ``AOTIModelPackageLoader`` (C++,
+no dynamo or inductor import) and calls it with a flat list of tensors.
+
+* The model's tensors (packed weights, scales, norms, RoPE tables) are *inputs* of the exported
+  program, not constants baked into it: the replica passes its own tensors at every call, so
+  the package holds no copy of the weights (a package per model shape, not per checkpoint) and
+  the replica's memory holds one copy. ``tensor_slots`` finds them, in a fixed order, by walking
+  the model's objects; the exported function puts its inputs in their places while it traces.
+* The KV caches are inputs that the step writes in place (its K/V slots), as in ``jit``.
+* One program per range of batch sizes the model's own code distinguishes: a batch of one
+  (sizes of one are specialised) and from two up, split where a packed layer switches to its
+  dense copy (``max_rows``); the block-table width is dynamic up to the pool's size.
+
+The outputs are bitwise those of ``compile_mode: jit`` (same graph, same inductor kernels;
+``tests/engine/test_aot_decode.py``). Packages live under ``cache_dir()``, one directory per
+key (``cache_key``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("engine.aot")
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILD_TIMEOUT_S = 1800.0
+
+
+def cache_dir() -> Path:
+    """``$TAILSCOPE_AOT_CACHE_DIR``, else ``$TAILSCOPE_CACHE_DIR/aot`` (default
+    ``~/.cache/tailscope/aot``)."""
+    if os.environ.get("TAILSCOPE_AOT_CACHE_DIR"):
+        return Path(os.environ["TAILSCOPE_AOT_CACHE_DIR"])
+    return Path(os.environ.get("TAILSCOPE_CACHE_DIR") or Path.home() / ".cache" / "tailscope"
+                ) / "aot"
+
+
+def tensor_slots(model) -> tuple[list[tuple[object, str | int]], list[torch.Tensor]]:
+    """Where each of the model's tensors lives: (owner, attribute name or list index), in a
+    fixed order (attribute order, depth first), each tensor once, walking the model's own
+    objects (``engine.*`` and ``kernels.*`` classes) and lists; and the tensors held in tuples
+    and dicts (the RoPE tables per base), whose places cannot be swapped: the exported program
+    keeps those as constants, and ``cache_key`` hashes their values."""
+    out: list[tuple[object, str | int]] = []
+    fixed: list[torch.Tensor] = []
+    seen_objs: set[int] = set()
+    seen_tensors: set[int] = set()
+
+    def ours(v) -> bool:
+        return not isinstance(v, type) and type(v).__module__.split(".")[0] in ("engine",
+                                                                               "kernels")
+
+    def held(v) -> list[torch.Tensor]:
+        if isinstance(v, torch.Tensor):
+            return [v]
+        if isinstance(v, (tuple, list)):
+            return [t for x in v for t in held(x)]
+        if isinstance(v, dict):
+            return [t for x in v.values() for t in held(x)]
+        return []
+
+    def walk(obj) -> None:
+        if id(obj) in seen_objs:
+            return
+        seen_objs.add(id(obj))
+        if isinstance(obj, list):
+            items = list(enumerate(obj))
+        else:
+            names = list(getattr(obj, "__dict__", {}))
+            names += [s for c in type(obj).__mro__ for s in getattr(c, "__slots__", ())
+                      if hasattr(obj, s) and s not in names]
+            items = [(n, getattr(obj, n)) for n in names]
+        for k, v in items:
+            if isinstance(v, torch.Tensor):
+                if id(v) not in seen_tensors:
+                    seen_tensors.add(id(v))
+                    out.append((obj, k))
+            elif isinstance(v, list) or ours(v):
+                walk(v)
+            elif isinstance(v, (tuple, dict)):
+                fixed.extend(held(v))
+
+    walk(model)
+    return out, [t for t in fixed if id(t) not in seen_tensors]
+
+
+def _get(owner, key):
+    return owner[key] if isinstance(owner, list) else getattr(owner, key)
+
+
+def _put(owner, key, value) -> None:
+    if isinstance(owner, list):
+        owner[key] = value
+    else:
+        setattr(owner, key, value)
+
+
+def model_tensors(model) -> list[torch.Tensor]:
+    tensors = [_get(o, k) for o, k in tensor_slots(model)[0]]
+    odd = [t for t in tensors if t.layout != torch.strided or t.device.type != "cpu"]
+    if odd:
+        raise ValueError(f"compile_mode aot: {len(odd)} of the model's tensors are not plain "
+                         f"CPU tensors (layout {odd[0].layout}, e.g. oneDNN's prepacked bf16 "
+                         "weights of weights: native): use weights int4 or int8, or "
+                         "compile_mode jit")
+    return tensors
+
+
+def batch_ranges(model, max_batch: int) -> list[tuple[int, int]]:
+    """The batch sizes each program covers: 1, then 2.. up to ``max_batch``, split past each
+    packed layer's ``max_rows`` where it has a dense copy (its code branches there)."""
+    starts = {1, 2}
+    for lw in model.layers:
+        for lin in (lw.qkv, lw.o, lw.gate_up, lw.down):
+            if getattr(lin, "dense", None) is not None:
+                starts.add(lin.max_rows + 1)
+    starts = sorted(s for s in starts if s <= max_batch)
+    ends = [s - 1 for s in starts[1:]] + [max_batch]
+    return list(zip(starts, ends, strict=True))
+
+
+def _sources() -> list[Path]:
+    from kernels import native
+
+    return sorted([*ROOT.glob("engine/**/*.py"), *ROOT.glob("kernels/**/*.py"),
+                   *native.SOURCES])
+
+
+def cache_key(model, kv_shape: tuple[int, ...], max_batch: int) -> str:
+    """What the programs depend on: torch's version, the engine's and kernels' sources, the
+    model's architecture, dtype and formats and its decode path's switches, every model
+    tensor's shape, dtype and strides, the KV caches' shape and the largest batch. Not the
+    weights' values (they are inputs), but those of the tensors baked in (``tensor_slots``)."""
+    from kernels import native
+
+    h = hashlib.sha256()
+    for part in (torch.__version__, repr(model.config), str(model.dtype), model.weight_format,
+                 model.output_format, model.native_decode_attention,
+                 model.direct_decode_attention, model.torch_only, native.available(),
+                 os.environ.get("TAILSCOPE_KERNELS", ""), kv_shape, max_batch):
+        h.update(repr(part).encode() + b"\0")
+    for t in model_tensors(model):
+        h.update(repr((tuple(t.shape), t.dtype, t.stride())).encode())
+    for t in tensor_slots(model)[1]:  # baked into the programs: their values
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    for p in _sources():
+        h.update(p.read_bytes())
+    return h.hexdigest()[:20]
+
+
+class _Step(torch.nn.Module):
+    """``_decode_step`` with the model's tensors as inputs (put in their places while it
+    runs, put back after)."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model = model
+        self.slots = tensor_slots(model)[0]
+
+    def forward(self, input_ids, positions, slot_mapping, block_tables, context_lens,
+                kv_flat: list[torch.Tensor], tensors: list[torch.Tensor]) -> torch.Tensor:
+        old = [_get(o, k) for o, k in self.slots]
+        for (o, k), t in zip(self.slots, tensors, strict=True):
+            _put(o, k, t)
+        try:
+            kv = list(zip(kv_flat[0::2], kv_flat[1::2], strict=True))
+            return self.model._decode_step(input_ids, positions, slot_mapping, block_tables,
+                                           context_lens, kv)
+        finally:
+            for (o, k), t in zip(self.slots, old, strict=True):
+                _put(o, k, t)
+
+
+def export(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], lo: int, hi: int):
+    """The decode step exported for batches of ``lo``..``hi`` sequences and block tables of 2
+    up to the pool's size (``torch.export``, non-strict)."""
+    blocks = kv_caches[0][0].shape[0]
+    b = lo
+    args = (torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long),
+            torch.arange(b), torch.zeros(b, 2, dtype=torch.long),
+            torch.ones(b, dtype=torch.long), [t for pair in kv_caches for t in pair],
+            model_tensors(model))
+    width = torch.export.Dim("width", min=2, max=max(blocks, 3))
+    batch = torch.export.Dim("batch", min=lo, max=hi) if hi > lo else None
+    rows = {0: batch} if batch is not None else None
+    dynamic = (rows, rows, rows, {0: batch, 1: width} if batch is not None else {1: width},
+               rows, [None] * len(args[5]), [None] * len(args[6]))
+    with torch.inference_mode():
+        return torch.export.export(_Step(model), args, dynamic_shapes=dynamic, strict=False)
+
+
+def build(model, kv_shape: tuple[int, ...], max_batch: int, out: Path) -> None:
+    """Export and compile every batch range's program into ``out`` (``decode-LO-HI.pt2``,
+    ``ranges.json``), written to a temporary directory beside it and renamed into place."""
+    kv_caches = [(torch.empty(kv_shape, dtype=model.dtype),
+                  torch.empty(kv_shape, dtype=model.dtype)) for _ in model.layers]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        ranges = batch_ranges(model, max_batch)
+        for lo, hi in ranges:
+            t = time.perf_counter()
+            ep = export(model, kv_caches, lo, hi)
+            torch._inductor.aoti_compile_and_package(
+                ep, package_path=str(tmp / f"decode-{lo}-{hi}.pt2"))
+            log.info("decode step for batches %d-%d compiled ahead of time in %.1f s", lo, hi,
+                     time.perf_counter() - t)
+        (tmp / "ranges.json").write_text(json.dumps({"ranges": ranges,
+                                                     "max_width": max(kv_shape[0], 3)}))
+        try:
+            tmp.rename(out)
+        except OSError:  # another process built it first: theirs is the same
+            if not (out / "ranges.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class AotDecode:
+    """The compiled programs of one model and KV pool, loaded; called as ``_decode_step``
+    is, on one step's inputs (block tables at least two wide)."""
+
+    def __init__(self, model, directory: Path) -> None:
+        index = json.loads((directory / "ranges.json").read_text())
+        self.tensors = model_tensors(model)  # passed at every call (the programs' inputs)
+        self.programs = [(lo, hi, torch._C._aoti.AOTIModelPackageLoader(
+            str(directory / f"decode-{lo}-{hi}.pt2"), "model", False, 1, -1))
+            for lo, hi in index["ranges"]]
+        self.max_batch = max(hi for _, hi, _ in self.programs)
+        self.max_width = index["max_width"]
+
+    def covers(self, batch: int, width: int) -> bool:
+        return 1 <= batch <= self.max_batch and width <= self.max_width
+
+    def __call__(self, input_ids, positions, slot_mapping, block_tables, context_lens,
+                 kv_caches) -> torch.Tensor:
+        b = input_ids.shape[0]
+        program = next(p for lo, hi, p in self.programs if lo <= b <= hi)
+        (logits,) = program.boxed_run([input_ids, positions, slot_mapping, block_tables,
+                                       context_lens, *[t for pair in kv_caches for t in pair],
+                                       *self.tensors])
+        return logits
+
+
+def load(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_batch: int) -> AotDecode:
+    """The model's compiled decode programs for this KV pool, built first in a child process
+    (``python -m engine.aot``) when the cache has none. The child loads the model again from
+    ``model.source`` (what ``load_model`` was given)."""
+    source = getattr(model, "source", None)
+    if source is None:
+        raise ValueError("compile_mode aot needs a model from engine.load_model (the build runs "
+                         "in a child process that loads it again)")
+    kv_shape = tuple(kv_caches[0][0].shape)
+    directory = cache_dir() / cache_key(model, kv_shape, max_batch)
+    for attempt in (0, 1):
+        if not (directory / "ranges.json").exists():
+            t = time.perf_counter()
+            log.info("compiling the decode step ahead of time into %s (a child process; a few "
+                     "minutes the first time)", directory)
+            cmd = [sys.executable, "-m", "engine.aot", "--out", str(directory),
+                   "--source", json.dumps(source), "--kv-shape", json.dumps(kv_shape),
+                   "--max-batch", str(max_batch)]
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                                  timeout=BUILD_TIMEOUT_S)
+            if proc.returncode != 0:
+                raise RuntimeError(f"compile_mode aot: the build failed (exit "
+                                   f"{proc.returncode}): {proc.stderr[-3000:]}")
+            log.info("decode step compiled ahead of time in %.1f s", time.perf_counter() - t)
+        try:
+            return AotDecode(model, directory)
+        except (OSError, RuntimeError, ValueError, KeyError) as exc:
+            if attempt:
+                raise
+            log.warning("compiled decode step at %s does not load (%s): building it again",
+                        directory, exc)
+            shutil.rmtree(directory, ignore_errors=True)
+    raise AssertionError("unreachable")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Compile a model's decode step ahead of time "
+                                            "(AOTInductor) into a directory of packages.")
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--source", required=True, help="load_model's arguments, JSON")
+    p.add_argument("--kv-shape", required=True, help="one KV cache tensor's shape, JSON")
+    p.add_argument("--max-batch", required=True, type=int)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s aot %(message)s")
+    threads = int(os.environ.get("TAILSCOPE_THREADS") or 0)
+    if threads:
+        torch.set_num_threads(threads)
+    from engine import load_model
+
+    model = load_model(**json.loads(args.source))
+    build(model, tuple(json.loads(args.kv_shape)), args.max_batch, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

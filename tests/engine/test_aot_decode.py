@@ -1,0 +1,161 @@
+"""``compile_mode: aot``: the decode step exported and compiled ahead of time (AOTInductor) in a
+child process, cached on disk and loaded without dynamo. Its logits and KV writes are bitwise
+those of ``compile_mode: jit`` (the same graph), an engine on it gives jit's tokens, a second
+engine reuses the cache, a damaged cache is rebuilt, and a failed build is an error naming it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig, SamplingParams, aot, load_model
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPTS = [[5, 17, 300, 42, 9, 88, 123, 7], [3, 4, 5], list(range(40, 70)),
+           [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]]
+CONFIG = dict(dtype="bfloat16", weights="int4", output_weights="int4", kv_cache_mb=4,
+              max_num_seqs=8, compile=True)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    """One AOT cache for the module (each build of the tiny model's programs takes ~15-30 s)."""
+    path = tmp_path_factory.mktemp("aot-cache")
+    old = os.environ.get("TAILSCOPE_AOT_CACHE_DIR")
+    os.environ["TAILSCOPE_AOT_CACHE_DIR"] = str(path)
+    yield path
+    if old is None:
+        del os.environ["TAILSCOPE_AOT_CACHE_DIR"]
+    else:
+        os.environ["TAILSCOPE_AOT_CACHE_DIR"] = old
+
+
+def tiny():
+    return load_model("tiny", "bfloat16", weights="int4", output_weights="int4")
+
+
+def engine(mode: str) -> Engine:
+    return Engine(tiny(), EngineConfig(**CONFIG, compile_mode=mode))
+
+
+def built_for(e: Engine) -> Path:
+    """The cache directory of an engine's programs (its model, KV pool and batch bound)."""
+    kv_shape = tuple(e.runner.kv_caches[0][0].shape)
+    path = aot.cache_dir() / aot.cache_key(e.model, kv_shape, CONFIG["max_num_seqs"])
+    assert (path / "ranges.json").exists()
+    return path
+
+
+def generate(e: Engine) -> list[list[int]]:
+    reqs = e.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True))
+    return [r.output_token_ids for r in reqs]
+
+
+def test_an_engine_on_the_aot_step_gives_the_jit_engines_tokens_and_reuses_its_build(cache):
+    aot_engine = engine("aot")
+    built = built_for(aot_engine)
+    index = json.loads((built / "ranges.json").read_text())
+    # a batch of one, then two up to max_num_seqs: the tiny int4 model has no dense copies
+    assert index["ranges"] == [[1, 1], [2, 8]]
+    calls = []
+    real = aot_engine.model._aot
+
+    class Counting:
+        """Counts the calls into the compiled step (and passes them on)."""
+
+        def covers(self, b, w):
+            return real.covers(b, w)
+
+        def __call__(self, *args):
+            calls.append(int(args[0].shape[0]))
+            return real(*args)
+
+    aot_engine.model.use_aot_decode(Counting())
+    tokens = generate(aot_engine)
+    assert {1, 2, 3, 4} & set(calls) and len(calls) > 20  # decode steps ran through it
+    assert tokens == generate(engine("jit"))
+    # a second engine of the same shape loads the same build
+    mtime = (built / "ranges.json").stat().st_mtime_ns
+    again = engine("aot")
+    assert built_for(again) == built
+    assert (built / "ranges.json").stat().st_mtime_ns == mtime
+    assert again.runner.compile_s < 5  # loaded, not built
+    assert generate(again) == tokens
+
+
+def test_aot_logits_and_kv_writes_are_bitwise_the_jit_steps(cache):
+    model = tiny()
+    c = model.config
+    shape = (32, 16, c.num_kv_heads, c.head_dim)
+    kv_jit = [(torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16())
+              for _ in range(c.num_layers)]
+    kv_aot = [(k.clone(), v.clone()) for k, v in kv_jit]
+    compiled = aot.load(model, kv_aot, 8)
+    model.compile_decode()
+    for b in (1, 2, 5, 8):
+        g = torch.Generator().manual_seed(b)
+        ids = torch.randint(0, c.vocab_size, (b,), generator=g)
+        pos = torch.randint(3, 40, (b,), generator=g)
+        slots = torch.randperm(32 * 16, generator=g)[:b]
+        tables = torch.randint(0, 32, (b, 3), generator=g)
+        with torch.inference_mode():
+            want = model._compiled_decode(ids, pos, slots, tables, pos + 1, kv_jit)
+            got = compiled(ids, pos, slots, tables, pos + 1, kv_aot)
+        assert got.shape == (b, c.vocab_size) and torch.equal(got, want), b
+        assert all(torch.equal(x, y) for p, q in zip(kv_jit, kv_aot, strict=True)
+                   for x, y in zip(p, q, strict=True)), b
+    assert compiled.covers(8, 32) and not compiled.covers(9, 2) and not compiled.covers(2, 33)
+
+
+def test_a_replica_process_on_the_aot_step_never_imports_dynamo(cache):
+    engine("aot")  # built (or already there)
+    code = ("import sys, json; from engine import Engine, EngineConfig, SamplingParams, "
+            "load_model\n"
+            "m = load_model('tiny', 'bfloat16', weights='int4', output_weights='int4')\n"
+            f"e = Engine(m, EngineConfig(**json.loads({json.dumps(json.dumps(CONFIG))}), "
+            "compile_mode='aot'))\n"
+            "r = e.generate([[5, 6, 7]], SamplingParams(max_tokens=8, ignore_eos=True))\n"
+            "print(json.dumps([len(r[0].output_token_ids), m._aot is not None, "
+            "'torch._dynamo' in sys.modules, 'torch._inductor' in sys.modules]))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == [8, True, False, False]
+
+
+def test_a_damaged_build_is_built_again(cache):
+    model = tiny()
+    e = engine("aot")
+    built = built_for(e)
+    for pt2 in built.glob("*.pt2"):
+        pt2.write_bytes(b"not a package")
+    again = Engine(model, EngineConfig(**CONFIG, compile_mode="aot"))
+    assert all(p.stat().st_size > 1000 for p in built.glob("*.pt2"))
+    assert generate(again) == generate(e)
+
+
+def test_refusals_and_a_failed_build(cache, tmp_path):
+    with pytest.raises(ValueError, match="compile_mode aot needs compile: true"):
+        EngineConfig(compile_mode="aot")
+    with pytest.raises(ValueError, match="compile_mode must be one of"):
+        EngineConfig(compile=True, compile_mode="ahead")
+    bare = tiny()
+    del bare.source  # as a model built by hand: nothing the child could load again
+    with pytest.raises(ValueError, match="needs a model from engine.load_model"):
+        Engine(bare, EngineConfig(compile=True, compile_mode="aot", kv_cache_mb=4))
+    model = tiny()
+    model.source = {**model.source, "model": str(tmp_path / "missing.gguf")}
+    with pytest.raises(RuntimeError, match="the build failed"):
+        aot.load(model, [(torch.zeros(4, 16, 2, 16), torch.zeros(4, 16, 2, 16))], 4)
+    # oneDNN's prepacked bf16 weights (weights: native) are opaque tensors: refused by name
+    from kernels.linear import bf16_matmul_supported
+
+    if bf16_matmul_supported():  # (elsewhere they stay plain tensors)
+        with pytest.raises(ValueError, match="not plain CPU tensors"):
+            aot.model_tensors(load_model("tiny", "bfloat16"))
