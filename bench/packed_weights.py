@@ -8,6 +8,7 @@ falls on all of them alike.
 
 ``--engines``: comma-separated ``WEIGHTS`` or ``WEIGHTS+compile`` (``int4+compile``: the
 ``compile`` setting; its compile time, at engine start, is printed apart), and
+``WEIGHTS+aot``: the same step compiled ahead of time (``compile_mode: aot``),
 ``WEIGHTS+compile+gather``: the same with the compiled batch-1 step attending as batches of
 more do (gathered K/V and SDPA) instead of straight from the paged cache
 (``LlamaModel.direct_decode_attention``); ``+out=int4`` / ``+out=int8`` after ``WEIGHTS``
@@ -56,13 +57,13 @@ def main() -> int:
         weights, *extras = spec.split("+")
         output = next((e.removeprefix("out=") for e in extras if e.startswith("out=")),
                       "native")
-        compiled = "compile" in extras
+        compiled = "compile" in extras or "aot" in extras
         if weights not in WEIGHT_FORMATS or output not in WEIGHT_FORMATS \
-                or any(e not in ("compile", "gather", "aten", "sdpa")
+                or any(e not in ("compile", "aot", "gather", "aten", "sdpa")
                        and not e.startswith("out=")
                        for e in extras) or ("gather" in extras and not compiled):
             ap.error(f"--engines: {spec!r} is not "
-                     "WEIGHTS[+out=OUTPUT][+aten][+sdpa][+compile[+gather]]")
+                     "WEIGHTS[+out=OUTPUT][+aten][+sdpa][+compile|+aot[+gather]]")
         t = time.perf_counter()
         switch = os.environ.get("TAILSCOPE_NATIVE_KERNELS")
         if "aten" in extras:  # read again with the switch off while this model is built
@@ -79,7 +80,7 @@ def main() -> int:
             model.native_decode_attention = False
         engines[spec] = Engine(model, EngineConfig(
             dtype=args.dtype, weights=weights, output_weights=output, kv_cache_mb=128,
-            compile=compiled))
+            compile=compiled, compile_mode="aot" if "aot" in extras else "jit"))
         if compiled:
             print(f"{spec}: engine start {time.perf_counter() - t:.1f} s (compile "
                   f"{engines[spec].runner.compile_s:.1f} s)", flush=True)

@@ -44,6 +44,9 @@ log = logging.getLogger("engine.aot")
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_TIMEOUT_S = 1800.0
+# the decode path's switches a caller may set on a loaded model (bench/packed_weights.py does):
+# the child sets them on the model it loads again
+SWITCHES = ("direct_decode_attention", "native_decode_attention")
 
 
 def cache_dir() -> Path:
@@ -121,8 +124,8 @@ def model_tensors(model) -> list[torch.Tensor]:
     if odd:
         raise ValueError(f"compile_mode aot: {len(odd)} of the model's tensors are not plain "
                          f"CPU tensors (layout {odd[0].layout}, e.g. oneDNN's prepacked bf16 "
-                         "weights of weights: native): use weights int4 or int8, or "
-                         "compile_mode jit")
+                         "weights of weights: native, or of int8's dense copy): use "
+                         "weights int4 or int4a8, or compile_mode jit")
     return tensors
 
 
@@ -271,7 +274,8 @@ def load(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_batch: i
         raise ValueError("compile_mode aot needs a model from engine.load_model (the build runs "
                          "in a child process that loads it again)")
     kv_shape = tuple(kv_caches[0][0].shape)
-    directory = cache_dir() / cache_key(model, kv_shape, max_batch)
+    key = cache_key(model, kv_shape, max_batch)
+    directory = cache_dir() / key
     for attempt in (0, 1):
         if not (directory / "ranges.json").exists():
             t = time.perf_counter()
@@ -279,12 +283,16 @@ def load(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_batch: i
                      "minutes the first time)", directory)
             cmd = [sys.executable, "-m", "engine.aot", "--out", str(directory),
                    "--source", json.dumps(source), "--kv-shape", json.dumps(kv_shape),
-                   "--max-batch", str(max_batch)]
+                   "--max-batch", str(max_batch), "--key", key,
+                   "--switches", json.dumps({k: getattr(model, k) for k in SWITCHES})]
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                                   timeout=BUILD_TIMEOUT_S)
             if proc.returncode != 0:
                 raise RuntimeError(f"compile_mode aot: the build failed (exit "
                                    f"{proc.returncode}): {proc.stderr[-3000:]}")
+            for line in proc.stderr.splitlines():  # the child's own progress lines
+                if " aot " in line:
+                    log.info("build: %s", line.split(" aot ", 1)[1])
             log.info("decode step compiled ahead of time in %.1f s", time.perf_counter() - t)
         try:
             return AotDecode(model, directory)
@@ -304,6 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--source", required=True, help="load_model's arguments, JSON")
     p.add_argument("--kv-shape", required=True, help="one KV cache tensor's shape, JSON")
     p.add_argument("--max-batch", required=True, type=int)
+    p.add_argument("--key", help="the cache key the model loaded again must have (the parent's "
+                                 "model's): a build for another model is refused")
+    p.add_argument("--switches", default="{}", help="the decode path's switches set on the "
+                                                    "parent's model after loading, JSON")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s aot %(message)s")
     threads = int(os.environ.get("TAILSCOPE_THREADS") or 0)
@@ -312,7 +324,17 @@ def main(argv: list[str] | None = None) -> int:
     from engine import load_model
 
     model = load_model(**json.loads(args.source))
-    build(model, tuple(json.loads(args.kv_shape)), args.max_batch, args.out)
+    for name, value in json.loads(args.switches).items():
+        if name not in SWITCHES:
+            p.error(f"--switches: unknown {name!r}")
+        setattr(model, name, value)
+    kv_shape = tuple(json.loads(args.kv_shape))
+    if args.key and cache_key(model, kv_shape, args.max_batch) != args.key:
+        print("aot: the model loaded again here differs from the one to compile for (its "
+              "tensors' shapes or formats, the kernels found, or an environment switch such as "
+              "TAILSCOPE_NATIVE_KERNELS): not built", file=sys.stderr)
+        return 3
+    build(model, kv_shape, args.max_batch, args.out)
     return 0
 
 

@@ -174,7 +174,7 @@ class EngineConfig:
                                         "AOTInductor in a child process, cached under "
                                         "$TAILSCOPE_CACHE_DIR/aot; the replica loads it without "
                                         "importing dynamo or inductor: less memory, no Python "
-                                        "per step; weights int4, int4a8 or int8)")
+                                        "per step; bfloat16 with weights int4 or int4a8)")
     step_detail: bool = _setting(True, "record each step's members and each waiting request's "
                                        "wait causes (why a request was slow)")
 

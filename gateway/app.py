@@ -113,8 +113,11 @@ class GatewayConfig:
 
 def resolved_config(config: GatewayConfig) -> dict:
     """What decides the outputs and timings: model, engine settings and sampling policy."""
+    engine = config.engine.as_dict()
+    if engine["compile_mode"] == "jit":  # (absent at its default: earlier config ids stay)
+        del engine["compile_mode"]
     out = {"model": config.model, "served_model_name": config.served_model_name,
-           "replicas": config.replicas, "engine": config.engine.as_dict(),
+           "replicas": config.replicas, "engine": engine,
            "sampling": {"defaults": config.sampling_defaults,
                         "overrides": config.sampling_overrides}}
     if config.remote_replicas:  # (absent otherwise, like backends)

@@ -22,7 +22,9 @@ SAMPLE = {"dtype": "bfloat16", "kv_cache_mb": 64, "num_kv_blocks": 40, "block_si
           "scheduling_policy": "priority", "priority_aging_s": 2.5, "batch_invariant": True,
           "sjf_token_s": 0.05, "budget_split": "prefill_first", "decode_reserve_tokens": 8,
           "fair_decode_cost": 1.5, "weights": "int4", "compile": True,
-          "output_weights": "int4"}
+          "output_weights": "int4", "compile_mode": "aot"}
+# settings whose other values need another setting's (sent along with them on every surface)
+REQUIRES = {"compile_mode": {"compile": True}}
 # settings with one valid value so far (no other value to send through every surface)
 SINGLE_CHOICE: dict[str, tuple] = {}
 
@@ -38,23 +40,28 @@ def test_the_sample_covers_every_setting():
 def test_each_setting_is_an_env_var_a_flag_a_yaml_key_and_part_of_config_id(
         name, monkeypatch, tmp_path):
     value = SAMPLE[name]
-    monkeypatch.setenv(f"TAILSCOPE_{name.upper()}", "0" if value is False else str(value))
+    values = {**REQUIRES.get(name, {}), name: value}
+    for n, v in values.items():
+        monkeypatch.setenv(f"TAILSCOPE_{n.upper()}", "0" if v is False else str(v))
     assert getattr(Settings.from_env().engine, name) == value
-    monkeypatch.delenv(f"TAILSCOPE_{name.upper()}")
+    for n in values:
+        monkeypatch.delenv(f"TAILSCOPE_{n.upper()}")
 
     p = argparse.ArgumentParser()
     add_engine_flags(p)
-    flag = "--" + name.replace("_", "-")
-    argv = [f"--no-{flag[2:]}"] if value is False else [flag] if value is True else [
-        flag, str(value)]
+    argv = []
+    for n, v in values.items():
+        flag = "--" + n.replace("_", "-")
+        argv += [f"--no-{flag[2:]}"] if v is False else [flag] if v is True else [flag, str(v)]
     assert getattr(engine_config(p.parse_args(argv), EngineConfig()), name) == value
 
     f = tmp_path / "c.yaml"
-    f.write_text(f"engine: {{{name}: {str(value).lower() if isinstance(value, bool) else value}}}")
-    assert EngineConfig(**load(f).engine) == EngineConfig(**{name: value})
+    f.write_text("engine: {" + ", ".join(
+        f"{n}: {str(v).lower() if isinstance(v, bool) else v}" for n, v in values.items()) + "}")
+    assert EngineConfig(**load(f).engine) == EngineConfig(**values)
 
-    base = config_id(GatewayConfig())
-    assert config_id(GatewayConfig(engine=EngineConfig(**{name: value}))) != base
+    base = config_id(GatewayConfig(engine=EngineConfig(**REQUIRES.get(name, {}))))
+    assert config_id(GatewayConfig(engine=EngineConfig(**values))) != base
 
 
 def test_flags_win_over_the_file_and_the_file_over_the_environment(monkeypatch):

@@ -150,9 +150,17 @@ def test_refusals_and_a_failed_build(cache, tmp_path):
     with pytest.raises(ValueError, match="needs a model from engine.load_model"):
         Engine(bare, EngineConfig(compile=True, compile_mode="aot", kv_cache_mb=4))
     model = tiny()
+    kv = [(torch.zeros(4, 16, 2, 16), torch.zeros(4, 16, 2, 16))]
     model.source = {**model.source, "model": str(tmp_path / "missing.gguf")}
-    with pytest.raises(RuntimeError, match="the build failed"):
-        aot.load(model, [(torch.zeros(4, 16, 2, 16), torch.zeros(4, 16, 2, 16))], 4)
+    with pytest.raises(RuntimeError, match="(?s)the build failed.*missing.gguf does not exist"):
+        aot.load(model, kv, 4)
+    # the child loads another model than the parent's (here int4a8 weights for an int4
+    # model): refused, not built under the parent's key
+    model.source = {**model.source, "model": "tiny", "weights": "int4a8"}
+    with pytest.raises(RuntimeError, match="differs from the one to compile for"):
+        aot.load(model, kv, 4)
+    assert not any(p.name.endswith(".pt2") for p in cache.rglob("*")
+                   if aot.cache_key(model, (4, 16, 2, 16), 4) in str(p))
     # oneDNN's prepacked bf16 weights (weights: native) are opaque tensors: refused by name
     from kernels.linear import bf16_matmul_supported
 
