@@ -152,7 +152,8 @@ def _sources() -> list[Path]:
 def cache_key(model, kv_shape: tuple[int, ...], max_batch: int) -> str:
     """What the programs depend on: torch's version, the engine's and kernels' sources, the
     model's architecture, dtype and formats and its decode path's switches, every model
-    tensor's shape, dtype and strides, the KV caches' shape and the largest batch. Not the
+    tensor's shape, dtype and strides, the KV caches' shape, the largest batch and torch's
+    thread count. Not the
     weights' values (they are inputs), but those of the tensors baked in (``tensor_slots``)."""
     from kernels import native
 
@@ -160,7 +161,8 @@ def cache_key(model, kv_shape: tuple[int, ...], max_batch: int) -> str:
     for part in (torch.__version__, repr(model.config), str(model.dtype), model.weight_format,
                  model.output_format, model.native_decode_attention,
                  model.direct_decode_attention, model.torch_only, native.available(),
-                 os.environ.get("TAILSCOPE_KERNELS", ""), kv_shape, max_batch):
+                 os.environ.get("TAILSCOPE_KERNELS", ""), kv_shape, max_batch,
+                 torch.get_num_threads()):  # inductor tiles its loops for the threads it has
         h.update(repr(part).encode() + b"\0")
     for t in model_tensors(model):
         h.update(repr((tuple(t.shape), t.dtype, t.stride())).encode())
@@ -284,6 +286,7 @@ def load(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_batch: i
             cmd = [sys.executable, "-m", "engine.aot", "--out", str(directory),
                    "--source", json.dumps(source), "--kv-shape", json.dumps(kv_shape),
                    "--max-batch", str(max_batch), "--key", key,
+                   "--threads", str(torch.get_num_threads()),
                    "--switches", json.dumps({k: getattr(model, k) for k in SWITCHES})]
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                                   timeout=BUILD_TIMEOUT_S)
@@ -316,11 +319,12 @@ def main(argv: list[str] | None = None) -> int:
                                  "model's): a build for another model is refused")
     p.add_argument("--switches", default="{}", help="the decode path's switches set on the "
                                                     "parent's model after loading, JSON")
+    p.add_argument("--threads", type=int, default=0, help="torch's threads in the process "
+                                                          "that will run the programs")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s aot %(message)s")
-    threads = int(os.environ.get("TAILSCOPE_THREADS") or 0)
-    if threads:
-        torch.set_num_threads(threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from engine import load_model
 
     model = load_model(**json.loads(args.source))

@@ -76,7 +76,10 @@ def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "floa
     out = LlamaModel(config, tensors, parse_dtype(dtype), batch_invariant=batch_invariant,
                      weight_format=weights, output_format=output_weights)
     # how to load it again (engine.aot builds its compiled decode step in a child process)
-    out.source = {"model": None if model is None else str(model),
+    # (a path absolute: the child runs elsewhere; "bundled" and "tiny[:N]" as they are)
+    again = None if model is None else str(Path(model).resolve()) if Path(model).exists() \
+        else str(model)
+    out.source = {"model": again,
                   "dtype": str(parse_dtype(dtype)).removeprefix("torch."),
                   "batch_invariant": batch_invariant, "weights": weights,
                   "output_weights": output_weights}

@@ -167,3 +167,22 @@ def test_refusals_and_a_failed_build(cache, tmp_path):
     if bf16_matmul_supported():  # (elsewhere they stay plain tensors)
         with pytest.raises(ValueError, match="not plain CPU tensors"):
             aot.model_tensors(load_model("tiny", "bfloat16"))
+
+
+def test_the_key_follows_what_the_programs_depend_on():
+    model = tiny()
+    shape = (4, 16, model.config.num_kv_heads, model.config.head_dim)
+    key = aot.cache_key(model, shape, 4)
+    assert aot.cache_key(tiny(), shape, 4) == key  # the same model again
+    assert aot.cache_key(model, (8, *shape[1:]), 4) != key  # another KV pool
+    assert aot.cache_key(model, shape, 5) != key  # another batch bound
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads % 2 + 1)  # inductor tiles for the threads it has
+        assert aot.cache_key(model, shape, 4) != key
+    finally:
+        torch.set_num_threads(threads)
+    model.direct_decode_attention = not model.direct_decode_attention
+    assert aot.cache_key(model, shape, 4) != key
+    int4a8 = load_model("tiny", "bfloat16", weights="int4a8", output_weights="int4")
+    assert aot.cache_key(int4a8, shape, 4) != key
