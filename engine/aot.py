@@ -27,6 +27,7 @@ key (``cache_key``).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import logging
@@ -278,6 +279,17 @@ def load(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_batch: i
     kv_shape = tuple(kv_caches[0][0].shape)
     key = cache_key(model, kv_shape, max_batch)
     directory = cache_dir() / key
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    # one build per key at a time: replicas of one gateway start together, and a second
+    # build of the same programs would only take the first's CPU (the lock goes with the
+    # process, however it ends)
+    with open(directory.parent / f"{key}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _load_or_build(model, source, directory, kv_shape, max_batch, key)
+
+
+def _load_or_build(model, source: dict, directory: Path, kv_shape: tuple[int, ...],
+                   max_batch: int, key: str) -> AotDecode:
     for attempt in (0, 1):
         if not (directory / "ranges.json").exists():
             t = time.perf_counter()

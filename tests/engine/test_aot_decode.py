@@ -186,3 +186,33 @@ def test_the_key_follows_what_the_programs_depend_on():
     assert aot.cache_key(model, shape, 4) != key
     int4a8 = load_model("tiny", "bfloat16", weights="int4a8", output_weights="int4")
     assert aot.cache_key(int4a8, shape, 4) != key
+
+
+def test_two_engines_starting_together_build_once(cache, caplog):
+    """Replicas of one gateway start together: the second waits for the first's build (a lock
+    per key) and loads it."""
+    import logging
+    import threading
+
+    caplog.set_level(logging.INFO, logger="engine.aot")
+    models = [tiny(), tiny()]
+    shape = (6, 16, models[0].config.num_kv_heads, models[0].config.head_dim)
+    loaded, errors = [None, None], []
+
+    def start(i: int) -> None:
+        try:
+            kv = [(torch.zeros(shape, dtype=torch.bfloat16),
+                   torch.zeros(shape, dtype=torch.bfloat16)) for _ in models[i].layers]
+            loaded[i] = aot.load(models[i], kv, 3)  # a batch bound no other test uses
+        except Exception as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert not errors, errors
+    builds = [r for r in caplog.records if "compiling the decode step" in r.getMessage()]
+    assert len(builds) == 1, [r.getMessage() for r in builds]
+    assert all(d is not None and d.covers(3, 6) and not d.covers(4, 2) for d in loaded)
