@@ -55,8 +55,9 @@ def cache_dir() -> Path:
     ``~/.cache/tailscope/aot``)."""
     if os.environ.get("TAILSCOPE_AOT_CACHE_DIR"):
         return Path(os.environ["TAILSCOPE_AOT_CACHE_DIR"])
-    return Path(os.environ.get("TAILSCOPE_CACHE_DIR") or Path.home() / ".cache" / "tailscope"
-                ) / "aot"
+    from kernels import native
+
+    return native.cache_dir().parent / "aot"  # beside the built kernels
 
 
 def tensor_slots(model) -> tuple[list[tuple[object, str | int]], list[torch.Tensor]]:
