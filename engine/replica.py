@@ -124,7 +124,7 @@ class Replica:
         self.last_sent = 0.0
 
     def warm_up(self) -> None:
-        self.engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
+        warm_up(self.engine)
 
     def health(self, detail: str = "") -> Health:
         mc = self.engine.model.config
@@ -194,6 +194,12 @@ class Replica:
         self.ctx.term()
 
 
+def warm_up(engine: Engine) -> None:
+    """One short request through the engine before it serves: the first steps build what a
+    replica builds lazily (our kernels, ``compile_mode: jit``'s compiled step)."""
+    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
+
+
 def orphaned(parent_pid: int | None) -> bool:
     """Whether the process that started this replica is gone. Its pid is compared with our
     parent's *now*: a reparented process (to init or a subreaper) has another parent pid. The pid
@@ -224,8 +230,17 @@ def parser() -> argparse.ArgumentParser:
                    help="run on these CPUs only (a list like 2 or 0-3,6; the gateway passes "
                         "each replica its part of TAILSCOPE_REPLICA_CPUS), one torch thread "
                         "per CPU unless TAILSCOPE_THREADS is set")
-    p.add_argument("--inbox", required=True)
-    p.add_argument("--outbox", required=True)
+    p.add_argument("--inbox", help="the address to PULL messages on (required unless "
+                                    "--prepare-only)")
+    p.add_argument("--outbox", help="the gateway's address to PUSH messages to (required "
+                                     "unless --prepare-only)")
+    p.add_argument("--prepare-only", action="store_true",
+                   help="build what this replica's start needs and exit 0: the model loaded, "
+                        "the engine made (compile_mode aot's build, cached under "
+                        "TAILSCOPE_AOT_CACHE_DIR) and warmed up (our kernels and jit's "
+                        "compiled step, cached under TAILSCOPE_CACHE_DIR and inductor's cache), "
+                        "with no sockets bound: an init container's or deploy step's command, "
+                        "so that a replica (re)starting on the same caches loads in seconds")
     p.add_argument("--parent-pid", type=int,
                    help="exit when this process is no longer our parent (the gateway passes its "
                         "own pid); default: the parent at start. 0 turns the check off")
@@ -235,8 +250,10 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
+    if not args.prepare_only and not (args.inbox and args.outbox):
+        p.error("--inbox and --outbox are required (unless --prepare-only)")
     key = os.environ.get("TAILSCOPE_REPLICA_KEY", "").encode() or None
-    if not key and any(a.startswith("tcp://") for a in (args.inbox, args.outbox)):
+    if not key and any(a.startswith("tcp://") for a in (args.inbox or "", args.outbox or "")):
         p.error("a tcp:// inbox or outbox needs TAILSCOPE_REPLICA_KEY (the key the gateway "
                 "has): every message is signed with it")
     parent_pid = None if args.parent_pid == 0 else (args.parent_pid or os.getppid())
@@ -281,8 +298,16 @@ def main(argv: list[str] | None = None) -> int:
     if orphaned(parent_pid):  # died while we loaded: do not bind, warm up or serve
         log.error("replica %s: parent process %s is gone; exiting", args.id, parent_pid)
         return 1
-    replica = Replica(args.id, Engine(model, config, grammar=grammar), args.inbox, args.outbox,
-                      parent_pid, key)
+    engine = Engine(model, config, grammar=grammar)
+    if args.prepare_only:
+        t = time.perf_counter()
+        warm_up(engine)
+        c = engine.config
+        log.info("replica %s: prepared (model %s, dtype %s, weights %s, compile %s; warm-up "
+                 "%.1f s): exiting", args.id, model.config.name, c.dtype, c.weights,
+                 c.compile_mode if c.compile else "off", time.perf_counter() - t)
+        return 0
+    replica = Replica(args.id, engine, args.inbox, args.outbox, parent_pid, key)
     replica.warm_up()
     # Everything loaded so far (torch, the model, the tokenizer index) lives as long as the
     # process: keep it out of the collector's full passes, which otherwise walked it all between

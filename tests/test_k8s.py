@@ -120,3 +120,31 @@ def test_the_remote_gateway_names_exactly_the_replica_pods_that_connect_to_it():
     assert env["TAILSCOPE_REPLICA_OUTBOX"]["value"] == f"tcp://0.0.0.0:{port}"
     assert args["--engine-config-file"] == "/etc/tailscope/engine.yaml"  # the gateway's file
     assert {e["name"] for e in _container(sts)["env"]} >= {"TAILSCOPE_REPLICA_KEY"}
+
+
+def test_the_replica_pods_prepare_their_caches_for_the_replica_that_runs_there():
+    """The init container builds (``--prepare-only``) for the replica's own model, engine config
+    and threads, into the cache volume the replica reads: a build for other settings would have
+    another cache key and the replica would build again."""
+    sts = documents()["StatefulSet/tailscope-replica"]["spec"]["template"]["spec"]
+    (init,) = sts["initContainers"]
+    replica = _container({"spec": {"template": {"spec": sts}}})
+    prep = _replica_args(init["command"][init["command"].index("engine.replica") + 1:])
+    argv = shlex.split(replica["command"][-1])
+    run = _replica_args(argv[argv.index("engine.replica") + 1:])
+    assert prep.prepare_only and not run.prepare_only
+    assert (prep.model, prep.engine_config_file, prep.cpus) == \
+        (run.model, run.engine_config_file, run.cpus)
+
+    def env(c: dict) -> dict:
+        return {e["name"]: e.get("value") for e in c["env"]}
+
+    keep = ("TAILSCOPE_THREADS", "TAILSCOPE_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR",
+            "TAILSCOPE_AOT_CACHE_DIR", "TAILSCOPE_NATIVE_KERNELS")
+    assert {k: env(init).get(k) for k in keep} == {k: env(replica).get(k) for k in keep}
+    cache = env(init)["TAILSCOPE_CACHE_DIR"]
+    for c in (init, replica):
+        (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == cache]
+        assert mount["name"] == "cache" and not mount.get("readOnly")
+    assert env(init)["TORCHINDUCTOR_CACHE_DIR"].startswith(cache + "/")
+    assert {"name": "cache", "emptyDir": {}} in sts["volumes"]

@@ -216,3 +216,30 @@ def test_two_engines_starting_together_build_once(cache, caplog):
     builds = [r for r in caplog.records if "compiling the decode step" in r.getMessage()]
     assert len(builds) == 1, [r.getMessage() for r in builds]
     assert all(d is not None and d.covers(3, 6) and not d.covers(4, 2) for d in loaded)
+
+
+def test_a_replica_prepared_ahead_loads_its_build_without_building(cache, tmp_path, monkeypatch):
+    """``python -m engine.replica --prepare-only`` (an init container's command) builds what the
+    replica's start needs, binds nothing and exits 0; a replica starting later on the same cache
+    loads that build instead of compiling (its start in seconds, not minutes)."""
+    from engine.replica import main as replica_main
+
+    with pytest.raises(SystemExit):  # serving needs both addresses
+        replica_main(["--id", "x", "--model", "tiny"])
+    config = {**CONFIG, "max_num_seqs": 6, "compile_mode": "aot"}  # a key of its own
+    fresh = tmp_path / "aot"
+    env = {**os.environ, "TAILSCOPE_AOT_CACHE_DIR": str(fresh),
+           "TAILSCOPE_THREADS": str(torch.get_num_threads())}  # the key holds the threads
+    proc = subprocess.run([sys.executable, "-m", "engine.replica", "--id", "prep", "--model",
+                           "tiny", "--engine-config", json.dumps(config), "--prepare-only"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "prepared" in proc.stderr and "compile aot" in proc.stderr
+    (built,) = [p.parent for p in fresh.glob("*/ranges.json")]
+    mtime = (built / "ranges.json").stat().st_mtime_ns
+    monkeypatch.setenv("TAILSCOPE_AOT_CACHE_DIR", str(fresh))
+    e = Engine(tiny(), EngineConfig(**config))
+    assert e.runner.compile_s < 5  # loaded, not built
+    assert (built / "ranges.json").stat().st_mtime_ns == mtime
+    assert [p.parent for p in fresh.glob("*/ranges.json")] == [built]
+    assert generate(e) == generate(engine("jit"))
