@@ -18,6 +18,10 @@ int4 kernel instead of ours (``kernels.native``; as ``TAILSCOPE_NATIVE_KERNELS=0
 (``LlamaModel.native_decode_attention``).
 ``--streams N``: N requests decoding together instead of one; ``--prompt-tokens``: their
 prompts' length (the context decode attends over).
+``--neighbour F`` (e.g. 0.1): every engine is also measured beside another process that keeps
+F of one core busy in 0.2 ms bursts (as a gateway and a load generator beside a served replica
+do), in the same rounds, as a row ``<engine> beside F``: the engine's torch threads meet at a
+barrier in every kernel, so a preempted thread stalls the others too.
 Prints each engine's decode ms/token per round (the median over the streams), the medians, the
 ratios to the first engine, and the aggregate output tok/s.
 """
@@ -34,6 +38,28 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+# a process that keeps a fraction of one core busy in bursts of 0.2 ms
+BURN = """import sys, time
+burst = 2e-4
+rest = burst * (1 - float(sys.argv[1])) / float(sys.argv[1])
+print(flush=True)
+while True:
+    t = time.perf_counter()
+    while time.perf_counter() - t < burst:
+        pass
+    time.sleep(rest)
+"""
+
+
+def neighbour(busy: float):
+    """The ``BURN`` process, started and running (killed by the caller)."""
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-c", BURN, str(busy)], stdout=subprocess.PIPE)
+    proc.stdout.readline()  # started
+    return proc
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -43,7 +69,11 @@ def main() -> int:
     ap.add_argument("--engines", default="native,int4,int8")
     ap.add_argument("--streams", type=int, default=1)
     ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--neighbour", type=float, default=0.0, metavar="F",
+                    help="also measure each engine beside a process using F of one core")
     args = ap.parse_args()
+    if not 0 <= args.neighbour < 1:
+        ap.error("--neighbour: a fraction of one core, 0 <= F < 1")
     import torch
 
     from engine import Engine, EngineConfig, SamplingParams, load_model
@@ -85,13 +115,23 @@ def main() -> int:
             print(f"{spec}: engine start {time.perf_counter() - t:.1f} s (compile "
                   f"{engines[spec].runner.compile_s:.1f} s)", flush=True)
         engines[spec].generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))  # warm
-    ms: dict[str, list[float]] = {w: [] for w in engines}
-    tok_s: dict[str, list[float]] = {w: [] for w in engines}
+    runs = [(w, e, 0.0) for w, e in engines.items()]
+    if args.neighbour:
+        runs += [(f"{w} beside {args.neighbour:g}", e, args.neighbour) for w, e in engines.items()]
+    ms: dict[str, list[float]] = {w: [] for w, _, _ in runs}
+    tok_s: dict[str, list[float]] = {w: [] for w, _, _ in runs}
     for _ in range(args.rounds):
-        for w, e in engines.items():
-            t = time.perf_counter()
-            reqs = e.generate(prompts, SamplingParams(max_tokens=args.tokens, ignore_eos=True))
-            tok_s[w].append(len(reqs) * args.tokens / (time.perf_counter() - t))
+        for w, e, busy in runs:
+            burner = neighbour(busy) if busy else None
+            try:
+                t = time.perf_counter()
+                reqs = e.generate(prompts, SamplingParams(max_tokens=args.tokens,
+                                                          ignore_eos=True))
+                tok_s[w].append(len(reqs) * args.tokens / (time.perf_counter() - t))
+            finally:
+                if burner is not None:
+                    burner.kill()
+                    burner.wait()
             ms[w].append(statistics.median(
                 (r.token_times_ns[-1] - r.token_times_ns[0]) / 1e6 / (args.tokens - 1)
                 for r in reqs))
@@ -102,7 +142,7 @@ def main() -> int:
     base = statistics.median(ms[first])
     for w, v in ms.items():
         med = statistics.median(v)
-        print(f"{w:<22} median {med:6.1f}  ({base / med:.2f}x {first})  "
+        print(f"{w:<30} median {med:6.1f}  ({base / med:.2f}x {first})  "
               f"{statistics.median(tok_s[w]):6.1f} tok/s   rounds: "
               + " ".join(f"{x:.1f}" for x in v))
     return 0
