@@ -218,7 +218,8 @@ def test_two_engines_starting_together_build_once(cache, caplog):
     assert all(d is not None and d.covers(3, 6) and not d.covers(4, 2) for d in loaded)
 
 
-def test_a_replica_prepared_ahead_loads_its_build_without_building(cache, tmp_path, monkeypatch):
+def test_a_replica_prepared_ahead_loads_its_build_without_building(cache, tmp_path, monkeypatch,
+                                                                   capsys):
     """``python -m engine.replica --prepare-only`` (an init container's command) builds what the
     replica's start needs, binds nothing and exits 0; a replica starting later on the same cache
     loads that build instead of compiling (its start in seconds, not minutes)."""
@@ -226,6 +227,7 @@ def test_a_replica_prepared_ahead_loads_its_build_without_building(cache, tmp_pa
 
     with pytest.raises(SystemExit):  # serving needs both addresses
         replica_main(["--id", "x", "--model", "tiny"])
+    assert "--inbox and --outbox are required (unless --prepare-only)" in capsys.readouterr().err
     config = {**CONFIG, "max_num_seqs": 6, "compile_mode": "aot"}  # a key of its own
     fresh = tmp_path / "aot"
     env = {**os.environ, "TAILSCOPE_AOT_CACHE_DIR": str(fresh),
