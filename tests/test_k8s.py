@@ -148,3 +148,11 @@ def test_the_replica_pods_prepare_their_caches_for_the_replica_that_runs_there()
         assert mount["name"] == "cache" and not mount.get("readOnly")
     assert env(init)["TORCHINDUCTOR_CACHE_DIR"].startswith(cache + "/")
     assert {"name": "cache", "emptyDir": {}} in sts["volumes"]
+    # a gateway's own replicas keep theirs on the pod's volume too (a restarted container
+    # starts on a fresh filesystem)
+    gw = documents()["Deployment/tailscope-gateway"]
+    gw_env = env(_container(gw))
+    (mount,) = [m for m in _container(gw)["volumeMounts"]
+                if m["mountPath"] == gw_env["TAILSCOPE_CACHE_DIR"]]
+    assert {"name": mount["name"], "emptyDir": {}} in gw["spec"]["template"]["spec"]["volumes"]
+    assert gw_env["TORCHINDUCTOR_CACHE_DIR"].startswith(gw_env["TAILSCOPE_CACHE_DIR"] + "/")
