@@ -126,9 +126,10 @@ def test_the_replica_pods_prepare_their_caches_for_the_replica_that_runs_there()
     """The init container builds (``--prepare-only``) for the replica's own model, engine config
     and threads, into the cache volume the replica reads: a build for other settings would have
     another cache key and the replica would build again."""
-    sts = documents()["StatefulSet/tailscope-replica"]["spec"]["template"]["spec"]
+    docs = documents()
+    sts = docs["StatefulSet/tailscope-replica"]["spec"]["template"]["spec"]
     (init,) = sts["initContainers"]
-    replica = _container({"spec": {"template": {"spec": sts}}})
+    replica = _container(docs["StatefulSet/tailscope-replica"])
     prep = _replica_args(init["command"][init["command"].index("engine.replica") + 1:])
     argv = shlex.split(replica["command"][-1])
     run = _replica_args(argv[argv.index("engine.replica") + 1:])
@@ -150,7 +151,7 @@ def test_the_replica_pods_prepare_their_caches_for_the_replica_that_runs_there()
     assert {"name": "cache", "emptyDir": {}} in sts["volumes"]
     # a gateway's own replicas keep theirs on the pod's volume too (a restarted container
     # starts on a fresh filesystem)
-    gw = documents()["Deployment/tailscope-gateway"]
+    gw = docs["Deployment/tailscope-gateway"]
     gw_env = env(_container(gw))
     (mount,) = [m for m in _container(gw)["volumeMounts"]
                 if m["mountPath"] == gw_env["TAILSCOPE_CACHE_DIR"]]
