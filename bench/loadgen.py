@@ -223,15 +223,18 @@ def slo_stats(samples: list[Sample], duration_s: float, ttft_ms: float | None,
 def report(samples: list[Sample], duration_s: float, slo: dict | None = None) -> dict:
     ok = [s for s in samples if s.ok]
     errors: dict[str, int] = {}
+    examples: dict[str, str] = {}  # the first message of each kind, to tell what broke
     for s in samples:
         if not s.ok:
             key = str(s.status) if s.status else (s.error.split(":")[0] or "error")
             errors[key] = errors.get(key, 0) + 1
+            examples.setdefault(key, s.error or f"HTTP {s.status}")
     out_tokens = sum(s.output_tokens for s in ok)
     total_tokens = out_tokens + sum(s.prompt_tokens for s in ok)
     lag = [max(0.0, (s.sent - s.scheduled) * 1e3) for s in samples]
     rep = {
         "requests": len(samples), "succeeded": len(ok), "errors": errors,
+        "error_examples": examples,
         "duration_s": duration_s,
         "request_throughput_rps": len(ok) / duration_s if duration_s > 0 else float("nan"),
         "output_token_throughput_tps": out_tokens / duration_s if duration_s > 0 else 0.0,
@@ -313,7 +316,13 @@ async def one_request(http, target: Target, item: Item, scheduled: float) -> Sam
 def _client(concurrency: int):
     import httpx
 
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    # Idle connections are dropped after 2 s, short of uvicorn's 5 s keep-alive (vLLM, SGLang,
+    # a Tailscope gateway): at httpx's default of 5 s too, a connection idle for just under 5 s
+    # by the client's clock (it starts when the response is read) was reused as the server,
+    # whose clock started when it sent the response, closed it: a ReadError with no response,
+    # counted as a server error (seen in CI in an open-loop point at a low rate).
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency,
+                          keepalive_expiry=2.0)
     return httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=30.0), limits=limits)
 
 

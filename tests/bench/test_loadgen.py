@@ -109,6 +109,9 @@ def test_percentiles_slo_and_goodput_by_hand():
     assert slo["attainment"] == pytest.approx(2 / 5) and slo["goodput_rps"] == 1.0
     rep = L.report(samples, 2.0, {"ttft_ms": 500, "tpot_ms": 50})
     assert rep["succeeded"] == 4 and rep["errors"] == {"503": 1}
+    assert rep["error_examples"] == {"503": "HTTP 503"}
+    broken = L.Sample(0, 0, None, error="ReadError: [Errno 104] Connection reset by peer")
+    assert L.report([broken], 1.0)["error_examples"] == {"ReadError": broken.error}
     assert rep["ttft_ms"]["p50"] == 200 and rep["tpot_ms"]["max"] == 60
 
 
