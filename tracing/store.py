@@ -159,18 +159,17 @@ def arrow_type(ch_type: str) -> pa.DataType:
 ARROW_CHUNK_ROWS = 256
 
 # Array columns filled without pa.array's list-of-lists path (~1.5x as costly): the token ids
-# through array.array's extend (a C loop over each list), the ITLs flattened by np.fromiter.
-# A value that does not fit (None, negative, not a number) raises either way.
+# each made an array.array by its constructor (a C loop that sizes the array once: 6.6 ns an id
+# here, against 10.5 for extending one array by each list and 17.5 for np.array) and joined,
+# the ITLs flattened by np.fromiter (~14 ns a float whatever the route: array("f"), np.array,
+# pa.array, struct). A value that does not fit (None, negative, not a number) raises either way.
 assert array("I").itemsize == 4
 
 
 def _column(kind: pa.DataType, values: tuple) -> pa.Array:
     inner = kind.value_type if pa.types.is_list(kind) else None
     if inner == pa.uint32():
-        buf = array("I")
-        for v in values:
-            buf.extend(v)
-        flat = np.frombuffer(buf, np.uint32)
+        flat = np.frombuffer(b"".join(map(array, itertools.repeat("I"), values)), np.uint32)
     elif inner == pa.float32():
         flat = np.fromiter(itertools.chain.from_iterable(values), np.float32)
     else:
