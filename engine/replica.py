@@ -303,9 +303,10 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         warm_up(engine)
         c = engine.config
-        log.info("replica %s: prepared (model %s, dtype %s, weights %s, compile %s; warm-up "
-                 "%.1f s): exiting", args.id, model.config.name, c.dtype, c.weights,
-                 c.compile_mode if c.compile else "off", time.perf_counter() - t)
+        log.info("replica %s: prepared (model %s, dtype %s, weights %s, compile %s: built or "
+                 "loaded in %.1f s; warm-up %.1f s): exiting", args.id, model.config.name,
+                 c.dtype, c.weights, c.compile_mode if c.compile else "off",
+                 engine.runner.compile_s, time.perf_counter() - t)
         return 0
     replica = Replica(args.id, engine, args.inbox, args.outbox, parent_pid, key)
     replica.warm_up()

@@ -29,7 +29,7 @@ from engine.config import EngineConfig
 from engine.cpus import replica_cpus
 from engine.text import load_tokenizer
 from gateway import __version__ as gateway_version
-from gateway import store_api
+from gateway import replicas, store_api
 from gateway.backend import Backend
 from gateway.errors import APIError, api_error_handler, http_error_handler
 from gateway.limits import RequestLimits
@@ -132,6 +132,18 @@ def config_id(config: GatewayConfig) -> str:
     """A stable hash of ``resolved_config`` (key order and the config's name do not count)."""
     data = resolved_config(config)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def prepare_replicas(config: GatewayConfig) -> int:
+    """``tailscope serve --prepare-only``: build what the config's local replicas need at
+    their start (``gateway.replicas.prepare``) and return; no socket, no store, no tokenizer
+    loaded here. Remote replicas and upstream backends prepare on their own hosts."""
+    from engine.loader.paths import resolve_model_path
+
+    tok_path = config.tokenizer or resolve_model_path(config.model)
+    return replicas.prepare(config.model, config.engine,
+                            replicas.local_ids(config.instance_id, config.replicas),
+                            str(tok_path), replica_cpus(config.replica_cpus, config.replicas))
 
 
 def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = None,

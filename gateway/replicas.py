@@ -90,6 +90,53 @@ class _Work:
     output_pending: int  # output tokens still allowed
 
 
+def local_ids(instance: str, n: int) -> list[str]:
+    """Local replicas' ids: ``r0``, ``r1``, ... or ``<instance>/r0``, ... under a gateway
+    instance id (unique among gateways sharing a store)."""
+    prefix = f"{instance}/" if instance else ""
+    return [f"{prefix}r{i}" for i in range(n)]
+
+
+def replica_command(model: str, engine: EngineConfig, rid: str, tokenizer: str | None = None,
+                    cpus: frozenset[int] | None = None) -> list[str]:
+    """A local replica's command line, less its sockets: what the pool starts, and what
+    ``prepare`` runs ahead with ``--prepare-only``."""
+    cmd = [sys.executable, "-m", "engine.replica", "--id", rid, "--model", model,
+           "--engine-config", json.dumps(engine.as_dict())]
+    if tokenizer:
+        cmd += ["--tokenizer", tokenizer]
+    if cpus is not None:
+        cmd += ["--cpus", format_cpus(cpus)]
+    return cmd
+
+
+def prepare(model: str, engine: EngineConfig, ids: list[str], tokenizer: str | None = None,
+            cpus: list[frozenset[int]] | None = None) -> int:
+    """``tailscope serve --prepare-only``: each local replica's start run ahead, one after the
+    other (``python -m engine.replica ... --prepare-only``: the model loaded, our kernels built,
+    with ``compile: true`` the compiled decode step built and warmed up, into the caches the
+    replicas will read), so that the gateway's replicas start by loading, not building (an init
+    container's job). Replicas that would run with the same number of threads share one
+    preparation: the model, engine config and threads are the builds' whole key here. Returns
+    0, or the exit status of the first preparation that failed."""
+    done: dict[str, str] = {}
+    for i, rid in enumerate(ids):
+        mine = cpus[i] if cpus else None
+        threads = os.environ.get("TAILSCOPE_THREADS") or (str(len(mine)) if mine else "")
+        if threads in done:
+            log.info("replica %s: prepared by %s (same model, engine and threads)", rid,
+                     done[threads])
+            continue
+        rc = subprocess.run([*replica_command(model, engine, rid, tokenizer, mine),
+                             "--prepare-only"], env={**os.environ, "PYTHONUNBUFFERED": "1"}
+                            ).returncode
+        if rc:
+            log.error("replica %s: preparing failed (exit status %d)", rid, rc)
+            return rc
+        done[threads] = rid
+    return 0
+
+
 class ReplicaPool:
     def __init__(self, model: str, engine: EngineConfig, num_replicas: int = 1,
                  max_inflight: int | None = None, max_buffered_deltas: int = 256,
@@ -115,8 +162,7 @@ class ReplicaPool:
         # past this many in-flight requests on every replica, new ones are shed (503)
         self.max_inflight = max_inflight or 4 * engine.max_num_seqs
         self.transport = ZmqTransport(key, outbox_bind)
-        prefix = f"{instance}/" if instance else ""
-        self.replicas = [Replica(f"{prefix}r{i}") for i in range(num_replicas)]
+        self.replicas = [Replica(rid) for rid in local_ids(instance, num_replicas)]
         if cpus is not None and len(cpus) != num_replicas:
             raise ValueError(f"{len(cpus)} CPU sets for {num_replicas} replicas")
         self.cpus = dict(zip((r.id for r in self.replicas), cpus or (), strict=False))
@@ -140,14 +186,10 @@ class ReplicaPool:
 
     # ---- lifecycle -------------------------------------------------------------------------
     def _launch(self, r: ReplicaProcess) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "engine.replica", "--id", r.id, "--model", self.model,
-               "--engine-config", json.dumps(self.config.as_dict()),
+        cmd = [*replica_command(self.model, self.config, r.id, self.tokenizer,
+                                self.cpus.get(r.id)),
                "--inbox", self.transport.inbox_addr(r.id),
                "--outbox", self.transport.outbox_addr, "--parent-pid", str(os.getpid())]
-        if self.tokenizer:
-            cmd += ["--tokenizer", self.tokenizer]
-        if r.id in self.cpus:
-            cmd += ["--cpus", format_cpus(self.cpus[r.id])]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if self.transport.key:  # its messages are signed like every other replica's
             env["TAILSCOPE_REPLICA_KEY"] = self.transport.key.decode()

@@ -149,11 +149,31 @@ def test_the_replica_pods_prepare_their_caches_for_the_replica_that_runs_there()
         assert mount["name"] == "cache" and not mount.get("readOnly")
     assert env(init)["TORCHINDUCTOR_CACHE_DIR"].startswith(cache + "/")
     assert {"name": "cache", "emptyDir": {}} in sts["volumes"]
-    # a gateway's own replicas keep theirs on the pod's volume too (a restarted container
-    # starts on a fresh filesystem)
+    # a gateway's own replicas: its init container (``tailscope serve --prepare-only``)
+    # prepares for the gateway's own serve flags (model, engine file, replica count) and
+    # settings, on the pod's volume that the gateway's container reads (a restarted container
+    # starts on a fresh filesystem and finds them there too)
+    from tailscope.cli import build_parser
+
     gw = docs["Deployment/tailscope-gateway"]
-    gw_env = env(_container(gw))
-    (mount,) = [m for m in _container(gw)["volumeMounts"]
-                if m["mountPath"] == gw_env["TAILSCOPE_CACHE_DIR"]]
-    assert {"name": mount["name"], "emptyDir": {}} in gw["spec"]["template"]["spec"]["volumes"]
+    pod = gw["spec"]["template"]["spec"]
+    (gw_init,) = pod["initContainers"]
+    serving = _container(gw)
+    flags = [vars(build_parser().parse_args(c["command"][1:])) for c in (gw_init, serving)]
+    assert flags[0].pop("prepare_only") and not flags[1].pop("prepare_only")
+    for f in flags:  # what only the server uses
+        for k in ("host", "port", "config", "access_log"):
+            f.pop(k)
+    assert flags[0] == flags[1] and flags[0]["engine_config"] == "/etc/tailscope/engine.yaml"
+    keep = (*keep, "TAILSCOPE_MODEL", "TAILSCOPE_REPLICA_CPUS")
+    assert {k: env(gw_init).get(k) for k in keep} == {k: env(serving).get(k) for k in keep}
+    assert env(serving)["TAILSCOPE_THREADS"]  # torch's default would be every CPU of the node
+    assert gw_init["envFrom"] == serving["envFrom"]
+    gw_env = env(serving)
+    for c in (gw_init, serving):
+        (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == gw_env["TAILSCOPE_CACHE_DIR"]]
+        assert {"name": mount["name"], "emptyDir": {}} in pod["volumes"]
+        assert not mount.get("readOnly")
+        assert any(m["name"] == "config" and m["mountPath"] == "/etc/tailscope"
+                   for m in c["volumeMounts"])
     assert gw_env["TORCHINDUCTOR_CACHE_DIR"].startswith(gw_env["TAILSCOPE_CACHE_DIR"] + "/")

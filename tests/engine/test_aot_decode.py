@@ -225,9 +225,11 @@ def test_two_engines_starting_together_build_once(cache, caplog):
 
 def test_a_replica_prepared_ahead_loads_its_build_without_building(cache, tmp_path, monkeypatch,
                                                                    capsys):
-    """``python -m engine.replica --prepare-only`` (an init container's command) builds what the
-    replica's start needs, binds nothing and exits 0; a replica starting later on the same cache
-    loads that build instead of compiling (its start in seconds, not minutes)."""
+    """``tailscope serve --prepare-only`` (an init container's command) runs each local
+    replica's start ahead (``python -m engine.replica ... --prepare-only``, the pool's own
+    command line): it builds what the start needs, binds nothing and exits 0, once for replicas
+    that share the model, engine config and threads; an engine starting later on the same
+    cache loads that build instead of compiling (its start in seconds, not minutes)."""
     from engine.replica import main as replica_main
 
     with pytest.raises(SystemExit):  # serving needs both addresses
@@ -235,17 +237,32 @@ def test_a_replica_prepared_ahead_loads_its_build_without_building(cache, tmp_pa
     assert "--inbox and --outbox are required (unless --prepare-only)" in capsys.readouterr().err
     config = {**CONFIG, "max_num_seqs": 6, "compile_mode": "aot"}  # a key of its own
     fresh = tmp_path / "aot"
-    env = {**os.environ, "TAILSCOPE_AOT_CACHE_DIR": str(fresh),
+    engine_file = tmp_path / "engine.yaml"
+    engine_file.write_text(json.dumps({"engine": config}))  # YAML reads JSON
+    env = {**os.environ, "TAILSCOPE_AOT_CACHE_DIR": str(fresh), "TAILSCOPE_INSTANCE_ID": "gw",
            "TAILSCOPE_THREADS": str(torch.get_num_threads())}  # the key holds the threads
-    proc = subprocess.run([sys.executable, "-m", "engine.replica", "--id", "prep", "--model",
-                           "tiny", "--engine-config", json.dumps(config), "--prepare-only"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    env.pop("TAILSCOPE_REPLICA_CPUS", None)
+
+    def prepare(model: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "tailscope.cli", "serve", "--prepare-only",
+                               "--model", model, "--tokenizer", "bundled", "--replicas", "2",
+                               "--engine-config", str(engine_file)],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+    failed = prepare("tiny")  # a replica that cannot start: its error, and the status
+    assert failed.returncode == 1 and "vocab size too small" in failed.stderr
+    assert "replica gw/r0: preparing failed (exit status 1)" in failed.stderr
+    model = "tiny:49152"  # sized for the bundled tokenizer, as the gateway's tests serve it
+    proc = prepare(model)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "prepared" in proc.stderr and "compile aot" in proc.stderr
+    assert proc.stderr.count(": prepared (") == 1 and "compile aot" in proc.stderr
+    assert "replica gw/r0: prepared (" in proc.stderr
+    assert "replica gw/r1: prepared by gw/r0 (same model, engine and threads)" in proc.stderr
     (built,) = [p.parent for p in fresh.glob("*/ranges.json")]
     mtime = (built / "ranges.json").stat().st_mtime_ns
     monkeypatch.setenv("TAILSCOPE_AOT_CACHE_DIR", str(fresh))
-    e = Engine(tiny(), EngineConfig(**config))
+    e = Engine(load_model(model, "bfloat16", weights="int4", output_weights="int4"),
+               EngineConfig(**config))
     assert e.runner.compile_s < 5  # loaded, not built
     assert (built / "ranges.json").stat().st_mtime_ns == mtime
     assert [p.parent for p in fresh.glob("*/ranges.json")] == [built]
