@@ -119,6 +119,8 @@ def prepare(model: str, engine: EngineConfig, ids: list[str], tokenizer: str | N
     container's job). Replicas that would run with the same number of threads share one
     preparation: the model, engine config and threads are the builds' whole key here. Returns
     0, or the exit status of the first preparation that failed."""
+    if not ids:
+        log.info("no local replicas to prepare")
     done: dict[str, str] = {}
     for i, rid in enumerate(ids):
         mine = cpus[i] if cpus else None
@@ -131,8 +133,9 @@ def prepare(model: str, engine: EngineConfig, ids: list[str], tokenizer: str | N
                              "--prepare-only"], env={**os.environ, "PYTHONUNBUFFERED": "1"}
                             ).returncode
         if rc:
-            log.error("replica %s: preparing failed (exit status %d)", rid, rc)
-            return rc
+            log.error("replica %s: preparing failed (%s)", rid, f"exit status {rc}" if rc > 0
+                      else f"killed by signal {-rc}")
+            return rc if rc > 0 else 1
         done[threads] = rid
     return 0
 
