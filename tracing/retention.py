@@ -67,8 +67,10 @@ class TailRetention:
             return "all"
         if r.final_state != "FINISHED":
             return "not_finished"
-        e2e = self._e2e.setdefault(r.model, _Window(self.window))
-        ttft = self._ttft.setdefault(r.model, _Window(self.window))
+        e2e, ttft = self._e2e.get(r.model), self._ttft.get(r.model)
+        if e2e is None or ttft is None:  # a model's first request (not a pair made per call)
+            e2e = self._e2e[r.model] = _Window(self.window)
+            ttft = self._ttft[r.model] = _Window(self.window)
         seen = self._seen[r.model] = self._seen.get(r.model, 0) + 1
         e2e_cut = e2e.cut(self.quantile) if e2e.sorted else None
         ttft_cut = ttft.cut(self.quantile) if ttft.sorted else None
