@@ -122,6 +122,15 @@ def test_the_remote_gateway_names_exactly_the_replica_pods_that_connect_to_it():
     assert {e["name"] for e in _container(sts)["env"]} >= {"TAILSCOPE_REPLICA_KEY"}
 
 
+# what a build's cache key or location depends on, besides the command line's model and engine
+CACHE_ENV = ("TAILSCOPE_THREADS", "TAILSCOPE_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR",
+             "TAILSCOPE_AOT_CACHE_DIR", "TAILSCOPE_NATIVE_KERNELS")
+
+
+def env(c: dict) -> dict:
+    return {e["name"]: e.get("value") for e in c["env"]}
+
+
 def test_the_replica_pods_prepare_their_caches_for_the_replica_that_runs_there():
     """The init container builds (``--prepare-only``) for the replica's own model, engine config
     and threads, into the cache volume the replica reads: a build for other settings would have
@@ -136,26 +145,23 @@ def test_the_replica_pods_prepare_their_caches_for_the_replica_that_runs_there()
     assert prep.prepare_only and not run.prepare_only
     assert (prep.model, prep.engine_config_file, prep.cpus) == \
         (run.model, run.engine_config_file, run.cpus)
-
-    def env(c: dict) -> dict:
-        return {e["name"]: e.get("value") for e in c["env"]}
-
-    keep = ("TAILSCOPE_THREADS", "TAILSCOPE_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR",
-            "TAILSCOPE_AOT_CACHE_DIR", "TAILSCOPE_NATIVE_KERNELS")
-    assert {k: env(init).get(k) for k in keep} == {k: env(replica).get(k) for k in keep}
+    assert {k: env(init).get(k) for k in CACHE_ENV} == {k: env(replica).get(k) for k in CACHE_ENV}
     cache = env(init)["TAILSCOPE_CACHE_DIR"]
     for c in (init, replica):
         (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == cache]
         assert mount["name"] == "cache" and not mount.get("readOnly")
     assert env(init)["TORCHINDUCTOR_CACHE_DIR"].startswith(cache + "/")
     assert {"name": "cache", "emptyDir": {}} in sts["volumes"]
-    # a gateway's own replicas: its init container (``tailscope serve --prepare-only``)
-    # prepares for the gateway's own serve flags (model, engine file, replica count) and
-    # settings, on the pod's volume that the gateway's container reads (a restarted container
-    # starts on a fresh filesystem and finds them there too)
+
+
+def test_the_gateway_pods_prepare_their_replicas_with_the_gateways_own_flags():
+    """A gateway's own replicas: its init container (``tailscope serve --prepare-only``)
+    prepares for the gateway's own serve flags (model, engine file, replica count) and
+    settings, on the pod's volume that the gateway's container reads (a restarted container
+    starts on a fresh filesystem and finds them there too)."""
     from tailscope.cli import build_parser
 
-    gw = docs["Deployment/tailscope-gateway"]
+    gw = documents()["Deployment/tailscope-gateway"]
     pod = gw["spec"]["template"]["spec"]
     (gw_init,) = pod["initContainers"]
     serving = _container(gw)
@@ -165,7 +171,7 @@ def test_the_replica_pods_prepare_their_caches_for_the_replica_that_runs_there()
         for k in ("host", "port", "config", "access_log"):
             f.pop(k)
     assert flags[0] == flags[1] and flags[0]["engine_config"] == "/etc/tailscope/engine.yaml"
-    keep = (*keep, "TAILSCOPE_MODEL", "TAILSCOPE_REPLICA_CPUS")
+    keep = (*CACHE_ENV, "TAILSCOPE_MODEL", "TAILSCOPE_REPLICA_CPUS")
     assert {k: env(gw_init).get(k) for k in keep} == {k: env(serving).get(k) for k in keep}
     assert env(serving)["TAILSCOPE_THREADS"]  # torch's default would be every CPU of the node
     assert gw_init["envFrom"] == serving["envFrom"]
