@@ -98,12 +98,15 @@ def test_the_reader_session_is_read_only_for_its_life_with_limits(store):
 
 def test_the_embedded_engine_runs_with_the_stores_server_settings(store):
     """tracing.store.CHDB_OPTIONS reach chDB's engine (its MemoryWorker polls once a second,
-    not its default many times a second)."""
+    not its default many times a second). The options go in as server configuration; the ones
+    that are server settings show in system.server_settings (the job assignees' idle poll is
+    read from the configuration alone, with no table to show it: its effect, chDB's idle CPU,
+    is measured in the option's comment, not timed here)."""
     from tracing.store import CHDB_OPTIONS
 
     _, rows = store.select("SELECT name, value, default FROM system.server_settings WHERE "
                            "name IN {names:Array(String)}", {"names": list(CHDB_OPTIONS)})
-    assert {r[0]: r[1] for r in rows} == {k: str(v) for k, v in CHDB_OPTIONS.items()}
+    assert {r[0]: r[1] for r in rows} == {"memory_worker_period_ms": "1000"}
     assert rows[0][1] != rows[0][2]  # not the engine's own default
 
 
