@@ -66,6 +66,14 @@ def split_cpus(cpus: list[int], replicas: int) -> list[frozenset[int]]:
     return [frozenset(cpus[i * per:(i + 1) * per]) for i in range(replicas)]
 
 
+def torch_threads(cpus: frozenset[int] | None) -> int:
+    """A replica's torch threads: ``TAILSCOPE_THREADS``, else one per CPU of its ``--cpus``,
+    else 0 (torch's default). The replica sets them by this rule, and
+    ``gateway.replicas.prepare`` groups replicas by it (the threads are part of a build's
+    key)."""
+    return int(os.environ.get("TAILSCOPE_THREADS") or 0) or len(cpus or ())
+
+
 def format_cpus(cpus) -> str:
     """The shortest CPU list for a set (``0-3,6``): what ``parse_cpus`` reads."""
     out, run = [], []

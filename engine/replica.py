@@ -27,7 +27,7 @@ import msgspec
 import zmq
 
 from engine.config import EngineConfig
-from engine.cpus import format_cpus, move_threads, parse_cpus
+from engine.cpus import format_cpus, move_threads, parse_cpus, torch_threads
 from engine.llm_engine import Engine, RequestOutput
 from engine.loader import load_model
 from engine.protocol import (
@@ -265,8 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             move_threads(args.cpus)
         except OSError as exc:  # a CPU this host does not have (or cgroups do not allow)
             p.error(f"--cpus {format_cpus(args.cpus)}: {exc.strerror}")
-    # torch's threads: TAILSCOPE_THREADS, else one per CPU of --cpus, else torch's default
-    threads = int(os.environ.get("TAILSCOPE_THREADS") or 0) or len(args.cpus or ())
+    threads = torch_threads(args.cpus)
     if threads:
         import torch
 

@@ -138,26 +138,30 @@ def prepare_replicas(config: GatewayConfig) -> int:
     """``tailscope serve --prepare-only``: build what the config's local replicas need at
     their start (``gateway.replicas.prepare``) and return; no socket, no store, no tokenizer
     loaded here. Remote replicas and upstream backends prepare on their own hosts."""
-    from engine.loader.paths import resolve_model_path
-
-    tok_path = config.tokenizer or resolve_model_path(config.model)
     return replicas.prepare(config.model, config.engine,
                             replicas.local_ids(config.instance_id, config.replicas),
-                            str(tok_path), replica_cpus(config.replica_cpus, config.replicas))
+                            tokenizer_path(config),
+                            replica_cpus(config.replica_cpus, config.replicas))
+
+
+def tokenizer_path(config: GatewayConfig) -> str:
+    """The gateway's tokenizer, which its replicas get too (``--tokenizer``): the config's, or
+    the model's own."""
+    from engine.loader.paths import resolve_model_path
+
+    return str(config.tokenizer or resolve_model_path(config.model))
 
 
 def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = None,
                backend: Backend | None = None) -> FastAPI:
     """The gateway; ``backend`` replaces the replica processes (tests pass an
     ``InProcessBackend``)."""
-    from engine.loader.paths import resolve_model_path
-
-    tok_path = config.tokenizer or resolve_model_path(config.model)
+    tok_path = tokenizer_path(config)
     tokenizer = load_tokenizer(tok_path)
     pool = backend or ReplicaPool(config.model, config.engine, config.replicas,
                                   config.max_inflight_per_replica, config.max_buffered_deltas,
                                   config.slow_client_timeout_s, config.heartbeat_timeout_s,
-                                  tokenizer=str(tok_path), instance=config.instance_id,
+                                  tokenizer=tok_path, instance=config.instance_id,
                                   remote=dict(config.remote_replicas),
                                   key=(config.replica_key or "").encode() or None,
                                   outbox_bind=config.replica_outbox,

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from engine.config import EngineConfig
-from engine.cpus import format_cpus
+from engine.cpus import format_cpus, torch_threads
 from engine.protocol import (
     AbortRequest,
     AddRequest,
@@ -121,10 +121,10 @@ def prepare(model: str, engine: EngineConfig, ids: list[str], tokenizer: str | N
     0, or the exit status of the first preparation that failed."""
     if not ids:
         log.info("no local replicas to prepare")
-    done: dict[str, str] = {}
+    done: dict[int, str] = {}
     for i, rid in enumerate(ids):
         mine = cpus[i] if cpus else None
-        threads = os.environ.get("TAILSCOPE_THREADS") or (str(len(mine)) if mine else "")
+        threads = torch_threads(mine)
         if threads in done:
             log.info("replica %s: prepared by %s (same model, engine and threads)", rid,
                      done[threads])
