@@ -387,7 +387,7 @@ def ingest(n: int, detail_sample: float = 1.0, child: bool = False) -> tuple[flo
         store = Store(f"chdb://{d}/store")
     store.migrate()
     # the bounds are lifted: this measures how fast the writer drains a flood, not its limits
-    writer = RecordWriter(store, d / "spool", batch_size=10_000, max_queue=n + 1,
+    writer = RecordWriter(store, d / "spool", max_queue=n + 1,
                           max_queue_bytes=1 << 40)
     records = make_records(n)
     retention = TailRetention(detail_sample, warmup=0, seed=0)

@@ -30,6 +30,7 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
@@ -346,6 +347,11 @@ class Store:
             self.reader = clickhouse_connect.get_client(dsn=self.dsn, **engine,
                                                         settings=self.limits.settings())
             self._arrow_in = _embedded_handle(self.dsn) if is_embedded(self.dsn) else None
+            if self._arrow_in is not None:
+                # closed at exit if not before, ahead of the engine (as clickhouse-connect's
+                # own handles are): left to the garbage collector, it outlived the engine and
+                # chDB reported an error at exit
+                weakref.finalize(self, self._arrow_in.close)
         except Exception as exc:
             reason = _first_line(exc)
             if is_embedded(self.dsn) and "EmbeddedServer" in reason:

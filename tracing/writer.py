@@ -82,7 +82,7 @@ def name_os_thread(name: str) -> None:
 
 class RecordWriter:
     def __init__(self, store: Store | Callable[[], Store], spool_dir: str | Path,
-                 batch_size: int = 2000, max_age_s: float = 1.0, max_queue: int = 200_000,
+                 batch_size: int = 20_000, max_age_s: float = 1.0, max_queue: int = 200_000,
                  replay_interval_s: float = 1.0, fault_file: str | None = None,
                  max_queue_bytes: int = 256 << 20) -> None:
         self._store_factory = store if callable(store) else (lambda: store)
