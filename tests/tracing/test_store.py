@@ -497,13 +497,28 @@ print(json.dumps(out))
     assert out["steps"][0] > 0 and out["steps"][1] == 0
 
 
-def test_the_writers_arrow_tables_read_back_value_for_value_and_a_resent_batch_is_a_no_op(store):
+@pytest.mark.parametrize("route", ["insert_arrow", "Python()"])
+def test_the_writers_arrow_tables_read_back_value_for_value_and_a_resent_batch_is_a_no_op(
+        store, monkeypatch, route):
     """Every column of the three tables the writer fills reads back from the store as the
-    conversion made it (nulls, empty arrays, quotes and non-ASCII text, microsecond times,
-    one-chunk tables from ``combine_chunks``), and a batch sent again under the same token (a
-    spool replay; here a token holding a quote and a backslash) inserts nothing."""
+    conversion made it (nulls, empty arrays, quotes and non-ASCII text, microsecond times), and
+    a batch sent again under the same token (a spool replay; here a token holding a quote and a
+    backslash) inserts nothing; by both routes of an embedded insert (clickhouse-connect's
+    ``insert_arrow`` below ``PYTHON_INSERT_MIN_ROWS`` rows, chDB's ``Python()`` from there)."""
     from bench.trace_overhead import step_rows
+    from tracing import store as S
     from tracing.store import records_to_arrow, to_arrow
+
+    monkeypatch.setattr(S, "PYTHON_INSERT_MIN_ROWS", 1 if route == "Python()" else 1 << 30)
+    sent = []  # the statements of chDB's own handle, run as they are (a spy, not a fake)
+    handle = store._arrow_in
+
+    class Spy:
+        def query(self, sql, *args):
+            sent.append(sql)
+            return handle.query(sql, *args)
+
+    monkeypatch.setattr(store, "_arrow_in", Spy())
 
     t0 = time.time_ns() // 1000 - 6 * 3600 * 1_000_000 + 123  # inside the rows' TTL
     recs = [make_record(tenant="t'1", detail_reason="naïve \\ 'q'", seed=None, top_k=i,
@@ -521,6 +536,7 @@ def test_the_writers_arrow_tables_read_back_value_for_value_and_a_resent_batch_i
         store.insert("requests", requests, token)
         store.insert("request_events", events, token)
         store.insert("engine_steps", steps_table, token)
+    assert len(sent) == (6 if route == "Python()" else 0)
     ids = {"ids": [r.trace_id for r in recs]}
 
     def back(sql, parameters, like, order):
