@@ -466,7 +466,7 @@ def main() -> int:
     off = tp["off"]
     for mode in ("on", "child"):
         extra = tp[mode][4] - off[4]
-        print(f"capture cost, {MODES[mode]}: throughput {100 * (1 - tp[mode][0] / off[0]):+.1f}%"
+        print(f"capture cost, {MODES[mode]}: throughput {100 * (tp[mode][0] / off[0] - 1):+.1f}%"
               f"; CPU {extra:+.2f} ms per request = {100 * extra / (off[4] + off[5]):+.1f}% of "
               "the CPU a request costs without capture (gateway + replica)")
     # the difference of two runs' totals carries the run-to-run drift of the request path's

@@ -331,12 +331,14 @@ def _embedded_handle(dsn: str):
     return chdb.connect(f"{path}?{urlencode(CHDB_OPTIONS)}")
 
 
-# The batch size from which an embedded insert goes through ``Python()``: an INSERT ... SELECT
-# has a fixed cost (~16-20 ms of CPU here for the requests table's 73 columns, its analysis and
-# pipeline) that ``insert_arrow`` (~8 ms) does not, and a per-row cost well below it; the two
-# cost the same at ~500 rows (a requests + request_events pair of 500 records: 31 against 34 ms
-# of CPU; of 50: 29 against 22; of 2,000: 47 against 65; 2026-12-05).
-PYTHON_INSERT_MIN_ROWS = 500
+# The size from which an embedded insert goes through ``Python()``: an INSERT ... SELECT has a
+# fixed cost (~16-20 ms of CPU here for the requests table's 73 columns: its analysis and
+# pipeline) that ``insert_arrow`` (~8 ms) does not, and a lower cost per byte. A gateway's
+# usual batch (a few hundred records every ``TAILSCOPE_STORE_FLUSH_S``, ~0.5 MB) is cheaper
+# through ``insert_arrow`` (600 short records: 12 against 25 ms); a flood's batches of
+# thousands of records are cheaper through ``Python()`` (20,000 records of 256 token ids,
+# 48 MB: 115 against 270 ms; 5,000: 53 against 110), the two even at ~1-2 MB (2026-12-05).
+PYTHON_INSERT_MIN_BYTES = 2 << 20
 
 
 def _sql_string(text: str) -> str:
@@ -414,7 +416,7 @@ class Store:
     # ---- writes -------------------------------------------------------------------------------
     def insert(self, table: str, data: pa.Table, token: str | None = None) -> None:
         """Insert an Arrow table; a repeated ``token`` (a replayed batch) inserts nothing."""
-        if self._arrow_in is None or data.num_rows < PYTHON_INSERT_MIN_ROWS:
+        if self._arrow_in is None or data.nbytes < PYTHON_INSERT_MIN_BYTES:
             settings = {"insert_deduplication_token": token} if token else None
             with self.lock:
                 self.client.insert_arrow(f"{DATABASE}.{table}", data, settings=settings)

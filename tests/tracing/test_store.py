@@ -504,12 +504,12 @@ def test_the_writers_arrow_tables_read_back_value_for_value_and_a_resent_batch_i
     conversion made it (nulls, empty arrays, quotes and non-ASCII text, microsecond times), and
     a batch sent again under the same token (a spool replay; here a token holding a quote and a
     backslash) inserts nothing; by both routes of an embedded insert (clickhouse-connect's
-    ``insert_arrow`` below ``PYTHON_INSERT_MIN_ROWS`` rows, chDB's ``Python()`` from there)."""
+    ``insert_arrow`` below ``PYTHON_INSERT_MIN_BYTES``, chDB's ``Python()`` from there)."""
     from bench.trace_overhead import step_rows
     from tracing import store as S
     from tracing.store import records_to_arrow, to_arrow
 
-    monkeypatch.setattr(S, "PYTHON_INSERT_MIN_ROWS", 1 if route == "Python()" else 1 << 30)
+    monkeypatch.setattr(S, "PYTHON_INSERT_MIN_BYTES", 0 if route == "Python()" else 1 << 40)
     sent = []  # the statements of chDB's own handle, run as they are (a spy, not a fake)
     handle = store._arrow_in
 
