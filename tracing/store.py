@@ -341,6 +341,20 @@ def _embedded_handle(dsn: str):
 PYTHON_INSERT_MIN_BYTES = 2 << 20
 
 
+def _typed_as_its_columns(table: str, data: pa.Table) -> bool:
+    """Whether every column of ``data`` has the Arrow type of its ClickHouse column (as the
+    writer's conversion makes them). Only such a table goes through ``Python()``: an INSERT ...
+    SELECT casts what it reads as ``CAST`` does, so text in a number column would become 0
+    where ``insert_arrow`` refuses it."""
+    kinds = _ARROW_KINDS.get(table)
+    if kinds is None:
+        kinds = _ARROW_KINDS[table] = {c: arrow_type(t) for c, t, _ in TABLES[table].columns}
+    return all(kinds.get(f.name) == f.type for f in data.schema)
+
+
+_ARROW_KINDS: dict[str, dict[str, pa.DataType]] = {}
+
+
 def _sql_string(text: str) -> str:
     """``text`` as a ClickHouse string literal (its backslashes and quotes escaped)."""
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
@@ -416,7 +430,8 @@ class Store:
     # ---- writes -------------------------------------------------------------------------------
     def insert(self, table: str, data: pa.Table, token: str | None = None) -> None:
         """Insert an Arrow table; a repeated ``token`` (a replayed batch) inserts nothing."""
-        if self._arrow_in is None or data.nbytes < PYTHON_INSERT_MIN_BYTES:
+        if (self._arrow_in is None or data.nbytes < PYTHON_INSERT_MIN_BYTES
+                or not _typed_as_its_columns(table, data)):
             settings = {"insert_deduplication_token": token} if token else None
             with self.lock:
                 self.client.insert_arrow(f"{DATABASE}.{table}", data, settings=settings)
@@ -426,12 +441,10 @@ class Store:
         _tailscope_arrow_batch = data  # noqa: F841
         cols = ", ".join(f"`{c}`" for c in data.column_names)
         setting = f" SETTINGS insert_deduplication_token = {_sql_string(token)}" if token else ""
-        with self.lock:
-            try:
-                self._arrow_in.query(f"INSERT INTO {DATABASE}.`{table}` ({cols}) SELECT {cols} "
-                                     f"FROM Python(_tailscope_arrow_batch){setting}")
-            except Exception as exc:  # chDB raises RuntimeError with ClickHouse's message
-                raise StoreError(f"insert into {table} failed: {_first_line(exc)}") from exc
+        with self.lock:  # a failure raises chDB's error with ClickHouse's message, as the
+            # insert_arrow route raises clickhouse-connect's (not StoreError: the store is up)
+            self._arrow_in.query(f"INSERT INTO {DATABASE}.`{table}` ({cols}) SELECT {cols} "
+                                 f"FROM Python(_tailscope_arrow_batch){setting}")
 
     def insert_rows(self, table: str, rows: list, token: str | None = None) -> None:
         if rows:

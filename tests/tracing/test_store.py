@@ -15,7 +15,7 @@ import pytest
 
 from tracing.record import RecordEvent, RequestRecord
 from tracing.schema import MIGRATIONS, TABLES, EngineStepRow
-from tracing.store import QueryRefused, check_ast
+from tracing.store import QueryRefused, StoreError, check_ast
 from tracing.writer import DEAD_LETTER, INSERTER, QUARANTINE, WRITER, RecordWriter
 
 
@@ -554,3 +554,25 @@ def test_the_writers_arrow_tables_read_back_value_for_value_and_a_resent_batch_i
     got = back("SELECT * FROM tailscope.engine_steps WHERE replica = {r:String}",
                {"r": replica}, steps_table, "step")
     assert got.to_pylist() == steps_table.sort_by("step").to_pylist()
+
+
+@pytest.mark.parametrize("route", ["insert_arrow", "Python()"])
+def test_a_batch_its_table_cannot_take_fails_as_a_bad_batch_by_both_routes(store, monkeypatch,
+                                                                            route):
+    """A table whose column cannot go into its ClickHouse column (text for ``http_status``)
+    raises ClickHouse's error, not ``StoreError`` (which says the store is unreachable, and
+    makes a caller wait and retry), and inserts nothing, at any size: ``Python()`` takes only
+    tables typed as the writer types them (its INSERT ... SELECT would cast the text to 0)."""
+    import pyarrow as pa
+
+    from tracing import store as S
+
+    monkeypatch.setattr(S, "PYTHON_INSERT_MIN_BYTES", 0 if route == "Python()" else 1 << 40)
+    trace = f"bad-{secrets.token_hex(4)}"
+    bad = pa.table({"trace_id": [trace], "http_status": ["not a number"]})
+    with pytest.raises(Exception) as err:
+        store.insert("requests", bad, f"tok-{trace}")
+    assert not isinstance(err.value, StoreError), str(err.value)
+    assert "Cannot parse string 'not a number'" in str(err.value)
+    assert store.select("SELECT count() FROM tailscope.requests WHERE trace_id = {t:String}",
+                        {"t": trace})[1][0][0] == 0
