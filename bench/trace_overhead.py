@@ -382,7 +382,7 @@ def ingest(n: int, detail_sample: float = 1.0, child: bool = False) -> tuple[flo
 
         proc = StoreProcess(f"chdb://{d}/store")
         proc.start()
-        store = RemoteStore(proc.url, proc.key, timeout_s=600)
+        store = RemoteStore(proc.url, proc.key, timeout_s=600, inbox=proc.inbox)
     else:
         store = Store(f"chdb://{d}/store")
     store.migrate()

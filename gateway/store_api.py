@@ -13,8 +13,10 @@ import io
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -57,16 +59,16 @@ class StoreHandle:
     """Opens (and migrates) the store on first use; a server that is down is retried later."""
 
     def __init__(self, dsn: str, limits: QueryLimits | None = None,
-                 key: str | None = None) -> None:
+                 key: str | None = None, inbox: Path | None = None) -> None:
         self.dsn = normalise_dsn(dsn)
-        self.limits, self.key = limits, key
+        self.limits, self.key, self.inbox = limits, key, inbox
         self._store: Store | None = None
         self._lock = threading.Lock()
 
     def get(self) -> Store:
         with self._lock:
             if self._store is None:
-                store = connect(self.dsn, self.limits, self.key)
+                store = connect(self.dsn, self.limits, self.key, self.inbox)
                 store.migrate()
                 self._store = store
             return self._store
@@ -105,6 +107,9 @@ class StoreProcess:
         self.dsn, self.restart_s, self.start_timeout_s = normalise_dsn(dsn), restart_s, \
             start_timeout_s
         self.port, self.key = free_port(), secrets.token_hex(24)
+        # where the writer hands the child its batches as Arrow files (same host: no HTTP body;
+        # tracing.store_server), private to this user (mkdtemp: mode 0700)
+        self.inbox = Path(tempfile.mkdtemp(prefix="tailscope-store-inbox-"))
         self.url = f"tailscope://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
@@ -114,7 +119,8 @@ class StoreProcess:
     def _spawn(self) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tailscope.cli", "store", "--dsn", self.dsn, "serve",
-             "--port", str(self.port), "--parent-pid", str(os.getpid())],
+             "--port", str(self.port), "--parent-pid", str(os.getpid()),
+             "--inbox", str(self.inbox)],
             env={**os.environ, "TAILSCOPE_STORE_KEY": self.key, "PYTHONUNBUFFERED": "1"})
 
     def _healthy(self) -> bool:
@@ -159,6 +165,7 @@ class StoreProcess:
         self._stop.set()
         if self.proc is not None:
             stop_process(self.proc, 20)
+        shutil.rmtree(self.inbox, ignore_errors=True)
 
 
 def default_spool_dir(dsn: str) -> Path:
@@ -174,7 +181,8 @@ def open_store(dsn: str, spool_dir: str | None, fault_file: str | None,
                child: StoreProcess | None = None) -> tuple[StoreHandle, RecordWriter]:
     """The store and its writer; with ``child`` (a started ``StoreProcess``) the writer and the
     debug endpoints reach the store through it, and the spool stays where it would be."""
-    handle = StoreHandle(child.url, limits, child.key) if child else StoreHandle(dsn, limits, key)
+    handle = StoreHandle(child.url, limits, child.key, child.inbox) if child \
+        else StoreHandle(dsn, limits, key)
     if is_embedded(handle.dsn):  # fail fast: e.g. another gateway already owns the directory
         try:
             handle.get()

@@ -353,7 +353,7 @@ def cmd_store(args: argparse.Namespace) -> int:
             return 2
         try:
             serve(dsn, args.host, args.port, s.store_key or None, args.parent_pid,
-                  _query_limits(s))
+                  _query_limits(s), args.inbox)
         except StoreError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
@@ -976,6 +976,9 @@ def build_parser() -> argparse.ArgumentParser:
     ss.add_argument("--port", type=int, default=8124)
     ss.add_argument("--parent-pid", type=int, help="exit when this process is gone (a gateway "
                     "running its store as a child passes its own pid)")
+    ss.add_argument("--inbox", help="a directory from which it inserts Arrow files that clients "
+                    "on this host hand over by name instead of sending them (a gateway "
+                    "running its store as a child passes a private one)")
     st.set_defaults(func=cmd_store)
     w = sub.add_parser("why", help="why a request was slow: its slowest gaps, the engine steps "
                                    "and the other requests (and tenants) inside them")

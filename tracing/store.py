@@ -72,15 +72,17 @@ def is_embedded(dsn: str) -> bool:
     return dsn.startswith("chdb://")
 
 
-def connect(dsn: str, limits: QueryLimits | None = None, key: str | None = None):
+def connect(dsn: str, limits: QueryLimits | None = None, key: str | None = None,
+            inbox: str | Path | None = None):
     """A ``Store`` on chDB or a ClickHouse server, or a ``RemoteStore`` on a store process
-    (``tailscope://``, ``tracing.store_server``; ``key`` is its ``TAILSCOPE_STORE_KEY``).
-    The limits of a store process's reads are its own."""
+    (``tailscope://``, ``tracing.store_server``; ``key`` is its ``TAILSCOPE_STORE_KEY``,
+    ``inbox`` its ``--inbox`` when it runs on this host). The limits of a store process's
+    reads are its own."""
     dsn = normalise_dsn(dsn)
     if dsn.startswith("tailscope://"):
         from tracing.store_server import RemoteStore
 
-        return RemoteStore(dsn, key)
+        return RemoteStore(dsn, key, inbox=inbox)
     return Store(dsn, limits)
 
 

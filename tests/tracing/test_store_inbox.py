@@ -1,0 +1,84 @@
+"""A store process on the same host takes a batch as an Arrow file in its inbox (the gateway's
+own store child, ``TAILSCOPE_STORE_PROCESS=1``): the rows arrive as sent, each file is gone once
+taken, and a name that is not one of the inbox's files is refused."""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+import httpx
+import pyarrow as pa
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.tracing.test_store import make_record
+from tracing.record import RecordEvent
+from tracing.store import records_to_arrow
+from tracing.store_server import create_app
+
+
+@pytest.fixture(scope="module")
+def child(tmp_path_factory):
+    from gateway.store_api import StoreProcess
+
+    proc = StoreProcess(f"chdb://{tmp_path_factory.mktemp('inbox')}/store")
+    proc.start()
+    yield proc
+    proc.close()
+
+
+def test_a_batch_handed_over_as_a_file_arrives_and_the_file_is_gone(child, monkeypatch):
+    from tracing import store_server
+    from tracing.store_server import RemoteStore
+
+    written = []  # the files handed over (a spy: each is written as it would be)
+    real = store_server._write_inbox_file
+    monkeypatch.setattr(store_server, "_write_inbox_file",
+                        lambda *a: written.append(real(*a)) or written[-1])
+    store = RemoteStore(child.url, child.key, inbox=child.inbox)
+    now = time.time_ns() // 1000  # inside the rows' TTL
+    recs = [make_record(input_token_ids=list(range(i, i + 5)), itl_ms=[0.25] * i,
+                        events=[RecordEvent(now + j, "S", f"d{j}") for j in range(3)])
+            for i in range(30)]
+    requests, events = records_to_arrow(recs)
+    token = f"tok-{secrets.token_hex(4)}"
+    for _ in range(2):  # a re-sent batch (a spool replay) inserts nothing
+        store.insert("requests", requests, token)
+        store.insert("request_events", events, token)
+    ids = {"ids": [r.trace_id for r in recs]}
+    got = store.select_arrow("SELECT * FROM tailscope.requests WHERE trace_id IN "
+                             "{ids:Array(String)}", ids).select(requests.column_names)
+    assert got.sort_by("trace_id").to_pylist() == requests.sort_by("trace_id").to_pylist()
+    n = store.select("SELECT count() FROM tailscope.request_events WHERE trace_id IN "
+                     "{ids:Array(String)}", ids)[1][0][0]
+    assert n == events.num_rows == 90
+    assert len(written) == 4 and all(p.parent == child.inbox for p in written)
+    assert list(child.inbox.iterdir()) == []  # every file taken and deleted
+    store.close()
+
+
+def test_a_name_that_is_not_an_inbox_file_is_refused(child, tmp_path):
+    outside = tmp_path / "x.arrow"
+    outside.write_bytes(b"not arrow")
+    url = f"http://127.0.0.1:{child.port}/v1/insert/requests"
+    headers = {"Authorization": f"Bearer {child.key}"}
+    for name in (str(outside), f"../{outside.name}", "0" * 32 + ".requests.arrow"):
+        r = httpx.post(url, params={"file": name}, headers=headers, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "bad_batch", r.text
+    assert outside.exists()  # nothing outside the inbox is read or deleted
+
+
+def test_a_store_process_without_an_inbox_says_so(store):
+    client = TestClient(create_app(store, key="k"))
+    r = client.post("/v1/insert/requests", params={"file": "0" * 32 + ".requests.arrow"},
+                    headers={"Authorization": "Bearer k"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "no_inbox", r.text
+    # the body route still works there
+    sink = pa.BufferOutputStream()
+    requests, _ = records_to_arrow([make_record()])
+    with pa.ipc.new_stream(sink, requests.schema) as w:
+        w.write_table(requests)
+    r = client.post("/v1/insert/requests", content=sink.getvalue().to_pybytes(),
+                    headers={"Authorization": "Bearer k"})
+    assert r.status_code == 200 and r.json()["rows"] == 1, r.text
