@@ -70,9 +70,13 @@ def _write_inbox_file(inbox: Path, table: str, data: pa.Table) -> Path:
     into place (the store process never sees half a file)."""
     path = inbox / f"{uuid.uuid4().hex}.{table}.arrow"
     tmp = path.with_suffix(".tmp")
-    with pa.OSFile(str(tmp), "wb") as f, ipc.new_file(f, data.schema) as w:
-        w.write_table(data)
-    os.replace(tmp, path)
+    try:
+        with pa.OSFile(str(tmp), "wb") as f, ipc.new_file(f, data.schema) as w:
+            w.write_table(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a disk that filled up keeps no half file
+        raise
     return path
 
 
