@@ -39,6 +39,7 @@ from urllib.parse import urlencode
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.ipc as ipc
 
 from tracing.schema import DATABASE, MIGRATIONS, TABLES, Table
 
@@ -303,6 +304,34 @@ def records_to_arrow(records: list) -> tuple[pa.Table, pa.Table]:
         else:
             arrays[col] = repeated.column(column_of[f]).combine_chunks()
     return requests, pa.table(arrays)
+
+
+def write_arrow_file(path: Path, data: pa.Table, durable: bool = False) -> None:
+    """``data`` as an Arrow IPC file at ``path``, written under a temporary name and renamed
+    into place, so a file under its final name is complete; with ``durable``, the file and then
+    its directory are fsynced, so it survives a crash too (the writer's spool; the store
+    child's inbox needs no more than the rename). A failure leaves no temporary file behind
+    and raises ``OSError``."""
+    tmp = path.with_suffix(".tmp")
+    try:
+        with pa.OSFile(str(tmp), "wb") as sink, ipc.new_file(sink, data.schema) as w:
+            w.write_table(data)
+        if durable:
+            _fsync(tmp)
+        os.replace(tmp, path)
+    except (OSError, pa.ArrowException) as exc:
+        tmp.unlink(missing_ok=True)
+        raise OSError(str(exc)) from exc
+    if durable:
+        _fsync(path.parent)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def jsonable(v):

@@ -47,7 +47,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tracing.schema import TABLES
-from tracing.store import QueryLimits, QueryRefused, Store, StoreError, jsonable
+from tracing.store import (
+    QueryLimits,
+    QueryRefused,
+    Store,
+    StoreError,
+    jsonable,
+    write_arrow_file,
+)
 
 log = logging.getLogger("tailscope.store")
 LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
@@ -66,17 +73,10 @@ INBOX_FILE = re.compile(r"[0-9a-f]{32}\.[a-z_]+\.arrow")
 
 
 def _write_inbox_file(inbox: Path, table: str, data: pa.Table) -> Path:
-    """``data`` as an Arrow IPC file in ``inbox``, written under a temporary name and renamed
-    into place (the store process never sees half a file)."""
+    """``data`` as an Arrow IPC file in ``inbox`` (renamed into place: the store process never
+    sees half a file)."""
     path = inbox / f"{uuid.uuid4().hex}.{table}.arrow"
-    tmp = path.with_suffix(".tmp")
-    try:
-        with pa.OSFile(str(tmp), "wb") as f, ipc.new_file(f, data.schema) as w:
-            w.write_table(data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a disk that filled up keeps no half file
-        raise
+    write_arrow_file(path, data)
     return path
 
 
@@ -295,7 +295,6 @@ def serve(dsn: str, host: str, port: int, key: str | None, parent_pid: int | Non
           limits: QueryLimits | None = None, inbox: str | Path | None = None) -> None:
     """Open and migrate the store at ``dsn``, then serve it until stopped (SIGTERM, or
     ``parent_pid`` no longer being our parent); ``inbox``: see ``create_app``."""
-    import os
     import signal
 
     import uvicorn

@@ -48,7 +48,7 @@ import pyarrow.ipc as ipc
 
 from tracing.record import RequestRecord
 from tracing.schema import TABLES, EngineStepRow
-from tracing.store import Store, StoreError, records_to_arrow, to_arrow
+from tracing.store import Store, StoreError, records_to_arrow, to_arrow, write_arrow_file
 
 DEAD_LETTER = "dead-letter.jsonl"
 QUARANTINE = "quarantine"
@@ -330,27 +330,8 @@ class RecordWriter:
             self._unsaved.append((token, name, data))
 
     def _spool(self, name: str, data: pa.Table, token: str) -> None:
-        """Write, fsync, rename into place, fsync the directory: a file that exists under its
-        final name is complete and survives a crash."""
-        path = self.spool_dir / f"{token}.{name}.arrow"
-        tmp = path.with_suffix(".tmp")
-        try:
-            with pa.OSFile(str(tmp), "wb") as sink, ipc.new_file(sink, data.schema) as w:
-                w.write_table(data)
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-        except (OSError, pa.ArrowException) as exc:
-            tmp.unlink(missing_ok=True)
-            raise OSError(str(exc)) from exc
-        dir_fd = os.open(self.spool_dir, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        """A file that exists under its final name is complete and survives a crash."""
+        write_arrow_file(self.spool_dir / f"{token}.{name}.arrow", data, durable=True)
 
     def _retry_unsaved(self) -> None:
         """Batches the disk refused: insert them now, or spool them if the disk has room."""
