@@ -34,7 +34,9 @@ writer's ingest rate into embedded ClickHouse (chDB).
    in a store child process (``TAILSCOPE_STORE_PROCESS=1``: this process converts, the child
    inserts, on two cores), then in this process again with tail-based
    retention (``tracing.retention``: the records above the sliding p99 of E2E and a
-   ``--detail-sample`` share of the rest keep their token ids and ITL arrays).
+   ``--detail-sample`` share of the rest keep their token ids and ITL arrays); then the
+   sustained rate, in this process and with the child: a fifth of ``--records`` drained first,
+   untimed, so what only a fresh process's and store's first batch pays is left out.
 4. ``engine_steps`` bytes per request: one replica's step rows for 2,000 requests at 8 and at
    32 sequences a step (``step_rows``), inserted and merged. Every step row lists its members'
    trace ids, so a request costs a trace id per token it decodes there; tail-based retention
@@ -364,11 +366,15 @@ def bytes_on_disk(store, *tables: str) -> int:
     return int(rows[0][0])
 
 
-def ingest(n: int, detail_sample: float = 1.0, child: bool = False) -> tuple[float, dict]:
+def ingest(n: int, detail_sample: float = 1.0, child: bool = False,
+           warmup: int = 0) -> tuple[float, dict]:
     """The writer draining ``n`` records into a fresh chDB store: in this process, or with
     ``child`` in a store process (``TAILSCOPE_STORE_PROCESS=1``'s ``StoreProcess``: this
     process converts each batch to Arrow while the child inserts the previous one, on another
-    core)."""
+    core). With ``warmup``, that many records are emitted and drained first, untimed: the rate
+    is then the sustained one, without what only the first batch of a fresh process and store
+    pays (the first batch's conversion took 440-500 ms of CPU against ~260 for each later one,
+    the store child's first insert ~400 ms against ~150; 2026-12-05)."""
     from tracing import queries as Q
     from tracing.retention import TailRetention
     from tracing.store import Store
@@ -389,6 +395,10 @@ def ingest(n: int, detail_sample: float = 1.0, child: bool = False) -> tuple[flo
     # the bounds are lifted: this measures how fast the writer drains a flood, not its limits
     writer = RecordWriter(store, d / "spool", max_queue=n + 1,
                           max_queue_bytes=1 << 40)
+    if warmup:
+        for r in make_records(warmup):
+            writer.emit(r)
+        assert writer.flush(timeout_s=600)
     records = make_records(n)
     retention = TailRetention(detail_sample, warmup=0, seed=0)
     # the records made up front are not the writer's to pay for: a gateway emits each record as
@@ -403,14 +413,14 @@ def ingest(n: int, detail_sample: float = 1.0, child: bool = False) -> tuple[flo
     total_s = time.monotonic() - t0
     gc.unfreeze()
     count = store.select(Q.REQUEST_COUNT)[1][0][0]
-    assert count == n, (count, n)
+    assert count == n + warmup, (count, n, warmup)
     on_disk = bytes_on_disk(store, "requests", "request_events")
     if proc is not None:
         store.close()
         proc.close()
     kept = sum(r.detail_kept for r in records)
     return n / total_s, {"emit_us_per_record": emit_s / n * 1e6, **writer.stats,
-                         "bytes_per_record": on_disk / n, "kept": kept}
+                         "bytes_per_record": on_disk / (n + warmup), "kept": kept}
 
 
 def main() -> int:
@@ -431,17 +441,24 @@ def main() -> int:
                     help="the gateways' model: tiny (the gateway's own cost dominates) or the "
                          "bundled SmolLM2 (the engine's does)")
     args = ap.parse_args()
+    from tracing.store import skip_pandas_probe
+
+    skip_pandas_probe()  # as the gateway and the store process do
     if args.quick:
         args.seconds, args.rounds, args.records = 5.0, 1, 20_000
     if not args.skip_ingest:
         col, plain = conversion(10_000)
         print(f"conversion to Arrow (requests + request_events), 10,000 records: columnar "
               f"{col:.1f} us/record, plain per-column {plain:.1f} us/record: {plain / col:.2f}x")
-    runs = [(1.0, False), (1.0, True), (args.detail_sample, False)]
-    for sample, child in () if args.skip_ingest else runs:
-        rate, stats = ingest(args.records, sample, child)
+    warm = args.records // 5
+    runs = [(1.0, False, 0), (1.0, True, 0), (args.detail_sample, False, 0), (1.0, False, warm),
+            (1.0, True, warm)]
+    for sample, child, warmup in () if args.skip_ingest else runs:
+        rate, stats = ingest(args.records, sample, child, warmup)
         what = "full detail" if sample >= 1 else (
             f"tail-based retention (p99 + {sample:g} sample: {stats['kept']:,} kept)")
+        if warmup:
+            what += f", sustained (after {warmup:,} records drained first)"
         where = "a store child process" if child else "this process"
         print(f"writer ingest into chDB in {where}, {what}: {rate:,.0f} records/s, "
               f"{stats['bytes_per_record']:.0f} bytes/record on disk ({args.records:,} records "

@@ -44,7 +44,7 @@ from gateway.upstream import UpstreamConfig, UpstreamPool
 from tracing.record import RequestRecord
 from tracing.retention import TailRetention
 from tracing.sinks import FanoutSink, JsonlSink, MemorySink, RecordSink
-from tracing.store import QueryLimits, is_embedded, normalise_dsn
+from tracing.store import QueryLimits, is_embedded, normalise_dsn, skip_pandas_probe
 
 log = logging.getLogger("tailscope.gateway")
 LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
@@ -156,6 +156,7 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
                backend: Backend | None = None) -> FastAPI:
     """The gateway; ``backend`` replaces the replica processes (tests pass an
     ``InProcessBackend``)."""
+    skip_pandas_probe()  # 38-42 MB of RSS saved (tracing.store)
     tok_path = tokenizer_path(config)
     tokenizer = load_tokenizer(tok_path)
     pool = backend or ReplicaPool(config.model, config.engine, config.replicas,

@@ -53,6 +53,7 @@ from tracing.store import (
     Store,
     StoreError,
     jsonable,
+    skip_pandas_probe,
     write_arrow_file,
 )
 
@@ -299,6 +300,7 @@ def serve(dsn: str, host: str, port: int, key: str | None, parent_pid: int | Non
 
     import uvicorn
 
+    skip_pandas_probe()
     store = Store(dsn, limits)
     store.migrate()
     log.info("store process: %s on %s:%d (%s)", store.dsn, host, port,

@@ -576,3 +576,39 @@ def test_a_batch_its_table_cannot_take_fails_as_a_bad_batch_by_both_routes(store
     assert "Cannot parse string 'not a number'" in str(err.value)
     assert store.select("SELECT count() FROM tailscope.requests WHERE trace_id = {t:String}",
                         {"t": trace})[1][0][0] == 0
+
+
+def test_the_writer_conversion_leaves_pandas_unloaded_and_pyarrow_can_still_use_it():
+    """``skip_pandas_probe``: pyarrow's first ``pa.array`` of a list imports pandas to ask
+    whether the list is a pandas object; after the probe is skipped, converting records and
+    steps loads no pandas, and pyarrow's own pandas functions still import and use it. (In a
+    fresh interpreter: this one may have pandas loaded already.)"""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+import pyarrow as pa
+from tracing.schema import TABLES
+from tracing.store import records_to_arrow, skip_pandas_probe, to_arrow
+from bench.trace_overhead import make_records, step_rows
+control = "control" in sys.argv
+if not control:
+    skip_pandas_probe()
+requests, events = records_to_arrow(make_records(3))
+to_arrow(TABLES["engine_steps"], step_rows(2, 2))
+print("pandas" in sys.modules)
+if not control:
+    frame = requests.select(["trace_id"]).to_pandas()
+    print(type(frame).__name__, len(frame), pa.array(frame["trace_id"]).to_pylist()
+          == requests.column("trace_id").to_pylist())
+"""
+    def run(*args: str) -> list[str]:
+        out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True,
+                             text=True, timeout=120, cwd=Path(__file__).parents[2])
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.split("\n")
+
+    # without the skip, the conversion loads pandas: what the function is there to avoid
+    assert run("control")[0] == "True"
+    assert run()[:2] == ["False", "DataFrame 3 True"]
