@@ -164,9 +164,10 @@ def skip_pandas_probe() -> None:
     The first ``pa.array`` of a Python list or NumPy array in a process asks pyarrow's pandas
     shim whether it is a pandas object (``_is_array_like`` in pyarrow's ``array.pxi``), and the
     shim imports pandas to answer when pandas is installed. Nothing Tailscope hands pyarrow is
-    a pandas object, and that import cost a gateway 38-42 MB of RSS (224 -> 186 MB idle with
-    the store child, 453 -> 411 in process; 2026-12-05) and ~0.2 s of CPU in its first record
-    batch; ``tracing.queries`` imports pandas only when a query is asked for a DataFrame. Here
+    a pandas object, and that import cost a gateway whose store is in a child process or on a
+    server 38 MB of RSS (224 -> 186 MB idle, 253 -> 228 at its peak under load; 2026-12-05);
+    ``tracing.queries`` imports pandas only when a query is asked for a DataFrame. (An embedded
+    store loads pandas anyway, for chDB's ``Python()`` table function: see ``Store``.) Here
     ``import pandas`` fails during one ``pa.array`` call, the shim notes "no pandas" for that
     check and does not look again; its calls that need pandas (``to_pandas``, ``from_pandas``)
     import it when called, as before. Called by the processes Tailscope starts (the gateway,
@@ -466,6 +467,13 @@ class Store:
                 # own handles are): left to the garbage collector, it outlived the engine and
                 # chDB reported an error at exit
                 weakref.finalize(self, self._arrow_in.close)
+                # chDB's Python() table function imports pandas on its first call (to tell a
+                # DataFrame from the other objects it reads); imported as the store opens
+                # instead, so that no insert pays it: inside the first Python() insert it cost
+                # a cold 100,000-record ingest ~0.3 s (43-44k against 47-52k records/s,
+                # 2026-12-05). A gateway with its store in a child process or on a server
+                # loads no pandas (skip_pandas_probe).
+                import pandas  # noqa: F401
         except Exception as exc:
             reason = _first_line(exc)
             if is_embedded(self.dsn) and "EmbeddedServer" in reason:
