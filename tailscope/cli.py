@@ -137,10 +137,9 @@ def _query_limits(s: Settings):
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
-    import uvicorn
-
     from gateway.app import GatewayConfig, create_app, prepare_replicas
     from gateway.limits import RequestLimits
+    from tracing.store_server import uvicorn_server
 
     os.umask(0o077)  # the store, spool, records and key-id secret are readable by us alone
     s = Settings.from_env()
@@ -240,15 +239,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "open local mode on %s: anyone who reaches port %d can generate (configure "
             "tenants with --config); /debug/* answer %s", args.host, args.port,
             "the admin key" if s.admin_key else "loopback clients only")
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:
-            # uvicorn waits for in-flight requests before it stops: stop what only waits on
-            # the store (a long /debug/query) at once instead of up to its time limit
-            app.state.on_exit_signal()
-            super().handle_exit(sig, frame)
-
-    Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                          access_log=args.access_log)).run()
+    # uvicorn waits for in-flight requests before it stops: on the signal, stop what only waits
+    # on the store (a long /debug/query) at once instead of up to its time limit
+    uvicorn_server(app, app.state.on_exit_signal, host=args.host, port=args.port,
+                   log_level="info", access_log=args.access_log).run()
     return 0
 
 

@@ -39,6 +39,7 @@ import re
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
@@ -292,13 +293,37 @@ class RemoteStore:
             self._client.close()
 
 
+def uvicorn_server(app, on_exit_signal: Callable[[], None] | None = None, **config):
+    """A uvicorn server for ``app`` that wakes once a second when idle, not ten times.
+
+    uvicorn's main loop sleeps 0.1 s between looks at its exit flag (refreshing the Date
+    header every tenth), and on this VM each wake-up of an idle process costs ~0.24 ms of CPU:
+    an idle store process's main thread took 2.63 ms/s with uvicorn's loop and 0.25 ms/s with
+    this one (2026-12-05, from /proc/<pid>/task/<tid>/schedstat over 20 s). A stop signal is
+    then acted on within a second instead of 0.1 s; requests are served as before (the loop
+    only waits). The gateway (``tailscope serve``) and the store process run on it;
+    ``on_exit_signal`` is called first thing on SIGTERM/SIGINT."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if on_exit_signal is not None:
+                on_exit_signal()
+            super().handle_exit(sig, frame)
+
+        async def main_loop(self) -> None:
+            # 0 as the tick count: the Date header is refreshed at every tick
+            while not await self.on_tick(0):
+                await asyncio.sleep(1.0)
+
+    return Server(uvicorn.Config(app, **config))
+
+
 def serve(dsn: str, host: str, port: int, key: str | None, parent_pid: int | None = None,
           limits: QueryLimits | None = None, inbox: str | Path | None = None) -> None:
     """Open and migrate the store at ``dsn``, then serve it until stopped (SIGTERM, or
     ``parent_pid`` no longer being our parent); ``inbox``: see ``create_app``."""
     import signal
-
-    import uvicorn
 
     skip_pandas_probe()
     store = Store(dsn, limits)
@@ -314,8 +339,8 @@ def serve(dsn: str, host: str, port: int, key: str | None, parent_pid: int | Non
 
         threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
     try:
-        uvicorn.run(create_app(store, key, Path(inbox) if inbox else None), host=host,
-                    port=port, log_level="warning")
+        uvicorn_server(create_app(store, key, Path(inbox) if inbox else None), host=host,
+                       port=port, log_level="warning").run()
     finally:
         store.close()
 
