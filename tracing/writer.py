@@ -131,11 +131,14 @@ class RecordWriter:
             else:
                 self.stats["steps_dropped"] += 1
             return
+        was_empty = not self._queue
         self._queue.append((kind, item, time.monotonic(), size))
         self.queued_bytes += size
         if kind == "requests":
             self.stats["queued"] += 1
-        if len(self._queue) >= self.batch_size:
+        # the writer sleeps until its next deadline (``_wait_s``); the first item of an empty
+        # queue brings one, and a full batch is due now
+        if was_empty or len(self._queue) >= self.batch_size:
             with self._cond:
                 self._cond.notify()
 
@@ -155,9 +158,9 @@ class RecordWriter:
         name_os_thread(WRITER)
         last_replay = 0.0
         while True:
-            with self._cond:  # wake for a full batch, a flush, or to check ages and the spool
+            with self._cond:  # wake for a full batch, a flush, the oldest item's age, a replay
                 if not self._closing and not self._due() and not self._flush_wanted():
-                    self._cond.wait(timeout=min(self.max_age_s, self.replay_interval_s) / 4)
+                    self._cond.wait(timeout=self._wait_s(last_replay))
             closing, asked = self._closing, self._flush_asked
             try:
                 force = closing or asked > self._flush_done
@@ -193,6 +196,17 @@ class RecordWriter:
                     self._cond.notify_all()
             if closing and not self._queue:
                 return
+
+    def _wait_s(self, last_replay: float) -> float:
+        """Seconds until the next thing falls due: the oldest queued item reaching
+        ``max_age_s`` or the next look at the spool. (Waking at a quarter of the shorter of
+        the two instead, 4 times a second in a gateway, cost an idle writer ~0.75 ms/s of CPU
+        here: each wake-up of an idle thread costs ~0.2 ms on this VM.)"""
+        now = time.monotonic()
+        until = last_replay + self.replay_interval_s
+        if self._queue:
+            until = min(until, self._queue[0][2] + self.max_age_s)
+        return min(max(until - now, 0.001), self.replay_interval_s)
 
     def _flush_wanted(self) -> bool:
         return self._flush_asked > self._flush_done

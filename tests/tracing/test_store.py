@@ -196,6 +196,25 @@ def test_writer_batches_records_events_and_steps(store, tmp_path):
     assert w.stats["written"] == 120 and w.stats["dropped"] == 0 and not w.spool_files()
 
 
+def test_an_idle_writer_inserts_a_lone_record_once_it_is_max_age_old(store, tmp_path):
+    """The writer sleeps until its next deadline: a record emitted into an empty queue, with
+    the next look at the spool far off, is inserted ``max_age_s`` later, not at that look."""
+    w = RecordWriter(store, tmp_path / "spool", batch_size=1000, max_age_s=0.3,
+                     replay_interval_s=60)
+    try:
+        time.sleep(0.5)  # the writer is asleep, its next deadline the replay a minute off
+        for _ in range(2):  # twice: the second record arrives after the first batch's insert
+            rec = make_record()
+            w.emit(rec)
+            q = "SELECT count() FROM tailscope.requests WHERE trace_id = {t:String}"
+            deadline = time.monotonic() + 20
+            while store.select(q, {"t": rec.trace_id})[1] != [(1,)]:
+                assert time.monotonic() < deadline, "not inserted within 20 s"
+                time.sleep(0.05)
+    finally:
+        w.close()
+
+
 def test_writer_spools_while_the_store_is_down_and_replays_without_duplicates(store, tmp_path):
     fault = tmp_path / "store-down"
     fault.touch()  # fault injection: every insert fails
