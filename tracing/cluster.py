@@ -20,17 +20,16 @@ joins just cross shards). The small tables (configs, eval and bench runs, what-i
 by their id.
 
 ``migrations`` turns versioned single-node migrations into their cluster form (each ``ALTER``
-on both tables, ``ON CLUSTER``, but a change of codec or of MergeTree settings on the local
-table only; a created table as its pair), so a cluster made by ``ddl`` at one version is
-upgraded by the same command later; ``tracing.store.Store.migrate`` refuses to apply
-single-node DDL to a cluster.
+on both tables, ``ON CLUSTER``, but a change of codec on the local table only; a created table
+as its pair), so a cluster made by ``ddl`` at one version is upgraded by the same command
+later; ``tracing.store.Store.migrate`` refuses to apply single-node DDL to a cluster.
 """
 
 from __future__ import annotations
 
 import re
 
-from tracing.schema import DATABASE, DEDUP_WINDOW, MIGRATIONS, TABLE_SETTINGS, TABLES
+from tracing.schema import DATABASE, DEDUP_WINDOW, MIGRATIONS, TABLES
 
 SHARD_BY = {
     "instance": {"requests": "cityHash64(instance)", "request_events": "cityHash64(instance)",
@@ -42,8 +41,7 @@ OTHER_KEYS = {"eval_runs": "cityHash64(run_id)", "eval_results": "cityHash64(run
               "bench_runs": "cityHash64(run_id)", "configs": "cityHash64(config_id)",
               "whatif_runs": "cityHash64(run_id)"}
 _ALTER = re.compile(rf"^ALTER TABLE {DATABASE}\.(\w+) (.*)$", re.S)
-# a change of codec or of MergeTree settings: the local tables' alone (the rows are there)
-_LOCAL_ONLY = re.compile(r"^(MODIFY COLUMN \w+ CODEC\(.*\)|MODIFY SETTING .*)$", re.S)
+_CODEC_ONLY = re.compile(r"^MODIFY COLUMN \w+ CODEC\(.*\)$", re.S)
 _CREATE = re.compile(rf"^CREATE TABLE IF NOT EXISTS {DATABASE}\.(\w+) ", re.S)
 
 
@@ -64,7 +62,7 @@ def table_pair(name: str, cluster: str, shard_by: str = "instance") -> list[str]
              f"{name}_local', '{{replica}}')\n"
              f"PARTITION BY toDate({t.time_column})\nORDER BY ({t.order_by})\n"
              f"TTL toDateTime({t.time_column}) + toIntervalDay(ttl_days)\n"
-             f"SETTINGS replicated_deduplication_window = {DEDUP_WINDOW}, {TABLE_SETTINGS}")
+             f"SETTINGS replicated_deduplication_window = {DEDUP_WINDOW}")
     dist = (f"CREATE TABLE IF NOT EXISTS {DATABASE}.{name} ON CLUSTER {c} "
             f"AS {DATABASE}.{name}_local\n"
             f"ENGINE = Distributed({c}, {DATABASE}, {name}_local, {key})")
@@ -77,7 +75,7 @@ def _migrations_pair(cluster: str) -> list[str]:
         f"CREATE TABLE IF NOT EXISTS {DATABASE}.schema_migrations_local ON CLUSTER {c} "
         "(version UInt32, name String, applied_at DateTime64(6, 'UTC') DEFAULT now64(6)) "
         f"ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/{{shard}}/{DATABASE}/"
-        f"schema_migrations_local', '{{replica}}') ORDER BY version SETTINGS {TABLE_SETTINGS}",
+        "schema_migrations_local', '{replica}') ORDER BY version",
         f"CREATE TABLE IF NOT EXISTS {DATABASE}.schema_migrations ON CLUSTER {c} AS "
         f"{DATABASE}.schema_migrations_local ENGINE = Distributed({c}, {DATABASE}, "
         "schema_migrations_local, version)"]
@@ -112,9 +110,9 @@ def migrations(cluster: str, applied: set[int], shard_by: str = "instance") -> l
         for stmt in statements:
             if m := _CREATE.match(stmt):
                 out += table_pair(m[1], cluster, shard_by)
-            elif (m := _ALTER.match(stmt)) and _LOCAL_ONLY.match(m[2]):
-                # how a column is compressed, and how parts are cleaned up, concern the tables
-                # that store the rows, not the Distributed table over them
+            elif (m := _ALTER.match(stmt)) and _CODEC_ONLY.match(m[2]):
+                # how a column is compressed concerns the tables that store it, not the
+                # Distributed table over them
                 out += [f"ALTER TABLE {DATABASE}.{m[1]}_local ON CLUSTER {c} {m[2]}"]
             elif m:
                 out += [f"ALTER TABLE {DATABASE}.{m[1]}_local ON CLUSTER {c} {m[2]}",

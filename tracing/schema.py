@@ -28,14 +28,6 @@ from tracing.schema_v1 import V1
 
 DATABASE = "tailscope"
 DEDUP_WINDOW = 10_000  # recent insert tokens remembered per table
-# Every table's clean-up of the parts a merge replaced ran every second (ClickHouse's default
-# merge_tree_clear_old_parts_interval_seconds) and of leftover temporary directories every
-# minute: in an idle embedded store with this schema's nine tables that was most of chDB's
-# background threads' CPU (1.6 -> 0.6 ms/s with these; 2026-12-05, per thread from /proc: each
-# wake-up of an idle thread costs ~0.2 ms on this VM). A replaced part is kept for
-# old_parts_lifetime (8 minutes) anyway; it is now removed within 30 s after that.
-TABLE_SETTINGS = ("merge_tree_clear_old_parts_interval_seconds = 30, "
-                  "merge_tree_clear_old_temporary_directories_interval_seconds = 600")
 
 
 @dataclass(slots=True)
@@ -256,8 +248,7 @@ class Table:
                 f"ENGINE = MergeTree\nPARTITION BY toDate({self.time_column})\n"
                 f"ORDER BY ({self.order_by})\n"
                 f"TTL toDateTime({self.time_column}) + toIntervalDay(ttl_days)\n"
-                f"SETTINGS non_replicated_deduplication_window = {DEDUP_WINDOW}, "
-                f"{TABLE_SETTINGS}")
+                f"SETTINGS non_replicated_deduplication_window = {DEDUP_WINDOW}")
 
 
 TABLES: dict[str, Table] = {t.name: t for t in [
@@ -372,14 +363,7 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
             ("engine_steps", "ts", "CODEC(DoubleDelta, LZ4)"),
             ("engine_steps", "step", "CODEC(DoubleDelta, LZ4)"),
             ("engine_steps", "member_traces", "CODEC(ZSTD(1))"))]),
-    # TABLE_SETTINGS as of this version (frozen here)
-    (19, "each table's clean-up of replaced parts every 30 s, not every second", [
-        f"ALTER TABLE {DATABASE}.{table} MODIFY SETTING "
-        "merge_tree_clear_old_parts_interval_seconds = 30, "
-        "merge_tree_clear_old_temporary_directories_interval_seconds = 600"
-        for table in ("requests", "request_events", "engine_steps", "eval_runs", "eval_results",
-                      "bench_runs", "configs", "whatif_runs", "schema_migrations")]),
 ]
 
-__all__ = ["DATABASE", "TABLES", "TABLE_SETTINGS", "MIGRATIONS", "ConfigRow", "EngineStepRow",
-           "EventRow", "EvalRunRow", "EvalResultRow", "BenchRunRow", "WhatIfRunRow", "RecordEvent"]
+__all__ = ["DATABASE", "TABLES", "MIGRATIONS", "ConfigRow", "EngineStepRow", "EventRow",
+           "EvalRunRow", "EvalResultRow", "BenchRunRow", "WhatIfRunRow", "RecordEvent"]

@@ -88,15 +88,6 @@ def test_a_later_migration_has_a_cluster_form_for_both_tables(store):
                         r"CODEC\(", s) for s in alters), alters
     for sql in statements:
         parses(store, sql)
-    # 19 changes table settings: the local tables' (schema_migrations' too), not the
-    # Distributed ones'
-    statements = C.migrations("prod", {v for v, _, _ in MIGRATIONS} - {19})
-    alters = [s for s in statements if s.startswith("ALTER")]
-    assert len(alters) == len(MIGRATIONS[18][2]) == len(TABLES) + 1
-    assert all(re.match(r"ALTER TABLE tailscope\.\w+_local ON CLUSTER prod MODIFY SETTING ", s)
-               for s in alters), alters
-    for sql in statements:
-        parses(store, sql)
     assert C.migrations("prod", {v for v, _, _ in MIGRATIONS}) == []  # up to date: nothing
     # a migration that created a table becomes that table's pair
     created = C.migrations("prod", {v for v, _, _ in MIGRATIONS} - {14})

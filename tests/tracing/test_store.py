@@ -459,18 +459,8 @@ def test_the_migration_chain_ends_exactly_at_the_declared_tables(store):
                             {"d": db, "t": name})[1]
         return {r[0]: (r[1], r[2]) for r in rows}
 
-    def settings(db: str, name: str) -> set[str]:  # the SETTINGS clause's "k = v" items
-        full = store.select("SELECT engine_full FROM system.tables WHERE database = {d:String} "
-                            "AND name = {t:String}", {"d": db, "t": name})[1][0][0]
-        return set(full.partition(" SETTINGS ")[2].split(", "))
-
     for name in TABLES:
         assert describe("tailscope", name) == describe("declared", name), name
-        assert settings("tailscope", name) == settings("declared", name), name
-    # every table cleans up replaced parts every 30 s (migration 19), schema_migrations too
-    assert "merge_tree_clear_old_parts_interval_seconds = 30" in settings("tailscope", "requests")
-    assert "merge_tree_clear_old_parts_interval_seconds = 30" in settings("tailscope",
-                                                                          "schema_migrations")
     # the codecs the migrations set (migration 18) are the declared ones, and only those
     requests = describe("tailscope", "requests")
     assert requests["input_token_ids"][1] == "CODEC(T64, LZ4)"
@@ -483,8 +473,7 @@ def test_the_migration_chain_ends_exactly_at_the_declared_tables(store):
 
 def test_a_store_with_rows_upgrades_to_the_codecs_and_keeps_every_row(tmp_path):
     """A store at version 17 holding records, events and steps takes migration 18 (codecs on
-    sort-key columns too: request_events.ts, engine_steps.ts and step) and 19 (each table's
-    part clean-up interval); its rows and the rows
+    sort-key columns too: request_events.ts, engine_steps.ts and step); its rows and the rows
     inserted after it read back in full, also once merges have rewritten the old parts. (In a
     process of its own: chDB opens one directory per process.)"""
     import subprocess
@@ -521,7 +510,7 @@ print(json.dumps(out))
                          timeout=300, cwd=Path(__file__).resolve().parents[2])
     assert got.returncode == 0, got.stderr[-2000:]
     out = json.loads(got.stdout.strip().splitlines()[-1])
-    assert out["before"] == 17 and out["applied"] == [18, 19]
+    assert out["before"] == 17 and out["applied"] == [18]
     assert out["requests"] == [1000, 128_000, 127_000, 128_000]
     assert out["events"] == 12_000
     assert out["steps"][0] > 0 and out["steps"][1] == 0
