@@ -297,11 +297,13 @@ def uvicorn_server(app, on_exit_signal: Callable[[], None] | None = None, **conf
     """A uvicorn server for ``app`` that wakes once a second when idle, not ten times.
 
     uvicorn's main loop sleeps 0.1 s between looks at its exit flag (refreshing the Date
-    header every tenth), and on this VM each wake-up of an idle process costs ~0.24 ms of CPU:
-    an idle store process's main thread took 2.63 ms/s with uvicorn's loop and 0.25 ms/s with
-    this one (2026-12-05, from /proc/<pid>/task/<tid>/schedstat over 20 s). A stop signal is
-    then acted on within a second instead of 0.1 s; requests are served as before (the loop
-    only waits). The gateway (``tailscope serve``) and the store process run on it;
+    header every tenth), and on this VM a wake-up costs ~0.2 ms of CPU when the machine is
+    otherwise idle (its vCPU has to be woken; with the CPUs busy it is cheap): an idle store
+    process's main thread took 2.63 ms/s with uvicorn's loop and 0.25 ms/s with this one, a
+    gateway's store child's 1.3-1.7 against 0.21-0.26 (2026-12-05, /proc/<pid>/task/<tid>/
+    schedstat; alternating runs); while a test suite kept the CPUs busy, ~0.2 ms/s both. A stop
+    signal is then acted on within a second instead of 0.1 s; requests are served as before
+    (the loop only waits). The gateway (``tailscope serve``) and the store process run on it;
     ``on_exit_signal`` is called first thing on SIGTERM/SIGINT."""
     import uvicorn
 
