@@ -156,7 +156,7 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
                backend: Backend | None = None) -> FastAPI:
     """The gateway; ``backend`` replaces the replica processes (tests pass an
     ``InProcessBackend``)."""
-    skip_pandas_probe()  # 38 MB of RSS where the store is not in this process
+    skip_pandas_probe()  # ~40 MB of RSS (tracing.store)
     tok_path = tokenizer_path(config)
     tokenizer = load_tokenizer(tok_path)
     pool = backend or ReplicaPool(config.model, config.engine, config.replicas,

@@ -164,10 +164,11 @@ def skip_pandas_probe() -> None:
     The first ``pa.array`` of a Python list or NumPy array in a process asks pyarrow's pandas
     shim whether it is a pandas object (``_is_array_like`` in pyarrow's ``array.pxi``), and the
     shim imports pandas to answer when pandas is installed. Nothing Tailscope hands pyarrow is
-    a pandas object, and that import cost a gateway whose store is in a child process or on a
-    server 38 MB of RSS (224 -> 186 MB idle, 253 -> 228 at its peak under load; 2026-12-05);
-    ``tracing.queries`` imports pandas only when a query is asked for a DataFrame. (An embedded
-    store loads pandas anyway, for chDB's ``Python()`` table function: see ``Store``.) Here
+    a pandas object, and that import cost a gateway 38-42 MB of RSS (with the store child
+    224 -> 186 MB idle, 253 -> 228 at its peak under load; with the store in process 453 -> 411
+    idle; 2026-12-05); ``tracing.queries`` imports pandas only when a query is asked for a
+    DataFrame. (An embedded store that takes a large batch loads pandas then, for chDB's
+    ``Python()`` table function: see ``Store.insert``.) Here
     ``import pandas`` fails during one ``pa.array`` call, the shim notes "no pandas" for that
     check and does not look again; its calls that need pandas (``to_pandas``, ``from_pandas``)
     import it when called, as before. Called by the processes Tailscope starts (the gateway,
@@ -467,13 +468,6 @@ class Store:
                 # own handles are): left to the garbage collector, it outlived the engine and
                 # chDB reported an error at exit
                 weakref.finalize(self, self._arrow_in.close)
-                # chDB's Python() table function imports pandas on its first call (to tell a
-                # DataFrame from the other objects it reads); imported as the store opens
-                # instead, so that no insert pays it: inside the first Python() insert it cost
-                # a cold 100,000-record ingest ~0.3 s (43-44k against 47-52k records/s,
-                # 2026-12-05). A gateway with its store in a child process or on a server
-                # loads no pandas (skip_pandas_probe).
-                import pandas  # noqa: F401
         except Exception as exc:
             reason = _first_line(exc)
             if is_embedded(self.dsn) and "EmbeddedServer" in reason:
@@ -528,8 +522,17 @@ class Store:
             with self.lock:
                 self.client.insert_arrow(f"{DATABASE}.{table}", data, settings=settings)
             return
-        # chDB's Python() table function reads the table's buffers where they are, found by
-        # the local variable's name in this frame
+        # chDB's Python() table function imports pandas on its first call (to tell a DataFrame
+        # from the other objects it reads). Only a store that takes a large batch loads it
+        # (~40 MB; a gateway's usual batches go by insert_arrow; a gateway whose store is
+        # elsewhere loads none: skip_pandas_probe), once, here. The first large batch pays for
+        # it: a cold 100,000-record ingest in process 43-46k records/s against 52-58k with
+        # pandas imported before (the import holds the GIL the conversion beside it needs;
+        # through the store child, 49-51k either way; 2026-12-05, alternating runs).
+        import pandas  # noqa: F401
+
+        # Python() reads the table's buffers where they are, found by the local variable's name
+        # in this frame
         _tailscope_arrow_batch = data  # noqa: F841
         cols = ", ".join(f"`{c}`" for c in data.column_names)
         setting = f" SETTINGS insert_deduplication_token = {_sql_string(token)}" if token else ""
