@@ -168,12 +168,12 @@ def skip_pandas_probe() -> None:
     224 -> 186 MB idle, 253 -> 228 at its peak under load; with the store in process 453 -> 411
     idle; 2026-12-05); ``tracing.queries`` imports pandas only when a query is asked for a
     DataFrame. (An embedded store that takes a large batch loads pandas then, for chDB's
-    ``Python()`` table function: see ``Store.insert``.) Here
-    ``import pandas`` fails during one ``pa.array`` call, the shim notes "no pandas" for that
-    check and does not look again; its calls that need pandas (``to_pandas``, ``from_pandas``)
-    import it when called, as before. Called by the processes Tailscope starts (the gateway,
-    the store process) before their threads do: another thread's ``import pandas`` at this
-    moment would fail. Nothing to do where pandas is already imported."""
+    ``Python()`` table function: see ``Store.insert``.) Here ``import pandas`` fails during one
+    ``pa.array`` call, the shim notes "no pandas" for that check and does not look again; its
+    calls that need pandas (``to_pandas``, ``from_pandas``) import it when called, as before.
+    Called by the processes Tailscope starts (the gateway, the store process) before their
+    threads do: another thread's ``import pandas`` at this moment would fail. Nothing to do
+    where pandas is already imported."""
     if "pandas" in sys.modules:
         return
     sys.meta_path.insert(0, _NO_PANDAS)
