@@ -305,6 +305,9 @@ def whatif_page(src, now: dt.datetime) -> None:
                + " + ".join(f"{c:.4g}×{f}" for c, f in zip(cost.get("coef", []),
                                                           cost.get("features", []),
                                                           strict=False))
+               + (" + an offset for steps of " + ", ".join(
+                   f"{k} ({v:+.1f} ms)" for k, v in offsets.items()) + " tokens"
+                  if (offsets := cost.get("offsets")) else "")
                + (f" · held-out error median {err['median_rel']:.1%}, p95 "
                   f"{err['p95_rel']:.1%}" if err else "")
                + (f" · replicas on one host: a step beside b others costs 1 + "

@@ -11,35 +11,44 @@ exactly as a replica running that config would, given those step costs: the only
 cost of a step. (Simulators such as Vidur re-implement a scheduler; this one cannot drift from
 the engine's, because it is the engine's.)
 
-``StepCost.fit`` is non-negative least squares (``scipy.optimize.nnls``) of a step's duration
-on [1, prefill tokens, decode tokens, sequences, KV blocks in use, prefill context] (the last:
-each prefill chunk's tokens x its context length at the chunk's end, ``engine.scheduler.
+``StepCost.fit`` is non-negative least squares (``scipy.optimize.nnls``) of a step's duration on
+[1, prefill tokens, decode tokens, sequences, KV blocks in use, prefill context] (the last: each
+prefill chunk's tokens x its context length at the chunk's end, ``engine.scheduler.
 prefill_context``: the attention a chunk does grows with the prompt computed before it, so a
 smaller token budget's many chunks of a long prompt cost more than its token count says; a
-window stored before the engine recorded it prices it at 0), each step weighted by
-1 / duration (relative error: a window's few 700 ms prefill steps otherwise decide the fit and
-its 70 ms decode steps are priced at 120), then scaled so that the training steps' total
-predicted time equals their measured total (a relative fit under-prices the long steps a
-little, and queueing adds every step's error up: 0.90-0.96 of the busy time predicted
-recorded TTFT at 0.65-0.8x). Its error is reported on held-out steps (every fifth): the median
-and p95 of |predicted - measured| / measured. Every cost is kept >= 0 because a what-if
-extrapolates: the features are nearly collinear in a recorded window (sequences ~ decode
-tokens + prefill chunks), and ordinary least squares fitted a bundled-model window (1 thread)
-as 53.8 ms per decode token and -39.4 ms per sequence, which priced a step of 4 prefill chunks
-below zero and predicted a 4-sequence / 64-token config's TTFT at 0.16-0.7x of what that
-config then measured. The duration to
-fit is what a step holds the engine loop (``loop_times``: from its start to the next step's,
-when that one followed at once), not only its forward: the report and the messages between
-steps are part of every step's cost, and near saturation 10% more service time is much more
-queueing (on a tiny-model window at 40 req/s, fitting forwards only predicted 0.4-0.55x the
-recorded engine TTFT p50, fitting loop times 0.8x).
+window stored before the engine recorded it prices it at 0), each step weighted by 1 / duration
+(relative error: a window's few 700 ms prefill steps otherwise decide the fit and its 70 ms
+decode steps are priced at 120), then scaled so that the training steps' total predicted time
+equals their measured total (a relative fit under-prices the long steps a little, and queueing
+adds every step's error up: 0.90-0.96 of the busy time predicted recorded TTFT at 0.65-0.8x). A
+step of a token count the window ran often (``OFFSET_MIN_STEPS`` training steps of exactly that
+many prefill + decode tokens) then has its own offset: the mean of those steps' residuals,
+shrunk toward 0 (``OFFSET_SHRINK``). The matmuls' speed is not linear in their rows on a CPU: in
+a bundled-model window (bf16, one thread) decode-only steps of 1, 2, 3 and 4 sequences took
+26.8, 30.9, 28.8 and 30.0 ms, the same in the next run of another config (26.5, 30.8, 28.5,
+30.2), which no line through them prices: the linear cost priced that config's 397 four-sequence
+steps 10% high. Offsets took the window's held-out error from 4.7% to 1.7% (median) and the
+candidate's decode steps from 1.032x to 1.010x of their measured time (in the validation bench's
+next run, the candidate's TTFT and E2E p50 / p99 were predicted at 0.99-1.00x of its real run's
+with them, 1.01-1.04x without); a token count the window rarely ran gets the linear cost alone.
+Its error is reported on held-out steps (every fifth): the median and p95 of |predicted -
+measured| / measured. Every cost is kept >= 0 because a what-if extrapolates: the features are
+nearly collinear in a recorded window (sequences ~ decode tokens + prefill chunks), and ordinary
+least squares fitted a bundled-model window (1 thread) as 53.8 ms per decode token and -39.4 ms
+per sequence, which priced a step of 4 prefill chunks below zero and predicted a 4-sequence /
+64-token config's TTFT at 0.16-0.7x of what that config then measured. The duration to fit is
+what a step holds the engine loop (``loop_times``: from its start to the next step's, when that
+one followed at once), not only its forward: the report and the messages between steps are part
+of every step's cost, and near saturation 10% more service time is much more queueing (on a
+tiny-model window at 40 req/s, fitting forwards only predicted 0.4-0.55x the recorded engine
+TTFT p50, fitting loop times 0.8x).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,6 +61,8 @@ from engine.scheduler import SchedulerOutput, prefill_context
 FEATURES = ("intercept", "prefill_tokens", "decode_tokens", "num_seqs", "kv_blocks_used",
             "prefill_context")
 PLACEHOLDER_TOKEN = 100  # what a simulated request "samples": only its count matters
+OFFSET_MIN_STEPS = 20  # training steps of one token count that give it an offset of its own
+OFFSET_SHRINK = 5  # an offset is the residuals' sum over (their count + this): toward 0
 
 
 @dataclass(frozen=True)
@@ -69,10 +80,12 @@ class FitError:
 
 @dataclass(frozen=True)
 class StepCost:
-    """A step's duration in ms as a linear function of its ``FEATURES``."""
+    """A step's duration in ms as a linear function of its ``FEATURES``, plus an offset for
+    a step of a token count (prefill + decode tokens) in ``offsets``."""
 
     coef: tuple[float, ...]  # one per FEATURES entry (fewer: the missing ones cost nothing)
     error: FitError | None = None
+    offsets: Mapping[int, float] = field(default_factory=dict)  # tokens in the step -> ms
 
     def __post_init__(self) -> None:
         if len(self.coef) < len(FEATURES):  # a cost stated before prefill_context was one
@@ -82,7 +95,13 @@ class StepCost:
     def predict(self, prefill: int, decode: int, seqs: int, kv_blocks: int,
                 prefill_context: int = 0) -> float:
         x = (1.0, prefill, decode, seqs, kv_blocks, prefill_context)
-        return max(0.0, sum(c * v for c, v in zip(self.coef, x, strict=True)))
+        return max(0.0, sum(c * v for c, v in zip(self.coef, x, strict=True))
+                   + self.offsets.get(prefill + decode, 0.0))
+
+    def scaled(self, speed: float) -> StepCost:
+        """Every step ``speed`` times as fast (every term alike)."""
+        return dataclasses.replace(self, coef=tuple(c / speed for c in self.coef),
+                                   offsets={k: v / speed for k, v in self.offsets.items()})
 
     @staticmethod
     def features(s: dict) -> tuple[int, int, int, int, int]:
@@ -112,15 +131,24 @@ class StepCost:
         busy = float((x[~test] @ coef).sum())
         if busy > 0:  # then the shape kept, the total busy time matched: queues add it up
             coef = coef * float(y[~test].sum()) / busy
-        pred = np.maximum(x[test] @ coef, 0.0)
+        tokens = x[:, 1] + x[:, 2]
+        offsets = {}
+        residual = y - x @ coef
+        for m in np.unique(tokens[~test]):
+            mine = ~test & (tokens == m)
+            if int(mine.sum()) >= OFFSET_MIN_STEPS:
+                offsets[int(m)] = float(residual[mine].sum() / (mine.sum() + OFFSET_SHRINK))
+        pred = np.maximum(x[test] @ coef + np.array([offsets.get(int(m), 0.0)
+                                                      for m in tokens[test]]), 0.0)
         rel = np.abs(pred - y[test]) / np.maximum(y[test], 1e-9)
         flat = np.abs(float(y[~test].mean()) - y[test]) / np.maximum(y[test], 1e-9)
         error = FitError(float(np.median(rel)), float(np.percentile(rel, 95)),
                          int((~test).sum()), int(test.sum()), float(np.median(flat)))
-        return cls(tuple(float(c) for c in coef), error)
+        return cls(tuple(float(c) for c in coef), error, offsets)
 
     def as_dict(self) -> dict:
         return {"features": list(FEATURES), "coef": list(self.coef),
+                "offsets": {str(k): v for k, v in sorted(self.offsets.items())},
                 "error": None if self.error is None else dataclasses.asdict(self.error)}
 
 

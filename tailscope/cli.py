@@ -474,6 +474,11 @@ def _whatif_window(args: argparse.Namespace, s: Settings):
     return target, w, cand
 
 
+def _offsets(offsets) -> str:
+    """``{1: -0.3, 2: 2.2}`` as ``1 (-0.3 ms), 2 (+2.2 ms)``."""
+    return ", ".join(f"{k} ({v:+.1f} ms)" for k, v in sorted(offsets.items()))
+
+
 def _print_window(w) -> None:
     e = w.cost.error
     print(f"window {_iso(w.start_us)}..{_iso(w.end_us)}: replica(s) {', '.join(w.replicas)}, "
@@ -483,6 +488,8 @@ def _print_window(w) -> None:
     print("step cost (ms) = " + " + ".join(f"{c:.4g}*{f}" for c, f in
                                           zip(w.cost.coef, w.cost.as_dict()["features"],
                                               strict=True))
+          + (f", + an offset for steps of {_offsets(w.cost.offsets)} tokens"
+             if w.cost.offsets else "")
           + f"; held-out error median {e.median_rel:.1%}, p95 {e.p95_rel:.1%} "
           f"({e.n_test} steps; a constant cost per step: median {e.baseline_median_rel:.1%})")
     print(f"gateway share of TTFT (recorded median): {w.overhead_ms:.1f} ms, added to the "

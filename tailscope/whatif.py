@@ -377,7 +377,7 @@ def faster(w: Window, speed: float) -> Window:
         raise ValueError("--step-speed must be > 0")
     if speed == 1.0:
         return w
-    return replace(w, cost=replace(w.cost, coef=tuple(c / speed for c in w.cost.coef)))
+    return replace(w, cost=w.cost.scaled(speed))
 
 
 def compare(w: Window, cand: EngineConfig, replicas: int | None = None,

@@ -4,6 +4,7 @@ scheduling (the same steps as a real engine given the same arrivals and step cos
 from __future__ import annotations
 
 import random
+import statistics
 from dataclasses import replace
 
 import pytest
@@ -44,6 +45,47 @@ def test_the_step_cost_fit_recovers_the_costs_and_reports_its_held_out_error():
     assert StepCost.fit(old).coef[5] == 0.0
     assert StepCost(TRUE[:5]).predict(64, 1, 2, 10, 10**6) == StepCost(TRUE[:5]).predict(
         64, 1, 2, 10)
+
+
+def test_a_token_count_the_window_ran_often_gets_its_own_offset():
+    """Decode steps whose time is not linear in their rows (on a CPU, 2 sequences took longer
+    than 3): the counts seen often get an offset of about their residual, shrunk toward 0;
+    a count seen rarely gets the linear cost alone; scaling a cost scales its offsets."""
+    bump = {2: 4.0, 3: -1.5}
+    rng = random.Random(3)
+    steps = []
+    for k in range(600):
+        d = rng.randrange(1, 7) if k % 3 else 0
+        p = 0 if d else rng.choice([16, 64, 256])
+        s, kv = max(d, 1), rng.randrange(10, 200)
+        ms = sum(c * x for c, x in zip(TRUE, (1, p, d, s, kv, 0), strict=True))
+        steps.append({"duration_ms": ms + bump.get(d, 0.0) if not p else ms,
+                      "prefill_tokens": p, "decode_tokens": d, "num_seqs": s,
+                      "kv_blocks_used": kv, "prefill_context": 0})
+    steps.append({**steps[1], "decode_tokens": 40, "num_seqs": 40})  # one step of 40 tokens
+    cost = StepCost.fit(steps)
+    n2 = sum(1 for k, x in enumerate(steps) if k % 5 != 4 and x["decode_tokens"] == 2
+             and not x["prefill_tokens"])
+    assert n2 > 30
+    # the linear part is fitted on every step, so the bump is shared with it a little
+    assert cost.offsets[2] - cost.offsets.get(1, 0.0) == pytest.approx(
+        4.0 * n2 / (n2 + 5), rel=0.15)
+    assert cost.offsets[3] < cost.offsets[4] - 1.0
+    assert 40 not in cost.offsets
+    linear = replace(cost, offsets={})
+    assert cost.predict(0, 40, 40, 50) == linear.predict(0, 40, 40, 50)
+    assert cost.predict(0, 2, 2, 50) == pytest.approx(linear.predict(0, 2, 2, 50)
+                                                      + cost.offsets[2])
+    held = [x for k, x in enumerate(steps) if k % 5 == 4]
+
+    def err(c):
+        return statistics.median(abs(c.step(x) - x["duration_ms"]) / x["duration_ms"]
+                                 for x in held)
+    assert cost.error.median_rel == pytest.approx(err(cost))
+    assert err(cost) < 0.5 * err(linear)
+    half = cost.scaled(2.0)
+    assert half.predict(0, 2, 2, 50) == pytest.approx(cost.predict(0, 2, 2, 50) / 2)
+    assert cost.as_dict()["offsets"]["2"] == cost.offsets[2]
 
 
 def test_the_engine_records_each_steps_prefill_context(tiny49k):
