@@ -225,6 +225,10 @@ class Arrival:
     # the engine queue timeout it was sent with (the gateway's TAILSCOPE_QUEUE_TIMEOUT_S):
     # past it, still waiting, it ends TIMED_OUT as on a replica (None: it waits for ever)
     queue_timeout_s: float | None = None
+    # the output it was allowed (its max_tokens as the engine got it): what the gateway's
+    # router counts as its remaining work, not knowing how long it will run (None: the
+    # recorded output_tokens)
+    max_tokens: int | None = None
 
 
 @dataclass
@@ -334,18 +338,23 @@ class SimReplica:
         self.engine = Engine(_SimModel(model_config), config, runner=self.runner,
                              clock=lambda: int(self.runner.now_ms * 1e6))
         self.inflight: set[str] = set()
+        self.allowed: dict[str, int] = {}  # each in-flight request's output allowance
         self.prefixes: OrderedDict[int, None] = OrderedDict()
 
     @property
     def pending_tokens(self) -> int:
-        """The gateway's estimate of work sent and not done: unprefilled prompt tokens plus
-        output tokens still allowed, over the requests in flight."""
+        """The gateway's estimate of work sent and not done, counted as it counts it
+        (``gateway.replicas``): a request's whole prompt until its first token, then nothing
+        of it, plus the output its ``max_tokens`` still allows (the gateway does not know where
+        a prompt's prefill is, nor how long a request will run: an estimate made of the
+        recorded output lengths would route with knowledge the real router lacks)."""
         total = 0
         for rid in self.inflight:
             req = self.engine.requests.get(rid)
             if req is not None:
-                total += max(0, len(req.prompt_token_ids) - req.num_computed_tokens) + \
-                    max(0, req.params.max_tokens - len(req.output_token_ids))
+                out = len(req.output_token_ids)
+                total += (0 if out else len(req.prompt_token_ids)) + \
+                    max(0, self.allowed.get(rid, req.params.max_tokens) - out)
         return total
 
 
@@ -406,6 +415,8 @@ def simulate(arrivals: Sequence[Arrival], config: EngineConfig, cost: StepCost,
                 queue_timeout_s=None if a.queue_timeout_s is None
                 else max(0.0, a.queue_timeout_s - late_s))
             rep.inflight.add(a.request_id)
+            rep.allowed[a.request_id] = max(1, a.output_tokens) if a.max_tokens is None \
+                else a.max_tokens
             stuck.discard(rep.id)
             continue
         if not busy:
@@ -417,6 +428,7 @@ def simulate(arrivals: Sequence[Arrival], config: EngineConfig, cost: StepCost,
                 sims[out.request_id].end_ms = rep.runner.now_ms
                 sims[out.request_id].state = out.state.name
                 rep.inflight.discard(out.request_id)
+                rep.allowed.pop(out.request_id, None)
         if len(rep.runner.steps) == ran and rep.engine.has_unfinished():
             # nothing could run (e.g. waiting on KV no running request will free): it waits
             # for the next arrival or the next queue timeout; with neither, its run is over

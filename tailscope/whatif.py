@@ -199,18 +199,22 @@ def _arrivals(reqs: pd.DataFrame, start_us: int) -> tuple[list[Arrival], int, in
             stand_ins += 1
             ids = [1000 + (hash((r.trace_id, k)) % 40000) for k in range(int(r.prompt_tokens))]
         n = max(1, int(r.n))
+        # its max_tokens (NULL in a record stored before the gateway kept it): the router
+        # counts it as the request's work, and it caps an estimated length
+        allowed = int(r.max_tokens) if r.max_tokens == r.max_tokens \
+            and r.max_tokens is not None else None  # not NaN / NULL
         if int(r.generated_tokens) > 0:
             out_tokens = max(1, int(r.generated_tokens) // n)
         else:
             estimated += 1
             out_tokens = round(typical.get(r.tenant, overall))
-            if r.max_tokens == r.max_tokens and r.max_tokens is not None:  # not NaN / NULL
-                out_tokens = min(out_tokens, int(r.max_tokens))
+            if allowed is not None:
+                out_tokens = min(out_tokens, allowed)
             out_tokens = max(1, out_tokens)
         for c in range(n):
             out.append(Arrival(f"{r.trace_id}-{c}", (int(r.arrival_us) - start_us) / 1e3, ids,
                                out_tokens, tenant=str(r.tenant), priority=int(r.priority),
-                               cache_salt=f"tenant:{r.tenant}"))
+                               cache_salt=f"tenant:{r.tenant}", max_tokens=allowed))
     return out, stand_ins, estimated
 
 

@@ -11,8 +11,8 @@ import random
 import pytest
 
 from bench.loadgen import arrival_times, percentile
-from engine import EngineConfig
-from engine.whatif import Arrival, StepCost, simulate
+from engine import EngineConfig, SamplingParams
+from engine.whatif import Arrival, SimReplica, SimRequest, StepCost, simulate
 from tailscope import whatif as W
 from tracing.timing import Slo
 
@@ -57,6 +57,40 @@ def test_a_shared_prefix_follows_its_replica_as_the_router_sends_it():
     assert placed["a0"] == placed["a1"] == placed["a2"] != placed["b0"]
     hits = [r.engine.kv.pool.counters.hits for r in reps]
     assert hits[placed["a0"]] >= 2 * 4 and hits[placed["b0"]] == 0  # 4 blocks of 16, twice
+
+
+def test_the_simulated_router_counts_work_as_the_gateway_does_not_by_recorded_lengths():
+    """The gateway counts a request's work as its whole prompt until its first token plus what
+    its max_tokens still allows; it cannot know the output will stop early. "long" (50 tokens
+    out, allowed 50) goes to r0, "short" (5 out, allowed 500) to r1; then "next" goes where
+    the gateway's estimate is smaller: r0 (~50 left against ~500). Routed by recorded
+    lengths (r1 ~5 left) it would go to r1."""
+    p = prompts(3, 30, 21)
+    arrivals = [Arrival("long", 0.0, p[0], 50, max_tokens=50),
+                Arrival("short", 0.0, p[1], 5, max_tokens=500),
+                Arrival("next", 6.0, p[2], 4, max_tokens=4)]
+    for allowed, where in ((True, 0), (False, 1)):
+        arr = arrivals if allowed else [dataclasses.replace(a, max_tokens=None)
+                                        for a in arrivals]
+        sims, reps = simulate(arr, CFG, COST, W.STAND_IN, 2, W._route(CFG, None))
+        assert all(s.state == "FINISHED" for s in sims)
+        placed = {rid: k for k, r in enumerate(reps) for step in r.runner.steps
+                  for rid, _ in step}
+        assert (placed["long"], placed["short"], placed["next"]) == (0, 1, where)
+        assert all(not r.allowed and not r.inflight for r in reps)
+    # a request's prompt counts in full until its first token, prefilled or not (64-token
+    # chunks of a 200-token prompt), then only its allowance is left
+    one = dataclasses.replace(CFG, max_batched_tokens=64)
+    rep = SimReplica("r0", one, COST, W.STAND_IN, {"a": SimRequest("a", 0.0)})
+    rep.engine.add_request("a", prompts(1, 200, 22)[0], SamplingParams(max_tokens=3,
+                                                                       ignore_eos=True))
+    rep.inflight.add("a")
+    rep.allowed["a"] = 9
+    seen = []
+    while rep.engine.has_unfinished():
+        seen.append(rep.pending_tokens)
+        rep.engine.step()
+    assert seen == [200 + 9, 200 + 9, 200 + 9, 200 + 9, 9 - 1, 9 - 2]
 
 
 def test_past_max_inflight_the_simulated_gateway_sheds_as_the_real_one_does():
