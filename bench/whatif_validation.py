@@ -17,7 +17,9 @@
    one host slow each other's steps, which a window of one replica cannot show: first a short
    calibration run (two replicas, another seed, ``--calibration-requests``) gives the
    contention beta (``engine.whatif.fit_contention``) that this prediction and the sizing use
-   (``--contention BETA`` instead: no calibration run; ``0``: none).
+   (``--contention BETA`` instead: no calibration run; ``0``: none), and the speed of a step
+   that ran alone there against the window's cost (``alone_speed_of``: the window's single
+   replica is pinned to a CPU, two are not), which this prediction uses.
 5. **Sizing.** ``size`` for a peak rate of ``--size-factor`` x one replica's predicted goodput
    (utilisation 1): it names N; the schedule scaled to that peak runs for real on N - 1 and N
    replicas, and the measured SLO attainment says whether N was right.
@@ -139,6 +141,24 @@ def compare_row(name: str, predicted: dict, measured: dict) -> dict:
     return row
 
 
+def alone_speed_of(w, cal, seen: int = 20) -> float:
+    """How fast the calibration run ``cal`` (several replicas) ran its steps that had no other
+    replica mid-step beside them, against window ``w``'s cost (1.1: 10% faster; 1.0 with
+    fewer than ``seen`` such steps). ``w``'s single replica runs on a CPU of its own, beside
+    its own process's other threads (ZeroMQ's, the report's); several replicas share every CPU,
+    and one alone then has the other CPU for those: on 2026-12-05 its steps ran at 1.08-1.10x
+    the window's in the calibration run and in two real runs of two replicas alike, and
+    ``beta`` (fitted on the calibration run's own alone steps) applied to the window's cost
+    predicted two replicas' TTFT and E2E 5-8% high. The two-replica prediction takes both
+    from the calibration run (``whatif --contention BETA --step-speed X``)."""
+    from engine.whatif import overlaps
+
+    alone = [s for s, b in zip(cal.step_rows, overlaps(cal.step_rows), strict=True) if b == 0]
+    if len(alone) < seen:
+        return 1.0
+    return sum(w.cost.step(s) for s in alone) / sum(s["duration_ms"] for s in alone)
+
+
 def speed_level(w, real, seen: int = 20) -> float:
     """How fast the machine ran a real run's steps against window ``w``'s: ``w``'s step cost's
     price for the real run's decode-only steps of a batch size ``w`` had at least ``seen``
@@ -242,13 +262,15 @@ def main() -> int:
                   "seed) ...", flush=True)
             cal_win, _ = record(base_cfg, cal, 2, tmp / "calibration", args.model)
             beta = cal_win.contention or 0.0
+            alone_speed = alone_speed_of(base, cal_win)
         else:
-            beta = args.contention
+            beta, alone_speed = args.contention, 1.0
         base.contention, base.contention_source = beta, "calibration" \
             if args.contention is None else "flag"
         print(f"replicas on one host: a step beside b others costs 1 + {beta:.3f}*b times its "
-              f"model cost ({base.contention_source})")
-        out["contention"] = beta
+              f"model cost ({base.contention_source}); a step alone in the calibration run "
+              f"ran at {alone_speed:.2f}x the window's speed")
+        out["contention"], out["alone_speed"] = beta, alone_speed
         measured = W.recorded(base, None)
         if args.control:
             print("control: the same schedule and config again ...", flush=True)
@@ -271,7 +293,8 @@ def main() -> int:
             changes.append(("4. two replicas", base.base, 2, 1.0, base_cfg, schedule))
             levelled = []
             for name, cfg, k, x, file, sched in changes:
-                predicted = W.predict(base, cfg, k, x).summary(None)
+                predicted = W.predict(W.faster(base, alone_speed) if k > 1 else base, cfg, k,
+                                      x).summary(None)
                 real, _ = record(file, sched, k, tmp / name.split(".")[0], args.model,
                                  args.pin)
                 if cfg is cand:
