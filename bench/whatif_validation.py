@@ -146,11 +146,13 @@ def alone_speed_of(w, cal, seen: int = 20) -> float:
     replica mid-step beside them, against window ``w``'s cost (1.1: 10% faster; 1.0 with
     fewer than ``seen`` such steps). ``w``'s single replica runs on a CPU of its own, beside
     its own process's other threads (ZeroMQ's, the report's); several replicas share every CPU,
-    and one alone then has the other CPU for those: on 2026-12-05 its steps ran at 1.08-1.10x
-    the window's in the calibration run and in two real runs of two replicas alike, and
-    ``beta`` (fitted on the calibration run's own alone steps) applied to the window's cost
-    predicted two replicas' TTFT and E2E 5-8% high. The two-replica prediction takes both
-    from the calibration run (``whatif --contention BETA --step-speed X``)."""
+    and one alone then has the other CPU for those. In one hour of 2026-12-05 such steps ran
+    at 1.08-1.10x the window's in a calibration run and in two real runs of two replicas
+    alike, and ``beta`` (fitted on the calibration run's own alone steps) applied to the
+    window's cost predicted two replicas' TTFT and E2E 5-8% high; in the three calibration
+    runs after it, 0.97-1.02x (so it is measured each time, not assumed). The two-replica
+    prediction takes both from the calibration run (``whatif --contention BETA --step-speed
+    X``)."""
     from engine.whatif import overlaps
 
     alone = [s for s, b in zip(cal.step_rows, overlaps(cal.step_rows), strict=True) if b == 0]
