@@ -338,7 +338,8 @@ class SimReplica:
         self.engine = Engine(_SimModel(model_config), config, runner=self.runner,
                              clock=lambda: int(self.runner.now_ms * 1e6))
         self.inflight: set[str] = set()
-        self.allowed: dict[str, int] = {}  # each in-flight request's output allowance
+        # in-flight requests' output allowances where they differ from the engine's max_tokens
+        self.allowed: dict[str, int] = {}
         self.prefixes: OrderedDict[int, None] = OrderedDict()
 
     @property
@@ -415,8 +416,8 @@ def simulate(arrivals: Sequence[Arrival], config: EngineConfig, cost: StepCost,
                 queue_timeout_s=None if a.queue_timeout_s is None
                 else max(0.0, a.queue_timeout_s - late_s))
             rep.inflight.add(a.request_id)
-            rep.allowed[a.request_id] = max(1, a.output_tokens) if a.max_tokens is None \
-                else a.max_tokens
+            if a.max_tokens is not None:  # else its engine max_tokens, the recorded length
+                rep.allowed[a.request_id] = a.max_tokens
             stuck.discard(rep.id)
             continue
         if not busy:
