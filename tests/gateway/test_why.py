@@ -40,9 +40,9 @@ def server(tmp_path_factory, bundled_path):
     stop_server(s)
 
 
-def victim(server, noisy: bool) -> str:
-    """Streams the victim; with ``noisy``, globex sends three long prompts once it decodes."""
-    long_prompt = " ".join(f"word{i}" for i in range(90))  # about 330 tokens: 11 chunks
+def victim(server, noisy: bool, burst: int = 3) -> str:
+    """Streams the victim; with ``noisy``, globex sends ``burst`` long prompts once it decodes."""
+    long_prompt = " ".join(f"word{i}" for i in range(90))  # 260 tokens: 9 chunks
     threads = []
     with httpx.stream("POST", f"{server.url}/v1/completions", timeout=120, headers={
             "Authorization": "Bearer sk-victim"}, json={
@@ -52,7 +52,7 @@ def victim(server, noisy: bool) -> str:
         lines = r.iter_lines()
         next(line for line in lines if line.startswith("data: {"))  # it is decoding now
         if noisy:
-            for _ in range(3):
+            for _ in range(burst):
                 t = threading.Thread(target=httpx.post, args=(f"{server.url}/v1/completions",),
                                      kwargs={"timeout": 120, "json": {
                                          "model": MODEL, "prompt": long_prompt, "max_tokens": 2},
@@ -114,7 +114,10 @@ def test_the_record_names_the_neighbour_and_compare_windows_ranks_it_first(serve
     t0 = time.time()
     alone = victim(server, noisy=False)
     t1 = time.time()
-    noisy = victim(server, noisy=True)
+    # six prompts (not three): their chunks share about 50 of the victim's 120 steps and double
+    # its decode time (150 -> 300 ms here); with three, the ~70 ms they added was within what a
+    # lone run varies by on 2 cores, and a CI run once saw the lone run the slower
+    noisy = victim(server, noisy=True, burst=6)
     t2 = time.time()
     assert wait_for(lambda: Q.records_found(source, [alone, noisy]) == 2, 10)
     recs = {t: httpx.get(f"{server.url}/debug/requests/{t}", headers={
