@@ -129,10 +129,7 @@ def create_app(store: Store, key: str | None = None, inbox: Path | None = None):
 
     def insert_file(table: str, path: Path, token: str | None) -> int:
         try:
-            with pa.memory_map(str(path)) as source:
-                data = ipc.open_file(source).read_all()
-                store.insert(table, data, token)
-                return data.num_rows
+            return store.insert_file(table, path, token)
         finally:
             path.unlink(missing_ok=True)  # inserted or not: the client keeps its own copy
 

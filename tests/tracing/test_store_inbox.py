@@ -82,3 +82,29 @@ def test_a_store_process_without_an_inbox_says_so(store):
     r = client.post("/v1/insert/requests", content=sink.getvalue().to_pybytes(),
                     headers={"Authorization": "Bearer k"})
     assert r.status_code == 200 and r.json()["rows"] == 1, r.text
+
+
+def test_a_file_chdb_cannot_take_is_refused_with_its_reason_and_nothing_lands(child):
+    """The inbox's small files are read by chDB itself (``INSERT ... FROM INFILE``): a column
+    of the wrong kind, or one the table lacks, is ClickHouse's 400 as it would be for the same
+    batch sent as a body, no row of the file lands, and the file is deleted."""
+    from tracing.store_server import RemoteStore, _write_inbox_file
+
+    requests, _ = records_to_arrow([make_record() for _ in range(3)])
+    e2e = requests.column_names.index("e2e_ms")
+    wrong_kind = requests.set_column(e2e, "e2e_ms", pa.array(["slow"] * 3))
+    extra = requests.append_column("no_such_column", pa.array([1, 2, 3]))
+    url = f"http://127.0.0.1:{child.port}/v1/insert/requests"
+    headers = {"Authorization": f"Bearer {child.key}"}
+    for bad, reason in ((wrong_kind, "Cannot parse string 'slow' as Float64"),
+                        (extra, "no_such_column")):
+        path = _write_inbox_file(child.inbox, "requests", bad)
+        r = httpx.post(url, params={"file": path.name}, headers=headers, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "store_error", r.text
+        assert reason in r.json()["error"]["message"], r.text
+        assert not path.exists()
+    store = RemoteStore(child.url, child.key, inbox=child.inbox)
+    ids = {"ids": requests.column("trace_id").to_pylist()}
+    assert store.select("SELECT count() FROM tailscope.requests WHERE trace_id IN "
+                        "{ids:Array(String)}", ids)[1][0][0] == 0
+    store.close()
