@@ -4,7 +4,7 @@ writer's ingest rate into embedded ClickHouse (chDB).
     python bench/trace_overhead.py [--seconds 15] [--concurrency 16] [--records 100000] [--quick]
                                    [--detail-sample 0.1] [--skip-ingest | --skip-gateway]
                                    [--model tiny|bundled]
-                                   [--flush-s 5]
+                                   [--flush-s 5] [--merge-flushes 300]
 
 1. Two gateways on the tiny model (vocabulary of the bundled tokenizer; ``--model bundled``: the
    bundled SmolLM2, where the engine, not the gateway, is the bottleneck), one replica each, run
@@ -41,6 +41,15 @@ writer's ingest rate into embedded ClickHouse (chDB).
    32 sequences a step (``step_rows``), inserted and merged. Every step row lists its members'
    trace ids, so a request costs a trace id per token it decodes there; tail-based retention
    keeps every step.
+5. The store's merges in steady state: a fresh store (in a process of its own) takes
+   ``--merge-flushes`` flushes of a tiny-model gateway's batch (600 records of ~35 prompt and
+   16 output tokens with their 11 events, 660 step rows; ``short_records``), each table as an
+   Arrow file inserted as the store child inserts it, one every 0.1 s; the store's CPU per
+   record (inserts and the merges they set off, all of chDB's threads) and the rows merges
+   wrote per row inserted, with the trace tables' merge setting as declared
+   (``tracing.schema.MERGE_SELECTOR_BASE``), with ClickHouse's default base (5) and with merges
+   stopped. A gateway run above starts on a fresh store and lasts seconds, so it holds almost
+   none of these merges; a long-running gateway's store pays them on every flush.
 No pass/fail here.
 """
 
@@ -366,6 +375,86 @@ def bytes_on_disk(store, *tables: str) -> int:
     return int(rows[0][0])
 
 
+def short_records(n: int) -> list:
+    """``make_records`` cut to a tiny-model gateway's requests (bench/loadgen's uniform 8-63
+    prompt words: ~35 prompt token ids, 16 output ids, their steps and 15 ITLs, 11 events)."""
+    records = make_records(n)
+    for r in records:
+        r.input_token_ids, r.output_token_ids = r.input_token_ids[:35], r.output_token_ids[:16]
+        r.token_steps, r.itl_ms, r.events = r.token_steps[:16], r.itl_ms[:15], r.events[:11]
+    return records
+
+
+MERGE_TABLES = ("requests", "request_events", "engine_steps")
+
+
+def store_steady(flushes: int, base: float | None, batch: int = 600, gap_s: float = 0.1) -> dict:
+    """The store's CPU per record over ``flushes`` flushes of a gateway's batch of ``batch``
+    short records (and their events and steps), each table written to an Arrow file and
+    inserted as the store child does (``Store.insert_file``), ``gap_s`` apart, then 6 s for the
+    merges they set off; with ``base`` the three tables' ``merge_selector_base`` is set to it
+    (None: as declared; 0: merges stopped). Run in a process of its own: the CPU is this
+    process's (the conversion is done once, before; writing the files is in it, ~3 us a
+    record). Returns the CPU in us per record, the rows merges wrote per row inserted, and the
+    most parts a table held at the looks taken every 25 flushes."""
+    import uuid
+
+    from tracing.schema import TABLES
+    from tracing.store import Store, records_to_arrow, to_arrow, write_arrow_file
+
+    d = Path(tempfile.mkdtemp(prefix="tailscope-merges-"))
+    store = Store(f"chdb://{d}/store")
+    store.migrate()
+    if base == 0:
+        store.command("SYSTEM STOP MERGES")
+    elif base is not None:
+        for t in MERGE_TABLES:
+            store.command(f"ALTER TABLE tailscope.{t} MODIFY SETTING merge_selector_base = "
+                          f"{float(base)}")
+    requests, events = records_to_arrow(short_records(batch))
+    steps = to_arrow(TABLES["engine_steps"], step_rows(batch, 15)[:batch * 11 // 10])
+    data = {"requests": requests, "request_events": events, "engine_steps": steps}
+    counters = ("SELECT event, value FROM system.events WHERE event IN ('InsertedRows', "
+                "'MergedRows')")
+    parts_sql = ("SELECT max(n) FROM (SELECT count() AS n FROM system.parts WHERE active AND "
+                 "database = 'tailscope' AND table IN {t:Array(String)} GROUP BY table)")
+    before, most_parts = dict(store.select(counters)[1]), 0
+    cpu0 = time.process_time()
+    for i in range(flushes):
+        for name, table in data.items():
+            path = d / f"{uuid.uuid4().hex}.{name}.arrow"
+            write_arrow_file(path, table)
+            store.insert_file(name, path, uuid.uuid4().hex)
+            path.unlink()
+        if i % 25 == 24:
+            parts = store.select(parts_sql, {"t": list(MERGE_TABLES)})[1][0][0]
+            most_parts = max(most_parts, parts)
+        time.sleep(gap_s)
+    time.sleep(6)
+    cpu = time.process_time() - cpu0
+    after = dict(store.select(counters)[1])
+    inserted = after["InsertedRows"] - before.get("InsertedRows", 0)
+    return {"us_per_record": cpu / (flushes * batch) * 1e6, "most_parts": int(most_parts),
+            "amplification": (after.get("MergedRows", 0) - before.get("MergedRows", 0)) / inserted}
+
+
+def merges(flushes: int) -> dict[str, dict]:
+    """``store_steady`` with the tables as declared, at ClickHouse's default base and with
+    merges stopped, each in a process of its own (chDB: one store per process)."""
+    import json
+
+    out = {}
+    for label, base in (("declared", None), ("default", 5), ("stopped", 0)):
+        code = ("import json, sys; from bench.trace_overhead import store_steady; "
+                f"print(json.dumps(store_steady({flushes}, {base!r})))")
+        got = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                             text=True, timeout=3600)
+        if got.returncode:
+            raise RuntimeError(f"store_steady({base}) failed: {got.stderr[-2000:]}")
+        out[label] = json.loads(got.stdout.strip().splitlines()[-1])
+    return out
+
+
 def ingest(n: int, detail_sample: float = 1.0, child: bool = False,
            warmup: int = 0) -> tuple[float, dict]:
     """The writer draining ``n`` records into a fresh chDB store: in this process, or with
@@ -437,6 +526,9 @@ def main() -> int:
                          "(parts 2-4)")
     ap.add_argument("--flush-s", type=float, default=FLUSH_S,
                     help="the gateways' TAILSCOPE_STORE_FLUSH_S (default: the product's, 5)")
+    ap.add_argument("--merge-flushes", type=int, default=300,
+                    help="part 5's flushes of a gateway's batch into a fresh store (--quick: "
+                         "100)")
     ap.add_argument("--model", choices=list(MODELS), default="tiny",
                     help="the gateways' model: tiny (the gateway's own cost dominates) or the "
                          "bundled SmolLM2 (the engine's does)")
@@ -445,7 +537,7 @@ def main() -> int:
 
     skip_pandas_probe()  # as the gateway and the store process do
     if args.quick:
-        args.seconds, args.rounds, args.records = 5.0, 1, 20_000
+        args.seconds, args.rounds, args.records, args.merge_flushes = 5.0, 1, 20_000, 100
     if not args.skip_ingest:
         col, plain = conversion(10_000)
         print(f"conversion to Arrow (requests + request_events), 10,000 records: columnar "
@@ -470,6 +562,23 @@ def main() -> int:
         print(f"engine_steps on disk: {per_request:.0f} bytes per request (2,000 requests of "
               f"64-192 output tokens, {seqs} sequences a step: {steps:,} step rows, each "
               "listing its members' trace ids and tokens)")
+    merged = {} if args.skip_ingest else merges(args.merge_flushes)
+    if merged:
+        from tracing.schema import MERGE_SELECTOR_BASE
+
+        for label, what in (("declared", f"the tables' merge setting (base "
+                                         f"{MERGE_SELECTOR_BASE})"),
+                            ("default", "ClickHouse's default merge setting (base 5)"),
+                            ("stopped", "merges stopped")):
+            m = merged[label]
+            print(f"store in steady state, {what}: {m['us_per_record']:.1f} us of CPU per "
+                  f"record, merges wrote {m['amplification']:.2f} rows per row inserted, at "
+                  f"most {m['most_parts']} parts a table ({args.merge_flushes} flushes of 600 "
+                  "short records, their events and steps, 0.1 s apart)")
+        cost = {k: m["us_per_record"] - merged["stopped"]["us_per_record"]
+                for k, m in merged.items()}
+        print(f"the merges' CPU per record: {cost['declared']:.1f} us as declared, "
+              f"{cost['default']:.1f} us at ClickHouse's default")
     if args.skip_gateway:
         return 0
     tp = throughput(args.seconds, args.concurrency, args.rounds, args.model, args.flush_s)
@@ -495,6 +604,13 @@ def main() -> int:
               f"{', the store child' if mode == 'child' else ''}): {own:.3f} ms per request = "
               f"{100 * own / (off[4] + off[5]):.2f}% of the CPU a request costs without "
               f"capture (the same threads with capture off: {off[6]:.3f} ms)")
+    if merged:  # what a fresh store's short run leaves out (part 5)
+        for label, what in (("declared", "as declared"), ("default", "at ClickHouse's default")):
+            cost = merged[label]["us_per_record"] - merged["stopped"]["us_per_record"]
+            print(f"plus the store's merges in steady state ({what}; part 5, measured apart on "
+                  f"an otherwise idle machine): {cost / 1000:.3f} ms per request = "
+                  f"{100 * cost / 1000 / (off[4] + off[5]):.2f}% of the CPU a request costs "
+                  "without capture")
     print(f"({args.model} model; best of {args.rounds} alternating runs of {args.seconds:g} s, "
           f"{args.concurrency} "
           "streams, 16 output tokens; peak RSS the highest over the runs)")

@@ -20,16 +20,17 @@ joins just cross shards). The small tables (configs, eval and bench runs, what-i
 by their id.
 
 ``migrations`` turns versioned single-node migrations into their cluster form (each ``ALTER``
-on both tables, ``ON CLUSTER``, but a change of codec on the local table only; a created table
-as its pair), so a cluster made by ``ddl`` at one version is upgraded by the same command
-later; ``tracing.store.Store.migrate`` refuses to apply single-node DDL to a cluster.
+on both tables, ``ON CLUSTER``, but a change of codec or of a MergeTree setting on the local
+table only; a created table as its pair), so a cluster made by ``ddl`` at one version is
+upgraded by the same command later; ``tracing.store.Store.migrate`` refuses to apply
+single-node DDL to a cluster.
 """
 
 from __future__ import annotations
 
 import re
 
-from tracing.schema import DATABASE, DEDUP_WINDOW, MIGRATIONS, TABLES
+from tracing.schema import DATABASE, MIGRATIONS, TABLES
 
 SHARD_BY = {
     "instance": {"requests": "cityHash64(instance)", "request_events": "cityHash64(instance)",
@@ -41,7 +42,9 @@ OTHER_KEYS = {"eval_runs": "cityHash64(run_id)", "eval_results": "cityHash64(run
               "bench_runs": "cityHash64(run_id)", "configs": "cityHash64(config_id)",
               "whatif_runs": "cityHash64(run_id)"}
 _ALTER = re.compile(rf"^ALTER TABLE {DATABASE}\.(\w+) (.*)$", re.S)
-_CODEC_ONLY = re.compile(r"^MODIFY COLUMN \w+ CODEC\(.*\)$", re.S)
+# how a column is compressed and how parts are merged concern the tables that store them, not
+# the Distributed table over them
+_LOCAL_ONLY = re.compile(r"^(MODIFY COLUMN \w+ CODEC\(.*\)|MODIFY SETTING [\w =,]+)$", re.S)
 _CREATE = re.compile(rf"^CREATE TABLE IF NOT EXISTS {DATABASE}\.(\w+) ", re.S)
 
 
@@ -62,7 +65,7 @@ def table_pair(name: str, cluster: str, shard_by: str = "instance") -> list[str]
              f"{name}_local', '{{replica}}')\n"
              f"PARTITION BY toDate({t.time_column})\nORDER BY ({t.order_by})\n"
              f"TTL toDateTime({t.time_column}) + toIntervalDay(ttl_days)\n"
-             f"SETTINGS replicated_deduplication_window = {DEDUP_WINDOW}")
+             f"SETTINGS {t.settings('replicated_deduplication_window')}")
     dist = (f"CREATE TABLE IF NOT EXISTS {DATABASE}.{name} ON CLUSTER {c} "
             f"AS {DATABASE}.{name}_local\n"
             f"ENGINE = Distributed({c}, {DATABASE}, {name}_local, {key})")
@@ -110,9 +113,7 @@ def migrations(cluster: str, applied: set[int], shard_by: str = "instance") -> l
         for stmt in statements:
             if m := _CREATE.match(stmt):
                 out += table_pair(m[1], cluster, shard_by)
-            elif (m := _ALTER.match(stmt)) and _CODEC_ONLY.match(m[2]):
-                # how a column is compressed concerns the tables that store it, not the
-                # Distributed table over them
+            elif (m := _ALTER.match(stmt)) and _LOCAL_ONLY.match(m[2]):
                 out += [f"ALTER TABLE {DATABASE}.{m[1]}_local ON CLUSTER {c} {m[2]}"]
             elif m:
                 out += [f"ALTER TABLE {DATABASE}.{m[1]}_local ON CLUSTER {c} {m[2]}",

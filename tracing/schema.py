@@ -224,6 +224,24 @@ CODECS: dict[str, dict[str, str]] = {
 }
 
 
+# ClickHouse's merge selector on the tables the writer fills every few seconds. A gateway's flush
+# is a part of a few hundred rows, and the selector adds a fixed 5 MB to every part's size
+# before it compares them ("merging even very small parts has its fixed cost"), so to it a
+# growing merged part and each new part look alike: with its default base (5) it merged the
+# big part again every few inserts, and the rows written by merges grew with the square of the
+# inserts. One process inserting a gateway's flush (600 short records, their events and steps)
+# every 0.3 s: rows written by merges per row inserted 8x after 100 flushes, 24x after 250,
+# 56x after 600, and the store's CPU per record (inserts and merges) 116 -> 205 -> 278 us;
+# with base 50: 3.9x and 78 us after 600 flushes (20: 7.9x, 96 us), at most 28 parts a table
+# (2026-12-05; bench/trace_overhead.py part 5 measures it). A wider merge means
+# more parts between merges, which a SELECT opens and ClickHouse handles by the thousand
+# (parts_to_delay_insert is 1000); parts older than an hour are still merged down by the
+# selector's age rule, which lowers the base toward 1 as they age.
+MERGE_SELECTOR_BASE = 50
+MERGE_SETTINGS: dict[str, str] = {t: f"merge_selector_base = {MERGE_SELECTOR_BASE}"
+                                  for t in ("requests", "request_events", "engine_steps")}
+
+
 @dataclass(frozen=True)
 class Table:
     name: str
@@ -241,6 +259,13 @@ class Table:
         return ",\n    ".join(f"`{c}` {t}" + (f" {self.codecs[c]}" if c in self.codecs else "")
                               for c, t, _ in self.columns)
 
+    def settings(self, dedup: str = "non_replicated_deduplication_window") -> str:
+        """The table's MergeTree settings, as its SETTINGS clause lists them (``dedup``: the
+        name of the insert deduplication window's setting, which a replicated table spells
+        without ``non_``)."""
+        merge = MERGE_SETTINGS.get(self.name)
+        return f"{dedup} = {DEDUP_WINDOW}" + (f", {merge}" if merge else "")
+
     def create(self, database: str = DATABASE) -> str:
         """The table as declared now (for a migration that adds a table, frozen there)."""
         cols = self.column_defs()
@@ -248,7 +273,7 @@ class Table:
                 f"ENGINE = MergeTree\nPARTITION BY toDate({self.time_column})\n"
                 f"ORDER BY ({self.order_by})\n"
                 f"TTL toDateTime({self.time_column}) + toIntervalDay(ttl_days)\n"
-                f"SETTINGS non_replicated_deduplication_window = {DEDUP_WINDOW}")
+                f"SETTINGS {self.settings()}")
 
 
 TABLES: dict[str, Table] = {t.name: t for t in [
@@ -363,6 +388,10 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
             ("engine_steps", "ts", "CODEC(DoubleDelta, LZ4)"),
             ("engine_steps", "step", "CODEC(DoubleDelta, LZ4)"),
             ("engine_steps", "member_traces", "CODEC(ZSTD(1))"))]),
+    # MERGE_SETTINGS as of this version (frozen here)
+    (19, "merge_selector_base 50 on requests, request_events and engine_steps", [
+        f"ALTER TABLE {DATABASE}.{table} MODIFY SETTING merge_selector_base = 50"
+        for table in ("requests", "request_events", "engine_steps")]),
 ]
 
 __all__ = ["DATABASE", "TABLES", "MIGRATIONS", "ConfigRow", "EngineStepRow", "EventRow",

@@ -63,8 +63,15 @@ def test_the_local_tables_are_the_single_node_tables(store):
         return {r[0]: (r[1], r[5]) for r in store.client.query(  # type, codec
             f"DESCRIBE TABLE {db}.{table}").result_rows}
 
+    def settings(db: str, table: str) -> set[str]:
+        engine = store.select("SELECT engine_full FROM system.tables WHERE database = "
+                              "{d:String} AND name = {t:String}", {"d": db, "t": table})[1][0][0]
+        return set(engine.partition(" SETTINGS ")[2].split(", "))
+
     for name in TABLES:
         assert describe("single_node", f"{name}_local") == describe("tailscope", name), name
+        # the same MergeTree settings too (the merge selector's base on the writer's tables)
+        assert settings("single_node", f"{name}_local") == settings("tailscope", name), name
 
 
 def test_a_later_migration_has_a_cluster_form_for_both_tables(store):
@@ -86,6 +93,14 @@ def test_a_later_migration_has_a_cluster_form_for_both_tables(store):
     assert len(alters) == len(MIGRATIONS[17][2]) == 8
     assert all(re.match(r"ALTER TABLE tailscope\.\w+_local ON CLUSTER prod MODIFY COLUMN \w+ "
                         r"CODEC\(", s) for s in alters), alters
+    for sql in statements:
+        parses(store, sql)
+    # 19 sets a MergeTree setting: the local tables' too
+    statements = C.migrations("prod", {v for v, _, _ in MIGRATIONS} - {19})
+    alters = [s for s in statements if s.startswith("ALTER")]
+    assert [re.match(r"ALTER TABLE tailscope\.(\w+)_local ON CLUSTER prod MODIFY SETTING "
+                     r"merge_selector_base = 50$", s)[1] for s in alters] == [
+        "requests", "request_events", "engine_steps"], alters
     for sql in statements:
         parses(store, sql)
     assert C.migrations("prod", {v for v, _, _ in MIGRATIONS}) == []  # up to date: nothing

@@ -459,8 +459,19 @@ def test_the_migration_chain_ends_exactly_at_the_declared_tables(store):
                             {"d": db, "t": name})[1]
         return {r[0]: (r[1], r[2]) for r in rows}
 
+    def settings(db: str, name: str) -> tuple[str, set[str]]:
+        engine = store.select("SELECT engine_full FROM system.tables WHERE database = "
+                              "{d:String} AND name = {t:String}", {"d": db, "t": name})[1][0][0]
+        head, _, listed = engine.partition(" SETTINGS ")
+        return head, set(listed.split(", "))  # a setting a migration adds comes last
+
     for name in TABLES:
         assert describe("tailscope", name) == describe("declared", name), name
+        # ... and have the same engine, order, TTL and MergeTree settings (migration 19 set
+        # the merge selector's base on the tables the writer fills)
+        assert settings("tailscope", name) == settings("declared", name), name
+    assert "merge_selector_base = 50" in settings("tailscope", "request_events")[1]
+    assert not any("merge_selector" in x for x in settings("tailscope", "configs")[1])
     # the codecs the migrations set (migration 18) are the declared ones, and only those
     requests = describe("tailscope", "requests")
     assert requests["input_token_ids"][1] == "CODEC(T64, LZ4)"
@@ -473,9 +484,10 @@ def test_the_migration_chain_ends_exactly_at_the_declared_tables(store):
 
 def test_a_store_with_rows_upgrades_to_the_codecs_and_keeps_every_row(tmp_path):
     """A store at version 17 holding records, events and steps takes migration 18 (codecs on
-    sort-key columns too: request_events.ts, engine_steps.ts and step); its rows and the rows
-    inserted after it read back in full, also once merges have rewritten the old parts. (In a
-    process of its own: chDB opens one directory per process.)"""
+    sort-key columns too: request_events.ts, engine_steps.ts and step) and 19 (the merge
+    selector's base); its rows and the rows inserted after it read back in full, also once
+    merges have rewritten the old parts. (In a process of its own: chDB opens one directory
+    per process.)"""
     import subprocess
     import sys
 
@@ -510,7 +522,7 @@ print(json.dumps(out))
                          timeout=300, cwd=Path(__file__).resolve().parents[2])
     assert got.returncode == 0, got.stderr[-2000:]
     out = json.loads(got.stdout.strip().splitlines()[-1])
-    assert out["before"] == 17 and out["applied"] == [18]
+    assert out["before"] == 17 and out["applied"] == [18, 19]
     assert out["requests"] == [1000, 128_000, 127_000, 128_000]
     assert out["events"] == 12_000
     assert out["steps"][0] > 0 and out["steps"][1] == 0
