@@ -452,6 +452,11 @@ def _identifier(name: str) -> str:
     return "`" + name.replace("\\", "\\\\").replace("`", "\\`") + "`"
 
 
+def _token_setting(token: str | None) -> str:
+    """The SETTINGS clause of an INSERT under ``token`` (a batch sent again inserts nothing)."""
+    return f" SETTINGS insert_deduplication_token = {_sql_string(token)}" if token else ""
+
+
 class Store:
     def __init__(self, dsn: str = DEFAULT_DSN, limits: QueryLimits | None = None) -> None:
         import clickhouse_connect
@@ -541,7 +546,7 @@ class Store:
         # in this frame
         _tailscope_arrow_batch = data  # noqa: F841
         cols = ", ".join(map(_identifier, data.column_names))
-        setting = f" SETTINGS insert_deduplication_token = {_sql_string(token)}" if token else ""
+        setting = _token_setting(token)
         with self.lock:  # a failure raises chDB's error with ClickHouse's message, as the
             # insert_arrow route raises clickhouse-connect's (not StoreError: the store is up)
             self._arrow_in.query(f"INSERT INTO {DATABASE}.{_identifier(table)} ({cols}) SELECT "
@@ -562,10 +567,10 @@ class Store:
                 self.insert(table, reader.read_all(), token)
                 return rows
             cols = ", ".join(_identifier(c) for c in reader.schema.names)
-        setting = f" SETTINGS insert_deduplication_token = {_sql_string(token)}" if token else ""
         with self.lock:  # a failure raises chDB's error with ClickHouse's message, as insert's
             self._arrow_in.query(f"INSERT INTO {DATABASE}.{_identifier(table)} ({cols}) FROM "
-                                 f"INFILE {_sql_string(str(path))}{setting} FORMAT Arrow")
+                                 f"INFILE {_sql_string(str(path))}{_token_setting(token)} "
+                                 "FORMAT Arrow")
         return rows
 
     def insert_rows(self, table: str, rows: list, token: str | None = None) -> None:

@@ -18,10 +18,10 @@ loopback clients only otherwise):
 
 - ``POST /v1/insert/{table}?token=T``: an Arrow IPC stream of that table's rows; or, from a
   client on the same host (the gateway whose child this process is), ``?file=NAME``: an Arrow
-  IPC file of them in the process's ``--inbox`` directory, which it memory-maps, inserts and
-  deletes (a 20,000-record batch of ``bench/trace_overhead.py``, both tables, 195-347 ms
-  written and inserted that way against 441-448 sent as HTTP bodies: the 63 MB are neither
-  sent over loopback nor received and joined in Python);
+  IPC file of them in the process's ``--inbox`` directory, which it inserts (chDB reads a
+  file under 2 MiB itself) and deletes (a 20,000-record batch of ``bench/trace_overhead.py``,
+  both tables, 195-347 ms written and inserted that way against 441-448 sent as HTTP bodies:
+  the 63 MB are neither sent over loopback nor received and joined in Python);
 - ``POST /v1/select``: ``{"sql", "params", "query_id", "format": "json" | "arrow"}``;
 - ``POST /v1/cancel``: ``{"query_id"}`` (none: every tagged read);
 - ``POST /v1/delete-tenant``: ``{"tenant"}``;
