@@ -385,9 +385,6 @@ def short_records(n: int) -> list:
     return records
 
 
-MERGE_TABLES = ("requests", "request_events", "engine_steps")
-
-
 def store_steady(flushes: int, base: float | None, batch: int = 600, gap_s: float = 0.1) -> dict:
     """The store's CPU per record over ``flushes`` flushes of a gateway's batch of ``batch``
     short records (and their events and steps), each table written to an Arrow file and
@@ -399,7 +396,7 @@ def store_steady(flushes: int, base: float | None, batch: int = 600, gap_s: floa
     most parts a table held at the looks taken every 25 flushes."""
     import uuid
 
-    from tracing.schema import TABLES
+    from tracing.schema import MERGE_SETTINGS, TABLES
     from tracing.store import Store, records_to_arrow, to_arrow, write_arrow_file
 
     d = Path(tempfile.mkdtemp(prefix="tailscope-merges-"))
@@ -408,7 +405,7 @@ def store_steady(flushes: int, base: float | None, batch: int = 600, gap_s: floa
     if base == 0:
         store.command("SYSTEM STOP MERGES")
     elif base is not None:
-        for t in MERGE_TABLES:
+        for t in MERGE_SETTINGS:  # the tables whose merge setting is declared
             store.command(f"ALTER TABLE tailscope.{t} MODIFY SETTING merge_selector_base = "
                           f"{float(base)}")
     requests, events = records_to_arrow(short_records(batch))
@@ -427,7 +424,7 @@ def store_steady(flushes: int, base: float | None, batch: int = 600, gap_s: floa
             store.insert_file(name, path, uuid.uuid4().hex)
             path.unlink()
         if i % 25 == 24:
-            parts = store.select(parts_sql, {"t": list(MERGE_TABLES)})[1][0][0]
+            parts = store.select(parts_sql, {"t": list(MERGE_SETTINGS)})[1][0][0]
             most_parts = max(most_parts, parts)
         time.sleep(gap_s)
     time.sleep(6)
@@ -563,6 +560,9 @@ def main() -> int:
               f"64-192 output tokens, {seqs} sequences a step: {steps:,} step rows, each "
               "listing its members' trace ids and tokens)")
     merged = {} if args.skip_ingest else merges(args.merge_flushes)
+    # the merges' CPU per record: each setting's against merges stopped
+    merge_us = {k: m["us_per_record"] - merged["stopped"]["us_per_record"]
+                for k, m in merged.items()}
     if merged:
         from tracing.schema import MERGE_SELECTOR_BASE
 
@@ -575,10 +575,8 @@ def main() -> int:
                   f"record, merges wrote {m['amplification']:.2f} rows per row inserted, at "
                   f"most {m['most_parts']} parts a table ({args.merge_flushes} flushes of 600 "
                   "short records, their events and steps, 0.1 s apart)")
-        cost = {k: m["us_per_record"] - merged["stopped"]["us_per_record"]
-                for k, m in merged.items()}
-        print(f"the merges' CPU per record: {cost['declared']:.1f} us as declared, "
-              f"{cost['default']:.1f} us at ClickHouse's default")
+        print(f"the merges' CPU per record: {merge_us['declared']:.1f} us as declared, "
+              f"{merge_us['default']:.1f} us at ClickHouse's default")
     if args.skip_gateway:
         return 0
     tp = throughput(args.seconds, args.concurrency, args.rounds, args.model, args.flush_s)
@@ -606,7 +604,7 @@ def main() -> int:
               f"capture (the same threads with capture off: {off[6]:.3f} ms)")
     if merged:  # what a fresh store's short run leaves out (part 5)
         for label, what in (("declared", "as declared"), ("default", "at ClickHouse's default")):
-            cost = merged[label]["us_per_record"] - merged["stopped"]["us_per_record"]
+            cost = merge_us[label]
             print(f"plus the store's merges in steady state ({what}; part 5, measured apart on "
                   f"an otherwise idle machine): {cost / 1000:.3f} ms per request = "
                   f"{100 * cost / 1000 / (off[4] + off[5]):.2f}% of the CPU a request costs "

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from tests.tracing.test_store import engine_settings
 from tracing import cluster as C
 from tracing.schema import MIGRATIONS, TABLES
 
@@ -64,9 +65,7 @@ def test_the_local_tables_are_the_single_node_tables(store):
             f"DESCRIBE TABLE {db}.{table}").result_rows}
 
     def settings(db: str, table: str) -> set[str]:
-        engine = store.select("SELECT engine_full FROM system.tables WHERE database = "
-                              "{d:String} AND name = {t:String}", {"d": db, "t": table})[1][0][0]
-        return set(engine.partition(" SETTINGS ")[2].split(", "))
+        return engine_settings(store, db, table)[1]
 
     for name in TABLES:
         assert describe("single_node", f"{name}_local") == describe("tailscope", name), name

@@ -446,6 +446,15 @@ except StoreError as exc:
     assert "damaged" in out.stdout and str(tmp_path) in out.stdout, out.stdout + out.stderr
 
 
+def engine_settings(store, db: str, table: str) -> tuple[str, set[str]]:
+    """A table's engine clause up to its SETTINGS, and its settings as a set (a setting a
+    migration adds comes last, one declared in CREATE TABLE where it was written)."""
+    engine = store.select("SELECT engine_full FROM system.tables WHERE database = {d:String} "
+                          "AND name = {t:String}", {"d": db, "t": table})[1][0][0]
+    head, _, listed = engine.partition(" SETTINGS ")
+    return head, set(listed.split(", "))
+
+
 def test_the_migration_chain_ends_exactly_at_the_declared_tables(store):
     """A store built by the migrations (frozen migration 1, then each later step) and tables
     created straight from today's declarations DESCRIBE the same, column for column."""
@@ -460,10 +469,7 @@ def test_the_migration_chain_ends_exactly_at_the_declared_tables(store):
         return {r[0]: (r[1], r[2]) for r in rows}
 
     def settings(db: str, name: str) -> tuple[str, set[str]]:
-        engine = store.select("SELECT engine_full FROM system.tables WHERE database = "
-                              "{d:String} AND name = {t:String}", {"d": db, "t": name})[1][0][0]
-        head, _, listed = engine.partition(" SETTINGS ")
-        return head, set(listed.split(", "))  # a setting a migration adds comes last
+        return engine_settings(store, db, name)
 
     for name in TABLES:
         assert describe("tailscope", name) == describe("declared", name), name
