@@ -28,6 +28,7 @@ import itertools
 import operator
 import os
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -49,6 +50,15 @@ DEFAULT_DSN = "chdb://./.tailscope/store"
 
 class StoreError(RuntimeError):
     pass
+
+
+class InsertStopped(StoreError):
+    """``insert_many`` stopped at a table whose insert failed: ``inserted`` names the tables of
+    the batch that landed before it (the writer spools the others)."""
+
+    def __init__(self, message: str, inserted: list[str]) -> None:
+        super().__init__(message)
+        self.inserted = list(inserted)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -421,7 +431,8 @@ def _embedded_handle(dsn: str):
 # fixed cost (~16-20 ms of CPU here for the requests table's 73 columns: its analysis and
 # pipeline) that ``insert_arrow`` (~8 ms) does not, and a lower cost per byte. A gateway's
 # usual batch (a few hundred records every ``TAILSCOPE_STORE_FLUSH_S``, ~0.5 MB) is cheaper
-# through ``insert_arrow`` (600 short records: 12 against 25 ms); a flood's batches of
+# as an Arrow file that chDB reads (``insert_arrow``'s way, ``Store._infile``: 600 short
+# records 12 against 25 ms); a flood's batches of
 # thousands of records are cheaper through ``Python()`` (20,000 records of 256 token ids,
 # 48 MB: 115 against 270 ms; 5,000: 53 against 110), the two even at ~1-2 MB (2026-12-05).
 PYTHON_INSERT_MIN_BYTES = 2 << 20
@@ -492,10 +503,12 @@ class Store:
         # holds up the writer's inserts.
         self.lock = threading.Lock()
         self.read_lock = threading.Lock()
+        self._known_columns: dict[str, frozenset[str]] = {}  # ``_columns``
 
     # ---- schema -------------------------------------------------------------------------------
     def migrate(self) -> list[int]:
         """Apply the migrations not applied yet; returns the versions applied now."""
+        self._known_columns.clear()
         with self.lock:
             self.client.command(f"CREATE DATABASE IF NOT EXISTS {DATABASE}")
             self.client.command(
@@ -527,8 +540,20 @@ class Store:
     # ---- writes -------------------------------------------------------------------------------
     def insert(self, table: str, data: pa.Table, token: str | None = None) -> None:
         """Insert an Arrow table; a repeated ``token`` (a replayed batch) inserts nothing."""
-        if (self._arrow_in is None or data.nbytes < PYTHON_INSERT_MIN_BYTES
-                or not _typed_as_its_columns(table, data)):
+        small = data.nbytes < PYTHON_INSERT_MIN_BYTES
+        if self._arrow_in is not None and small:
+            # what insert_arrow does on chDB (the table as an Arrow file that chDB reads), with
+            # the column list left out where it can be (``_infile``)
+            fd, name = tempfile.mkstemp(prefix="tailscope-insert-", suffix=".arrow")
+            os.close(fd)
+            path = Path(name)
+            try:
+                write_arrow_file(path, data)
+                self._infile(table, path, data.column_names, token)
+            finally:
+                path.unlink(missing_ok=True)
+            return
+        if self._arrow_in is None or small or not _typed_as_its_columns(table, data):
             settings = {"insert_deduplication_token": token} if token else None
             with self.lock:
                 self.client.insert_arrow(f"{DATABASE}.{table}", data, settings=settings)
@@ -566,12 +591,52 @@ class Store:
             if self._arrow_in is None or source.size() >= PYTHON_INSERT_MIN_BYTES:
                 self.insert(table, reader.read_all(), token)
                 return rows
-            cols = ", ".join(_identifier(c) for c in reader.schema.names)
-        with self.lock:  # a failure raises chDB's error with ClickHouse's message, as insert's
-            self._arrow_in.query(f"INSERT INTO {DATABASE}.{_identifier(table)} ({cols}) FROM "
-                                 f"INFILE {_sql_string(str(path))}{_token_setting(token)} "
-                                 "FORMAT Arrow")
+            names = reader.schema.names
+        self._infile(table, path, names, token)
         return rows
+
+    def _infile(self, table: str, path: Path, names: list[str], token: str | None) -> None:
+        """``INSERT ... FROM INFILE path FORMAT Arrow`` on the embedded engine; a failure raises
+        chDB's error with ClickHouse's message (not StoreError: the store is up).
+
+        The statement names no columns when the file's are all the table's: ClickHouse then
+        takes the file's columns by name and gives the table's others their defaults, as
+        with the list. Listing the requests table's 73 columns cost ~2.4 ms of CPU of a
+        10.5 ms insert of 600 short records, ~3.3 ms over a gateway flush's three tables (~5 us
+        a request; 2026-12-05, medians of 10). A file with a column the table lacks keeps the
+        list, so ClickHouse refuses it naming the column: without one, that column would be
+        dropped without a word."""
+        cols = "" if set(names) <= self._columns(table) else \
+            f" ({', '.join(map(_identifier, names))})"
+        with self.lock:
+            self._arrow_in.query(f"INSERT INTO {DATABASE}.{_identifier(table)}{cols} FROM INFILE "
+                                 f"{_sql_string(str(path))}{_token_setting(token)} FORMAT Arrow")
+
+    def _columns(self, table: str) -> frozenset[str]:
+        """The table's column names, read once per table (migrations add columns and never drop
+        one, and ``migrate`` forgets what was read; a column added by another process since
+        only makes a file that has it keep its column list)."""
+        known = self._known_columns.get(table)
+        if known is None:
+            with self.lock:
+                known = frozenset(r[0] for r in self.client.query(
+                    "SELECT name FROM system.columns WHERE database = {d:String} AND "
+                    "table = {t:String}", parameters={"d": DATABASE, "t": table}).result_rows)
+            self._known_columns[table] = known
+        return known
+
+    def insert_many(self, batch: list[tuple[str, pa.Table, str | None]]) -> None:
+        """``insert`` of each ``(table, data, token)`` in order (a writer's flush: its requests,
+        events and steps); the first that fails stops the rest and raises ``InsertStopped``
+        naming the tables that landed."""
+        done: list[str] = []
+        for table, data, token in batch:
+            try:
+                self.insert(table, data, token)
+            except Exception as exc:
+                raise InsertStopped(f"insert into {table} failed: {_first_line(exc)}",
+                                    done) from exc
+            done.append(table)
 
     def insert_rows(self, table: str, rows: list, token: str | None = None) -> None:
         if rows:

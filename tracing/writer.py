@@ -6,7 +6,8 @@ request path, and never losing or duplicating a row when the store goes away for
   ``max_queue_bytes`` (or ``max_queue`` items) a record is dropped, counted and logged.
 - A background thread takes batches (by size, or when the oldest waiting item is ``max_age_s``
   old), turns them into Arrow tables (``requests``, ``request_events``, ``engine_steps``) and
-  inserts each with an ``insert_deduplication_token`` derived from the batch's id. The inserts
+  inserts them together (``Store.insert_many``: a store process takes the three in one
+  request), each with an ``insert_deduplication_token`` derived from the batch's id. The inserts
   run on a second thread, so while one batch is inserted the next is converted; a drain waits
   for the last insert before it counts as done.
 - A row that cannot be converted (a value its column cannot hold) is set aside in
@@ -48,7 +49,14 @@ import pyarrow.ipc as ipc
 
 from tracing.record import RequestRecord
 from tracing.schema import TABLES, EngineStepRow
-from tracing.store import Store, StoreError, records_to_arrow, to_arrow, write_arrow_file
+from tracing.store import (
+    InsertStopped,
+    Store,
+    StoreError,
+    records_to_arrow,
+    to_arrow,
+    write_arrow_file,
+)
 
 DEAD_LETTER = "dead-letter.jsonl"
 QUARANTINE = "quarantine"
@@ -312,13 +320,16 @@ class RecordWriter:
             return None
 
     def _deliver(self, token: str, tables: dict[str, pa.Table]) -> None:
-        """Insert a prepared batch's tables; spool what the store did not take."""
-        pending = dict(tables)
+        """Insert a prepared batch's tables (one ``insert_many``: a store process takes them in
+        one request); spool what the store did not take."""
+        pending: dict[str, pa.Table] = {}
         try:
-            for name, data in tables.items():
-                self._insert(name, data, f"{token}-{name}")
-                del pending[name]
-        except StoreError as exc:
+            self._store_or_raise().insert_many(
+                [(name, data, f"{token}-{name}") for name, data in tables.items()])
+            self.last_success_ts = time.time()
+        except Exception as exc:
+            landed = exc.inserted if isinstance(exc, InsertStopped) else []
+            pending = {name: data for name, data in tables.items() if name not in landed}
             self.stats["insert_errors"] += 1
             log.warning("store insert failed (%s); spooling %d table(s) to %s", exc,
                         len(pending), self.spool_dir)

@@ -7,6 +7,7 @@ tells its rows apart by trace id.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from pathlib import Path
@@ -499,6 +500,7 @@ def test_a_store_with_rows_upgrades_to_the_codecs_and_keeps_every_row(tmp_path):
 
     code = f"""
 import json
+import re
 import tracing.store as S
 from bench.trace_overhead import make_records, step_rows
 full = list(S.MIGRATIONS)
@@ -534,14 +536,15 @@ print(json.dumps(out))
     assert out["steps"][0] > 0 and out["steps"][1] == 0
 
 
-@pytest.mark.parametrize("route", ["insert_arrow", "Python()"])
+@pytest.mark.parametrize("route", ["Arrow file", "Python()"])
 def test_the_writers_arrow_tables_read_back_value_for_value_and_a_resent_batch_is_a_no_op(
         store, monkeypatch, route):
     """Every column of the three tables the writer fills reads back from the store as the
     conversion made it (nulls, empty arrays, quotes and non-ASCII text, microsecond times), and
     a batch sent again under the same token (a spool replay; here a token holding a quote and a
-    backslash) inserts nothing; by both routes of an embedded insert (clickhouse-connect's
-    ``insert_arrow`` below ``PYTHON_INSERT_MIN_BYTES``, chDB's ``Python()`` from there)."""
+    backslash) inserts nothing; by both routes of an embedded insert (an Arrow file chDB reads
+    below ``PYTHON_INSERT_MIN_BYTES``, its INSERT naming no columns since the table has them
+    all; chDB's ``Python()`` from there)."""
     from bench.trace_overhead import step_rows
     from tracing import store as S
     from tracing.store import records_to_arrow, to_arrow
@@ -573,7 +576,11 @@ def test_the_writers_arrow_tables_read_back_value_for_value_and_a_resent_batch_i
         store.insert("requests", requests, token)
         store.insert("request_events", events, token)
         store.insert("engine_steps", steps_table, token)
-    assert len(sent) == (6 if route == "Python()" else 0)
+    assert len(sent) == 6
+    if route == "Python()":
+        assert all("FROM Python(_tailscope_arrow_batch)" in sql for sql in sent), sent
+    else:
+        assert all(re.match(r"INSERT INTO tailscope\.`\w+` FROM INFILE '", sql) for sql in sent)
     ids = {"ids": [r.trace_id for r in recs]}
 
     def back(sql, parameters, like, order):
@@ -593,7 +600,7 @@ def test_the_writers_arrow_tables_read_back_value_for_value_and_a_resent_batch_i
     assert got.to_pylist() == steps_table.sort_by("step").to_pylist()
 
 
-@pytest.mark.parametrize("route", ["insert_arrow", "Python()"])
+@pytest.mark.parametrize("route", ["Arrow file", "Python()"])
 def test_a_batch_its_table_cannot_take_fails_as_a_bad_batch_by_both_routes(store, monkeypatch,
                                                                             route):
     """A table whose column cannot go into its ClickHouse column (text for ``http_status``)
@@ -613,6 +620,52 @@ def test_a_batch_its_table_cannot_take_fails_as_a_bad_batch_by_both_routes(store
     assert "Cannot parse string 'not a number'" in str(err.value)
     assert store.select("SELECT count() FROM tailscope.requests WHERE trace_id = {t:String}",
                         {"t": trace})[1][0][0] == 0
+
+
+def test_a_column_the_table_lacks_is_refused_by_name_not_dropped(store):
+    """An embedded insert names no columns when the table has all of the batch's (ClickHouse
+    then matches them by name); a batch with a column the table lacks keeps its column list,
+    so ClickHouse refuses it naming the column, instead of dropping that column's values."""
+    import pyarrow as pa
+
+    from tracing.store import records_to_arrow
+
+    rec = make_record()
+    requests, _ = records_to_arrow([rec])
+    extra = requests.append_column("no_such_column", pa.array([1]))
+    with pytest.raises(Exception) as err:
+        store.insert("requests", extra, f"tok-{rec.trace_id}")
+    assert not isinstance(err.value, StoreError) and "no_such_column" in str(err.value)
+    count = "SELECT count() FROM tailscope.requests WHERE trace_id = {t:String}"
+    assert store.select(count, {"t": rec.trace_id})[1] == [(0,)]
+    store.insert("requests", requests, f"tok2-{rec.trace_id}")
+    assert store.select(count, {"t": rec.trace_id})[1] == [(1,)]
+
+
+def test_insert_many_stops_at_the_table_that_fails_and_names_those_that_landed(store):
+    """A writer's flush in one call: each table in order; the first failure stops the rest and
+    ``InsertStopped.inserted`` names the tables already in (the writer spools the others)."""
+    import pyarrow as pa
+
+    from bench.trace_overhead import step_rows
+    from tracing.store import InsertStopped, records_to_arrow, to_arrow
+
+    rec = make_record()
+    requests, events = records_to_arrow([rec])
+    bad = requests.set_column(requests.schema.get_field_index("http_status"), "http_status",
+                              pa.array(["not a number"]))
+    steps = step_rows(1, 1)
+    replica = steps[0].replica = f"r-{secrets.token_hex(4)}"
+    with pytest.raises(InsertStopped) as err:
+        store.insert_many([("request_events", events, f"a-{rec.trace_id}"),
+                           ("requests", bad, f"b-{rec.trace_id}"),
+                           ("engine_steps", to_arrow(TABLES["engine_steps"], steps[:1]),
+                            f"c-{rec.trace_id}")])
+    assert err.value.inserted == ["request_events"] and "not a number" in str(err.value)
+    count = "SELECT count() FROM tailscope.{t:Identifier} WHERE {c:Identifier} = {v:String}"
+    assert [store.select(count, {"t": t, "c": c, "v": v})[1][0][0] for t, c, v in [
+        ("request_events", "trace_id", rec.trace_id), ("requests", "trace_id", rec.trace_id),
+        ("engine_steps", "replica", replica)]] == [2, 0, 0]
 
 
 def test_the_writer_conversion_leaves_pandas_unloaded_and_pyarrow_can_still_use_it():

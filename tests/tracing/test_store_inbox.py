@@ -108,3 +108,82 @@ def test_a_file_chdb_cannot_take_is_refused_with_its_reason_and_nothing_lands(ch
     assert store.select("SELECT count() FROM tailscope.requests WHERE trace_id IN "
                         "{ids:Array(String)}", ids)[1][0][0] == 0
     store.close()
+
+
+def test_a_writers_flush_is_one_request_and_a_failure_names_what_landed(child):
+    """``RemoteStore.insert_many`` (the writer's flush: requests, events, steps) hands the
+    three files over in one request; sent again under the same tokens it inserts nothing. A
+    batch whose second table ClickHouse refuses stops there: the error names the first table
+    as inserted, the third is not, and every file of the batch is deleted."""
+    from bench.trace_overhead import step_rows
+    from tracing.schema import TABLES
+    from tracing.store import InsertStopped, to_arrow
+    from tracing.store_server import RemoteStore
+
+    store = RemoteStore(child.url, child.key, inbox=child.inbox)
+    posts = []  # the requests sent (a spy: each is sent as it would be)
+    real = store._send
+    store._send = lambda path, **kw: posts.append(path) or real(path, **kw)
+    now = time.time_ns() // 1000
+    recs = [make_record(events=[RecordEvent(now + j, "S") for j in range(2)]) for _ in range(5)]
+    requests, events = records_to_arrow(recs)
+    steps = step_rows(4, 2)
+    replica = f"r-{secrets.token_hex(4)}"
+    for row in steps:
+        row.replica = replica
+    tables = {"requests": requests, "request_events": events,
+              "engine_steps": to_arrow(TABLES["engine_steps"], steps)}
+    token = f"tok-{secrets.token_hex(4)}"
+    for _ in range(2):
+        store.insert_many([(t, data, f"{token}-{t}") for t, data in tables.items()])
+    assert posts == ["/v1/insert", "/v1/insert"]
+    ids = {"ids": [r.trace_id for r in recs]}
+    count = ("SELECT count() FROM tailscope.{t:Identifier} WHERE trace_id IN "
+             "{ids:Array(String)}")
+    assert [store.select(count, {"t": t, **ids})[1][0][0] for t in tables if t != "engine_steps"
+            ] == [5, 10]
+    assert store.select("SELECT count() FROM tailscope.engine_steps WHERE replica = "
+                        "{r:String}", {"r": replica})[1][0][0] == len(steps)
+    assert list(child.inbox.iterdir()) == []
+
+    recs = [make_record(events=[RecordEvent(now, "S")]) for _ in range(3)]
+    requests, events = records_to_arrow(recs)
+    bad = requests.set_column(requests.column_names.index("e2e_ms"), "e2e_ms",
+                              pa.array(["slow"] * 3))
+    for row in steps:
+        row.replica = replica + "-2"
+    with pytest.raises(InsertStopped) as err:
+        store.insert_many([("request_events", events, "e"), ("requests", bad, "r"),
+                           ("engine_steps", to_arrow(TABLES["engine_steps"], steps), "s")])
+    assert err.value.inserted == ["request_events"]
+    assert "Cannot parse string 'slow'" in str(err.value)
+    ids = {"ids": [r.trace_id for r in recs]}
+    assert [store.select(count, {"t": t, **ids})[1][0][0] for t in ("request_events",
+                                                                    "requests")] == [3, 0]
+    assert store.select("SELECT count() FROM tailscope.engine_steps WHERE replica = "
+                        "{r:String}", {"r": replica + "-2"})[1][0][0] == 0
+    assert list(child.inbox.iterdir()) == []
+    store.close()
+
+
+def test_a_batch_request_that_is_not_one_is_refused(child, tmp_path, store):
+    """``/v1/insert``: a body that is not a batch, a table that does not exist or a file that
+    is not one of the inbox's is a 400 naming it, and nothing outside the inbox is touched; a
+    store process without an inbox says so."""
+    outside = tmp_path / "x.arrow"
+    outside.write_bytes(b"not arrow")
+    url = f"http://127.0.0.1:{child.port}/v1/insert"
+    headers = {"Authorization": f"Bearer {child.key}"}
+    name = "0" * 32 + ".requests.arrow"
+    for body, code in (({"batch": []}, "bad_body"), ({"rows": 1}, "bad_body"),
+                       ({"batch": [{"table": "requests", "file": name, "token": 5}]}, "bad_body"),
+                       ({"batch": [{"table": "nope", "file": name}]}, "unknown_table"),
+                       ({"batch": [{"table": "requests", "file": str(outside)}]}, "bad_batch"),
+                       ({"batch": [{"table": "requests", "file": name}]}, "bad_batch")):
+        r = httpx.post(url, json=body, headers=headers, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["code"] == code, (body, r.text)
+    assert outside.exists()
+    client = TestClient(create_app(store, key="k"))
+    r = client.post("/v1/insert", json={"batch": [{"table": "requests", "file": name}]},
+                    headers={"Authorization": "Bearer k"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "no_inbox", r.text
