@@ -23,7 +23,11 @@ writer's ingest rate into embedded ClickHouse (chDB).
    the CPU of the threads that exist only for capture, read per thread (the writer's two,
    named ``ts-writer`` / ``ts-insert``, and the embedded store engine's, plus the store child
    when there is one): a difference of two runs' totals also carries the request path's own
-   drift between runs (+-0.3 ms per request here), which these do not.
+   drift between runs (+-0.3 ms per request here), which these do not. Capture also makes
+   the gateway's garbage collections dearer (its queued rows, the emit path's objects; they
+   run in whichever thread allocates, mostly the event loop): each gateway's time in them is
+   read from its ``tailscope:gc_pause_seconds``, and the difference with capture off is added
+   to capture's own threads.
 2. The writer's conversion of 10,000 records to Arrow, its columnar one against the plain
    per-column one it replaced, side by side (best of 3 each).
 3. The writer alone, in this process: ``--records`` records with 256 token ids each (128
@@ -201,6 +205,17 @@ def cpu_seconds(pid: int) -> dict[str, float]:
     return out
 
 
+def gc_seconds(url: str) -> float:
+    """Seconds the gateway's process has spent in Python's garbage collector so far, all
+    generations (``tailscope:gc_pause_seconds``: wall time, each collection stops every
+    thread)."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("tailscope:gc_pause_seconds_sum{"))
+
+
 FLUSH_S = 5.0  # the gateways' TAILSCOPE_STORE_FLUSH_S here (the product default; --flush-s)
 MODES = {"on": "capture on (store in the gateway)", "child": "capture on (store child)",
          "off": "capture off"}
@@ -227,23 +242,24 @@ def throughput(seconds: float, concurrency: int, rounds: int, model: str = "tiny
             try:
                 closed_loop(url, 2.0, concurrency, model)  # warm-up
                 time.sleep(flush_s + 1)  # the warm-up's records written
-                before = cpu_seconds(proc.pid)
+                before, gc_before = cpu_seconds(proc.pid), gc_seconds(url)
                 rps, tps, n = closed_loop(url, seconds, concurrency, model)
                 time.sleep(flush_s + 1)  # this run's records written (their CPU counted)
-                after = cpu_seconds(proc.pid)
+                after, gc_after = cpu_seconds(proc.pid), gc_seconds(url)
                 results[mode].append((rps, tps))
                 d = {k: (after[k] - before[k]) * 1000 / n for k in after}
                 # capture's own threads: the writer's and the store engine's in the gateway,
-                # and the whole store child
+                # and the whole store child; then the gateway's garbage collections
                 cpu[mode].append((d["gateway"] + d["store"], d["replica"],
-                                  d["writer"] + d["store_engine"] + d["store"]))
+                                  d["writer"] + d["store_engine"] + d["store"],
+                                  (gc_after - gc_before) * 1000 / n))
             finally:
                 peak.stop()
                 rss[mode] = [max(rss[mode][0], peak.gateway_mb), max(rss[mode][1], peak.store_mb)]
                 proc.terminate()
                 proc.wait(60)
-    return {m: (*max(v), *rss[m], *min(c[:2] for c in cpu[m]), min(c[2] for c in cpu[m]))
-            for m, v in results.items()}
+    return {m: (*max(v), *rss[m], *min(c[:2] for c in cpu[m]), min(c[2] for c in cpu[m]),
+                min(c[3] for c in cpu[m])) for m, v in results.items()}
 
 
 def make_records(n: int) -> list:
@@ -582,11 +598,12 @@ def main() -> int:
     tp = throughput(args.seconds, args.concurrency, args.rounds, args.model, args.flush_s)
     print()
     for mode, label in MODES.items():
-        rps, tps, gw_mb, store_mb, gw_cpu, rep_cpu, _ = tp[mode]
+        rps, tps, gw_mb, store_mb, gw_cpu, rep_cpu, _, gc_ms = tp[mode]
         child = f" + store child {store_mb:.0f} MB" if mode == "child" else ""
         print(f"{label:34}: {rps:7.1f} req/s {tps:8.1f} output tok/s   gateway peak RSS "
               f"{gw_mb:.0f} MB{child}; CPU per request: gateway{' + store' if child else ''} "
-              f"{gw_cpu:.2f} ms, replica {rep_cpu:.2f} ms")
+              f"{gw_cpu:.2f} ms (of it in garbage collections {gc_ms:.3f}), replica "
+              f"{rep_cpu:.2f} ms")
     off = tp["off"]
     for mode in ("on", "child"):
         extra = tp[mode][4] - off[4]
@@ -602,6 +619,14 @@ def main() -> int:
               f"{', the store child' if mode == 'child' else ''}): {own:.3f} ms per request = "
               f"{100 * own / (off[4] + off[5]):.2f}% of the CPU a request costs without "
               f"capture (the same threads with capture off: {off[6]:.3f} ms)")
+    # what capture adds to the collections of the gateway's own threads (its queue's rows and
+    # the emit path's objects): they run in whichever thread allocates, mostly the event loop
+    for mode in ("on", "child"):
+        gc_extra = tp[mode][7] - off[7]
+        total = tp[mode][6] + gc_extra
+        print(f"plus the garbage collections capture adds in the gateway, {MODES[mode]}: "
+              f"{gc_extra:+.3f} ms per request ({tp[mode][7]:.3f} against {off[7]:.3f}); "
+              f"with its own threads {total:.3f} ms = {100 * total / (off[4] + off[5]):.2f}%")
     if merged:  # what a fresh store's short run leaves out (part 5)
         for label, what in (("declared", "as declared"), ("default", "at ClickHouse's default")):
             cost = merge_us[label]
