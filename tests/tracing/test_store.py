@@ -240,6 +240,39 @@ def test_writer_spools_while_the_store_is_down_and_replays_without_duplicates(st
     assert w.stats["replayed"] == 40 and w.stats["written"] == 75 and not w.spool_files()
 
 
+def test_an_empty_spool_is_looked_at_once_until_a_batch_is_spooled(store, tmp_path):
+    """The writer lists its spool at start (files an earlier process left) and then only while
+    a batch it spooled waits there: an idle or healthy writer does not wake to list an empty
+    directory every ``replay_interval_s``."""
+    fault = tmp_path / "store-down"
+    w = RecordWriter(store, tmp_path / "spool", batch_size=100, max_age_s=0.05,
+                     replay_interval_s=0.05, fault_file=str(fault))
+    looks = []  # a spy: the listing runs as it would
+    real = w.spool_files
+    w.spool_files = lambda: looks.append(time.monotonic()) or real()
+    try:
+        time.sleep(0.3)
+        first = len(looks)
+        w.emit(make_record())
+        assert w.flush(10)
+        time.sleep(0.3)
+        assert first <= 1 and len(looks) == first  # ~12 replay intervals, no listing
+        fault.touch()  # the store goes down: the next batch is spooled
+        rec = make_record()
+        w.emit(rec)
+        deadline = time.monotonic() + 10
+        while w.stats["spooled"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        fault.unlink()
+        while real() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not real() and len(looks) > first  # replayed: the spool was listed again
+        assert store.select("SELECT count() FROM tailscope.requests WHERE trace_id = "
+                            "{t:String}", {"t": rec.trace_id})[1] == [(1,)]
+    finally:
+        w.close()
+
+
 def test_writer_bounds_its_queue_and_counts_drops(store, tmp_path):
     fault = tmp_path / "down"
     fault.touch()
