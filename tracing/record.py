@@ -21,10 +21,18 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 
-@dataclass(slots=True)
-class RecordEvent:
-    """One point of a request's timeline: a gateway stage boundary or an engine state."""
+
+class RecordEvent(msgspec.Struct, gc=False):
+    """One point of a request's timeline: a gateway stage boundary or an engine state.
+
+    A msgspec Struct the garbage collector does not track (``gc=False``: it holds a number
+    and two strings, so it can be in no reference cycle). A record's dozen events live until
+    the record writer's flush (``TAILSCOPE_STORE_FLUSH_S``), and as tracked objects each was
+    walked by every collection it lived through: with them untracked, a tiny-model gateway's
+    collections under load cost 64-66 us of CPU a request against 89 (37 with capture off;
+    2026-12-05, ``tailscope:gc_pause_seconds``' callback per collection, 2,250 requests)."""
 
     ts_us: int  # wall clock, microseconds since the epoch
     state: str  # RECEIVED, ADMITTED, TOKENIZED, ROUTED, QUEUED, ..., FIRST_FLUSH, END
@@ -136,7 +144,9 @@ class RequestRecord:
     ttl_days: int = 30  # how long the store keeps the row (the tenant's privacy setting)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        out["events"] = [msgspec.structs.asdict(e) for e in self.events]
+        return out
 
 
 RECORD_COLUMNS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RequestRecord))

@@ -248,23 +248,8 @@ def _paced_array(values: list, kind: pa.DataType, pace: _Pacer, rows: int = 8192
     return pa.concat_arrays(parts)
 
 
-# the array columns' values as a queued row packs them (``table_row``): array.array's kind, and
-# the NumPy type the packed bytes are read as
-_PACKED = {pa.uint32(): ("I", np.uint32), pa.float32(): ("d", np.float64)}
-
-
 def _column(kind: pa.DataType, values: list, pace: _Pacer) -> pa.Array:
     inner = kind.value_type if pa.types.is_list(kind) else None
-    if inner in _PACKED and values and type(values[0]) is bytes:
-        # packed by ``table_row``: joined and read as they are; a row whose values could not
-        # be packed (a list) makes this raise, and the writer then sets that row aside
-        if not all(type(v) is bytes for v in values):
-            raise TypeError(f"a {kind} value that does not fit its column")
-        dtype = _PACKED[inner][1]
-        flat = np.frombuffer(b"".join(values), dtype).astype(inner.to_pandas_dtype(),
-                                                             copy=False)
-        lengths = np.fromiter(map(len, values), np.int32, len(values)) // dtype().itemsize
-        return _list_array(kind, inner, flat, lengths)
     if inner == pa.uint32():
         packed = array("I")
         from_list, extend = packed.fromlist, packed.extend
@@ -285,17 +270,11 @@ def _column(kind: pa.DataType, values: list, pace: _Pacer) -> pa.Array:
         flat = np.concatenate(parts)
     else:
         return _paced_array(values, kind, pace)
-    return _list_array(kind, inner, flat, np.fromiter(map(len, values), np.int32, len(values)))
-
-
-def _list_array(kind: pa.DataType, inner: pa.DataType, flat: np.ndarray,
-                lengths: np.ndarray) -> pa.Array:
-    """A list column over its values laid end to end, built on the two buffers as they are
-    (offsets made here from the lengths, so nothing to validate): ListArray.from_arrays
-    validates, and gives up the GIL doing so."""
-    offsets = np.zeros(len(lengths) + 1, np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    return pa.Array.from_buffers(kind, len(lengths), [None, pa.py_buffer(offsets)], children=[
+    offsets = np.zeros(len(values) + 1, np.int32)
+    np.cumsum(np.fromiter(map(len, values), np.int32, len(values)), out=offsets[1:])
+    # built on the two buffers as they are (offsets made here from the lengths, so nothing to
+    # validate): ListArray.from_arrays validates, and gives up the GIL doing so
+    return pa.Array.from_buffers(kind, len(values), [None, pa.py_buffer(offsets)], children=[
         pa.Array.from_buffers(inner, len(flat), [None, pa.py_buffer(flat)])])
 
 
@@ -331,142 +310,37 @@ def to_arrow(table: Table, rows: list) -> pa.Table:
     return _table(table, _transposed(rows, [f for _, _, f in table.columns], pace), pace)
 
 
-def _transpose(rows: list[tuple], width: int, pace: _Pacer) -> list[list]:
-    """Tuples of ``width`` values as a list of values per place, a chunk of rows at a time
-    (``zip`` of the chunk)."""
-    columns: list[list] = [[] for _ in range(width)]
-    for i in range(0, len(rows), ARROW_CHUNK_ROWS):
-        for column, values in zip(columns, zip(*rows[i:i + ARROW_CHUNK_ROWS], strict=True),
-                                  strict=True):
-            column.extend(values)
-        pace()
-    return columns
-
-
-def steps_to_arrow(rows: list[tuple]) -> pa.Table:
-    """``table_row("engine_steps", ...)`` tuples as the ``engine_steps`` table."""
-    table = TABLES["engine_steps"]
-    pace = _Pacer()
-    return _table(table, _transpose(rows, len(table.columns), pace), pace)
-
-
-def _array_kinds(table: Table) -> tuple[tuple[int, str | None], ...]:
-    """Where a table's array columns sit in its row (``table_row``), and the ``array.array``
-    kind each is packed as (None: a tuple)."""
-    return tuple((i, _PACKED.get(arrow_type(t).value_type, (None,))[0])
-                 for i, (_, t, _) in enumerate(table.columns) if t.startswith("Array("))
-
-
-_ROW_OF = {name: (operator.attrgetter(*(f for _, _, f in TABLES[name].columns)),
-                  _array_kinds(TABLES[name])) for name in ("requests", "engine_steps")}
-
-
-def table_row(name: str, item) -> list:
-    """``item``'s values for the table's columns, in column order, each array column's values
-    packed as the bytes of an ``array.array`` (numbers) or a tuple (text), never a list or an
-    array (``record_row`` says why). Values that do not fit their array (a negative or missing
-    id) are kept as they are: the writer's conversion then sets the row aside (dead letter),
-    as it would have."""
-    values, arrays = _ROW_OF[name]
-    row = list(values(item))
-    for i, kind in arrays:
-        if kind is None:
-            row[i] = tuple(row[i])
-            continue
-        try:
-            row[i] = array(kind, row[i]).tobytes()
-        except (TypeError, OverflowError, ValueError):
-            pass  # kept as it is, refused by the conversion (``_column``)
-    return row
-
-
-def record_row(record) -> tuple:
-    """A request record as the writer queues it: a tuple of its ``requests`` columns' values in
-    column order (``table_row``), then its events' timestamps (packed, 8 bytes each) and
-    their states and details (one tuple, state and detail by turns).
-
-    The garbage collector walks every list and object that lives through a collection, as a
-    record does while it waits up to ``TAILSCOPE_STORE_FLUSH_S`` in the writer's queue: queued
-    as ``RequestRecord`` objects (their lists, their events), the records of a tiny-model
-    gateway under load made its event loop's collections cost 89 us a request against 37 with
-    capture off (2026-12-05, a gc callback's CPU per collection, 2,250 requests each). A tuple
-    of text, numbers and bytes is dropped from the collector's lists at the first collection it
-    lives through, and bytes are never on them (an ``array.array`` is, for good: rows holding
-    the arrays themselves left the collections at 59-64 us a request). The writer also reads
-    the values from these rows rather than from objects made all over the heap over the
-    request's life."""
-    row = table_row("requests", record)
-    events = record.events
-    try:
-        row.append(array("q", [e.ts_us for e in events]).tobytes())
-    except (TypeError, OverflowError):
-        row.append(tuple([e.ts_us for e in events]))  # refused by the conversion
-    row.append(tuple(itertools.chain.from_iterable((e.state, e.detail) for e in events)))
-    return tuple(row)
-
-
-_REQUEST_FIELDS = tuple(f for _, _, f in TABLES["requests"].columns)
-
-
-def row_fields(name: str, row: tuple) -> dict:
-    """A queued row (``record_row``, ``table_row``) as its item's fields, arrays as lists (a
-    dead-letter line)."""
-    def unpacked(kind: str | None, v):
-        if type(v) is bytes:
-            packed = array(kind or "q")
-            packed.frombytes(v)
-            return packed.tolist()
-        return list(v) if isinstance(v, tuple) else v
-
-    kinds = dict(_ROW_OF[name][1])
-    fields = [f for _, _, f in TABLES[name].columns]
-    out = {f: unpacked(kinds.get(i), v) for i, (f, v) in enumerate(zip(fields, row,
-                                                                      strict=False))}
-    if name == "requests":
-        ts, labels = unpacked(None, row[-2]), row[-1]
-        out["events"] = [{"ts_us": t, "state": labels[2 * i], "detail": labels[2 * i + 1]}
-                         for i, t in enumerate(ts)]
-    return out
+# one getter per field: a map per field makes no tuples (a tuple per event and zip cost ~6x more)
+_EVENT_FIELDS = {f: operator.attrgetter(f) for f in ("ts_us", "state", "detail")}
 
 
 def records_to_arrow(records: list) -> tuple[pa.Table, pa.Table]:
-    """Request records as the ``requests`` table and their events as ``request_events``
-    (``rows_to_arrow`` of their ``record_row``s)."""
-    return rows_to_arrow([record_row(r) for r in records])
-
-
-def rows_to_arrow(rows: list[tuple]) -> tuple[pa.Table, pa.Table]:
-    """``record_row`` tuples as the ``requests`` table and their events as ``request_events``,
-    from one pass over the rows (``zip`` of a chunk of rows gives each column's values; the
-    columns an event row repeats from its request are taken from the ``requests`` table at the
-    end, in one ``take`` for all of them, not built again per event)."""
+    """Request records as the ``requests`` table and their events as ``request_events``, both
+    from one pass over the records (the columns an event row repeats from its request are taken
+    from the ``requests`` table at the end, in one ``take`` for all of them, not built again
+    per event)."""
     req, ev = TABLES["requests"], TABLES["request_events"]
     pace = _Pacer()
-    if not rows:
+    if not records:
         return to_arrow(req, []), to_arrow(ev, [])
-    columns = _transpose(rows, len(_REQUEST_FIELDS) + 2, pace)
-    *columns, event_ts, event_labels = columns
+    *columns, per_record_events = _transposed(
+        records, [*(f for _, _, f in req.columns), "events"], pace)
     requests = _table(req, columns, pace)
-    per_record = np.fromiter(map(len, event_labels), np.int64, len(rows)) // 2
+    per_record = np.fromiter(map(len, per_record_events), np.int64, len(records))
     if not per_record.sum():
         return requests, to_arrow(ev, [])
-    ts, labels = array("q"), []
-    for i in range(0, len(rows), ARROW_CHUNK_ROWS):
-        for values in event_ts[i:i + ARROW_CHUNK_ROWS]:
-            if type(values) is bytes:
-                ts.frombytes(values)
-            else:  # could not be packed: raises here, and the writer sets the row aside
-                ts.extend(values)
-        labels.extend(itertools.chain.from_iterable(event_labels[i:i + ARROW_CHUNK_ROWS]))
+    own: dict[str, list] = {f: [] for _, _, f in ev.columns if f in _EVENT_FIELDS}
+    for i in range(0, len(records), ARROW_CHUNK_ROWS):
+        events = list(itertools.chain.from_iterable(per_record_events[i:i + ARROW_CHUNK_ROWS]))
+        for f, values in own.items():
+            values.extend(map(_EVENT_FIELDS[f], events))
         pace()
-    own = {"ts_us": np.frombuffer(ts, np.int64), "state": labels[0::2],
-           "detail": labels[1::2]}
-    at = pa.array(np.repeat(np.arange(len(per_record)), per_record))  # each event's request
+    rows = pa.array(np.repeat(np.arange(len(per_record)), per_record))  # each event's request
     # its place among its request's events (timestamps can tie)
-    seq = np.arange(len(at)) - np.repeat(np.cumsum(per_record) - per_record, per_record)
+    seq = np.arange(len(rows)) - np.repeat(np.cumsum(per_record) - per_record, per_record)
     column_of = {f: col for col, _, f in req.columns}
     repeated = requests.select([column_of[f] for _, _, f in ev.columns
-                                if f not in own and f != "seq"]).take(at)
+                                if f not in own and f != "seq"]).take(rows)
     arrays = {}
     for col, t, f in ev.columns:
         if f in own:

@@ -48,16 +48,13 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from tracing.record import RequestRecord
-from tracing.schema import EngineStepRow
+from tracing.schema import TABLES, EngineStepRow
 from tracing.store import (
     InsertStopped,
     Store,
     StoreError,
-    record_row,
-    row_fields,
-    rows_to_arrow,
-    steps_to_arrow,
-    table_row,
+    records_to_arrow,
+    to_arrow,
     write_arrow_file,
 )
 
@@ -126,14 +123,13 @@ class RecordWriter:
 
     # ---- the request path ---------------------------------------------------------------------
     def emit(self, record: RequestRecord) -> None:
-        """Queue the record as its row (``record_row``: no list or object for the garbage
-        collector to walk while it waits)."""
-        self._put("requests", record, item_bytes("requests", record))
+        self._put("requests", record)
 
     def emit_step(self, row: EngineStepRow) -> None:
-        self._put("engine_steps", row, item_bytes("engine_steps", row))
+        self._put("engine_steps", row)
 
-    def _put(self, kind: str, item: object, size: int) -> None:
+    def _put(self, kind: str, item: object) -> None:
+        size = item_bytes(kind, item)
         if (len(self._queue) >= self.max_queue or self.queued_bytes + size > self.max_queue_bytes
                 or self._closing):
             why = "writer is closed" if self._closing else \
@@ -145,7 +141,6 @@ class RecordWriter:
                 self.stats["steps_dropped"] += 1
             return
         was_empty = not self._queue
-        item = record_row(item) if kind == "requests" else table_row(kind, item)
         self._queue.append((kind, item, time.monotonic(), size))
         self.queued_bytes += size
         if kind == "requests":
@@ -270,10 +265,10 @@ class RecordWriter:
         out = {}
         if records:  # a record whose row cannot be converted keeps its events out too
             out["requests"], out["request_events"] = self._convert(
-                "requests", records, rows_to_arrow)
+                "requests", records, records_to_arrow)
         if steps:
             out["engine_steps"], = self._convert(
-                "engine_steps", steps, lambda rows: (steps_to_arrow(rows),))
+                "engine_steps", steps, lambda rows: (to_arrow(TABLES["engine_steps"], rows),))
         return {name: data for name, data in out.items() if data.num_rows}
 
     def _convert(self, name: str, rows: list, convert: Callable[[list], tuple]) -> tuple:
@@ -293,17 +288,14 @@ class RecordWriter:
         return convert(good)
 
     def _dead_letter(self, name: str, row, exc: Exception) -> None:
-        if isinstance(row, tuple):  # a queued row (``record_row``, ``table_row``)
-            row = row_fields(name, row)
-        trace_id = row.get("trace_id", "") if isinstance(row, dict) else \
-            getattr(row, "trace_id", "")
+        trace_id = getattr(row, "trace_id", "")
         self.stats["dead_lettered"] += 1
         log.error("record of trace %s cannot be stored (%s: %s); set aside in %s", trace_id,
                   type(exc).__name__, exc, self.spool_dir / DEAD_LETTER)
         try:
             line = json.dumps({"table": name, "trace_id": trace_id, "error": str(exc),
-                               "row": row if isinstance(row, dict) else
-                               dataclasses.asdict(row)}, default=str)
+                               "row": row.to_dict() if isinstance(row, RequestRecord)
+                               else dataclasses.asdict(row)}, default=str)
             with open(self.spool_dir / DEAD_LETTER, "a") as f:
                 f.write(line + "\n")
         except Exception:
