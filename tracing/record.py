@@ -31,7 +31,7 @@ class RecordEvent(msgspec.Struct, gc=False):
     and two strings, so it can be in no reference cycle). A record's dozen events live until
     the record writer's flush (``TAILSCOPE_STORE_FLUSH_S``), and as tracked objects each was
     walked by every collection it lived through: with them untracked, a tiny-model gateway's
-    collections under load cost 64-66 us of CPU a request against 89 (37 with capture off;
+    collections under load cost 54-66 us of CPU a request against 89 (37 with capture off;
     2026-12-05, ``tailscope:gc_pause_seconds``' callback per collection, 2,250 requests)."""
 
     ts_us: int  # wall clock, microseconds since the epoch

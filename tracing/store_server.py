@@ -160,8 +160,8 @@ def create_app(store: Store, key: str | None = None, inbox: Path | None = None):
     @app.post("/v1/insert")
     async def insert_batch(request: Request):
         """A writer's flush in one call: ``{"batch": [{"table", "file", "token"}, ...]}``,
-        inbox files inserted in order (one request, not one per table: a gateway's flush cost
-        the store process's event loop ~1.1 ms of CPU a request)."""
+        inbox files inserted in order (one HTTP request, not one per table: each cost the store
+        process's event loop ~1.1 ms of CPU)."""
         if inbox is None:
             return error(400, "this store process has no inbox (--inbox): send each table to "
                          "/v1/insert/{table} as the request body", "no_inbox")
