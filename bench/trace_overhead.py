@@ -24,7 +24,7 @@ writer's ingest rate into embedded ClickHouse (chDB).
    named ``ts-writer`` / ``ts-insert``, and the embedded store engine's, plus the store child
    when there is one): a difference of two runs' totals also carries the request path's own
    drift between runs (+-0.3 ms per request here), which these do not. Capture also makes
-   the gateway's garbage collections dearer (its queued rows, the emit path's objects; they
+   the gateway's garbage collections dearer (its queued records, the emit path's objects; they
    run in whichever thread allocates, mostly the event loop): each gateway's time in them is
    read from its ``tailscope:gc_pause_seconds``, and the difference with capture off is added
    to capture's own threads.
@@ -619,7 +619,7 @@ def main() -> int:
               f"{', the store child' if mode == 'child' else ''}): {own:.3f} ms per request = "
               f"{100 * own / (off[4] + off[5]):.2f}% of the CPU a request costs without "
               f"capture (the same threads with capture off: {off[6]:.3f} ms)")
-    # what capture adds to the collections of the gateway's own threads (its queue's rows and
+    # what capture adds to the collections of the gateway's own threads (its queued records and
     # the emit path's objects): they run in whichever thread allocates, mostly the event loop
     for mode in ("on", "child"):
         gc_extra = tp[mode][7] - off[7]
