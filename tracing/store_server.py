@@ -135,16 +135,17 @@ def create_app(store: Store, key: str | None = None, inbox: Path | None = None):
     async def health() -> dict:
         return {"ok": True, "dsn": store.dsn, "inserts": app.state.inserts}
 
-    def insert_file(table: str, path: Path, token: str | None) -> int:
-        try:
-            return store.insert_file(table, path, token)
-        finally:
-            path.unlink(missing_ok=True)  # inserted or not: the client keeps its own copy
+    def inbox_file(file) -> Path | None:
+        """The inbox's file of that name (what RemoteStore writes), or None."""
+        if isinstance(file, str) and INBOX_FILE.fullmatch(file) and (inbox / file).is_file():
+            return inbox / file
+        return None
 
     def insert_files(batch: list[tuple[str, Path, str | None]]
                      ) -> tuple[list[str], int, Exception | None]:
         """Insert each file in order, stopping at the first that fails; every file is deleted
-        either way. Returns the tables inserted, their rows and the failure."""
+        either way (inserted or not: the client keeps its own copy). Returns the tables
+        inserted, their rows and the failure."""
         done, rows = [], 0
         try:
             for table, path, token in batch:
@@ -175,10 +176,9 @@ def create_app(store: Store, key: str | None = None, inbox: Path | None = None):
             table, file = item.get("table"), item.get("file")
             if table not in TABLES:
                 return error(400, f"unknown table {table!r}", "unknown_table")
-            if not isinstance(file, str) or not INBOX_FILE.fullmatch(file) \
-                    or not (inbox / file).is_file():
+            if (path := inbox_file(file)) is None:
                 return error(400, f"no file {file!r} in the inbox", "bad_batch")
-            batch.append((table, inbox / file, item.get("token") or None))
+            batch.append((table, path, item.get("token") or None))
         done, rows, exc = await asyncio.to_thread(insert_files, batch)
         app.state.inserts += len(done)
         if exc is not None:
@@ -194,13 +194,13 @@ def create_app(store: Store, key: str | None = None, inbox: Path | None = None):
             if inbox is None:
                 return error(400, "this store process has no inbox (--inbox): send the batch "
                              "as the request body", "no_inbox")
-            if not INBOX_FILE.fullmatch(file) or not (inbox / file).is_file():
+            if (path := inbox_file(file)) is None:
                 return error(400, f"no file {file!r} in the inbox", "bad_batch")
-            out = await run(insert_file, table, inbox / file, token or None)
-            if isinstance(out, Response):
-                return out
+            _, rows, exc = await asyncio.to_thread(insert_files, [(table, path, token or None)])
+            if exc is not None:
+                return failure(exc)
             app.state.inserts += 1
-            return {"table": table, "rows": out}
+            return {"table": table, "rows": rows}
         body = await request.body()
         try:
             data = ipc.open_stream(body).read_all()

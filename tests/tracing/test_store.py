@@ -533,7 +533,6 @@ def test_a_store_with_rows_upgrades_to_the_codecs_and_keeps_every_row(tmp_path):
 
     code = f"""
 import json
-import re
 import tracing.store as S
 from bench.trace_overhead import make_records, step_rows
 full = list(S.MIGRATIONS)
