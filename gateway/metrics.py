@@ -24,6 +24,18 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05
                 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 
 
+class _GcCollector:
+    """``tailscope:gc_threshold{generation}``: the collector's thresholds as they are now (a
+    serving gateway raises generation 0's: ``TAILSCOPE_GC_THRESHOLD``)."""
+
+    def collect(self):
+        g = GaugeMetricFamily("tailscope:gc_threshold", "The garbage collector's threshold "
+                              "per generation (gc.get_threshold())", labels=["generation"])
+        for gen, value in enumerate(gc.get_threshold()):
+            g.add_metric([str(gen)], value)
+        yield g
+
+
 class _PoolCollector:
     def __init__(self, pool) -> None:
         self.pool = pool
@@ -169,6 +181,7 @@ class GatewayMetrics:
         self.prefill = hist("tailscope:request_prefill_time_seconds", "Engine prefill time")
         self.decode = hist("tailscope:request_decode_time_seconds", "Engine decode time")
         r.register(_PoolCollector(pool))
+        r.register(_GcCollector())
         self.stalls = LoopStalls(r)
 
     def watch_backends(self, upstreams) -> None:

@@ -223,6 +223,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                max_queue_mb=s.store_max_queue_mb,
                                key_id_secret=s.key_id_secret or None,
                                backends=backends, freeze_gc=True,
+                               gc_threshold=s.gc_threshold,
                                instance_id=instance_id(s.instance_id, args.port),
                                remote_replicas=remote,
                                replica_outbox=s.replica_outbox or None,
