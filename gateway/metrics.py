@@ -214,7 +214,8 @@ class GatewayMetrics:
 
 # seconds: a stall of the gateway's event loop holds every stream it serves at once
 _STALL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
-# a generation-0 collection takes a fraction of a millisecond, a full one tens of them
+# a generation-0 collection takes a fraction of a millisecond at Python's threshold (700), a few
+# at a serving gateway's (TAILSCOPE_GC_THRESHOLD), a full one up to tens of them
 _GC_BUCKETS = (0.0001, 0.00025, 0.0005, *_STALL_BUCKETS)
 
 
@@ -224,8 +225,10 @@ class LoopStalls:
     event loop fires: a blocking call, a long callback, the GIL held by another thread) and
     ``tailscope:gc_pause_seconds{generation}`` (each collection of Python's cyclic garbage
     collector, in any thread of the process: it stops them all). The generation-0 ones are
-    frequent and short but not cheap: ~0.5 ms each in a tiny-model gateway under load, ~15 a
-    second, more of its CPU than the rarer older ones (2026-12-05); timing one costs ~2 us.
+    frequent and short but not cheap at Python's threshold: ~0.5 ms each in a tiny-model
+    gateway under load, ~15 a second, more of its CPU than the rarer older ones (2026-12-05),
+    which is why a serving gateway raises it (``TAILSCOPE_GC_THRESHOLD``: 1-9 in 15 s);
+    timing one costs ~2 us.
     Started and stopped with the app."""
 
     PERIOD_S = 0.05
