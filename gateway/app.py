@@ -246,7 +246,7 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
             # (a request's objects die with it), so at 700 most collections walked the
             # in-flight requests' live objects and found nothing: ~15 a second under load,
             # ~44 us of CPU a request (tiny model, capture off), and each queued record was
-            # walked again and again (capture on: ~74). At 5,000: 1-7 collections in 15 s,
+            # walked again and again (capture on: ~74). At 5,000: 1-9 collections in 15 s,
             # 0.4 us a request with capture off, ~11 with capture on (2026-12-05, 2,700
             # requests each, tail of the event loop's lag unchanged); cyclic garbage waits a
             # little longer, a collection that runs walks more (a few ms).
