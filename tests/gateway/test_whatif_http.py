@@ -154,7 +154,10 @@ def test_requests_that_timed_out_in_the_queue_are_replayed_with_estimated_length
                           env={"TAILSCOPE_MAX_NUM_SEQS": "1"})
     try:
         start = time.time() - 1
-        items = workload(40, Dist("uniform", 40, 120), Dist("fixed", 32), seed=7)
+        # 96 tokens each (~100 ms at one sequence a step) against an arrival every ~33 ms: a
+        # queue builds on a fast machine too (with 32, a gateway that spent less CPU on its
+        # collections left the replica fast enough to keep up, and nothing timed out)
+        items = workload(40, Dist("uniform", 40, 120), Dist("fixed", 96), seed=7)
         samples, _ = asyncio.run(run_open_loop(Target(server.url), items,
                                                arrival_times(40, 30.0, seed=7)))
         # streamed: the 504 comes as the stream's error event
