@@ -118,7 +118,13 @@ def test_whatif_replays_the_recorded_window_and_a_candidate_config(bundled_path)
                                    f"{one['candidate']['extrapolated']:.0%}"], text.stdout
         assert two["recorded_config"]["table"]["queue_ms"]["p90"] > \
             one["recorded_config"]["table"]["queue_ms"]["p90"]  # twice as fast: more queueing
-        assert one["candidate"]["slo"]["attainment"] < one["recorded_config"]["slo"]["attainment"]
+        # worse under the SLO: a longer TTFT at the median (its queueing), and not a better
+        # attainment (a bound of 1.2x the recorded config's p90 was met by both in full once,
+        # 1.0 against 1.0, in a full CI run on 2026-12-05)
+        assert one["candidate"]["table"]["ttft_ms"]["p50"] > \
+            one["recorded_config"]["table"]["ttft_ms"]["p50"]
+        assert one["candidate"]["slo"]["attainment"] <= \
+            one["recorded_config"]["slo"]["attainment"]
         assert "recorded" not in two and 0 <= one["recorded"]["slo"]["attainment"] <= 1
         # the gateway's queue timeout, simulated: the narrow config at twice the rate sheds
         # its queue as TIMED_OUT instead of queueing for ever
