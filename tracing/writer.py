@@ -3,7 +3,9 @@ request path, and never losing or duplicating a row when the store goes away for
 
 - ``emit`` / ``emit_step`` append to an in-memory queue bounded in bytes (O(1), no I/O; called
   from the event loop; a record's size is estimated from its token ids and events). Past
-  ``max_queue_bytes`` (or ``max_queue`` items) a record is dropped, counted and logged.
+  ``max_queue_bytes`` (or ``max_queue`` items) a record is dropped, counted and logged. A
+  queued record and its lists are taken out of the garbage collector's view (``untrack``):
+  they are data, and they wait up to ``max_age_s`` for their batch.
 - A background thread takes batches (by size, or when the oldest waiting item is ``max_age_s``
   old), turns them into Arrow tables (``requests``, ``request_events``, ``engine_steps``) and
   inserts them together (``Store.insert_many``: a store process takes the three in one
@@ -58,6 +60,10 @@ from tracing.store import (
     write_arrow_file,
 )
 
+# the list fields of what the writer queues (``untrack``)
+_LISTS = {cls: tuple(f.name for f in dataclasses.fields(cls) if f.type.startswith("list["))
+          for cls in (RequestRecord, EngineStepRow)}
+
 DEAD_LETTER = "dead-letter.jsonl"
 QUARANTINE = "quarantine"
 
@@ -70,6 +76,42 @@ def item_bytes(kind: str, item) -> int:
                         + len(item.itl_ms)) + 120 * len(item.events)
 
 log = logging.getLogger("tailscope.writer")
+
+
+def _gc_untrack() -> Callable[[object], None] | None:
+    """CPython's ``PyObject_GC_UnTrack`` (public C API; Python itself has no call for it), or
+    None where there is none (another interpreter)."""
+    try:
+        import ctypes
+
+        fn = ctypes.pythonapi.PyObject_GC_UnTrack
+    except (ImportError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.py_object], None
+    return fn
+
+
+_UNTRACK = _gc_untrack()
+
+
+def untrack(item) -> None:
+    """Take a queued record (or step row) and its lists out of the garbage collector's view.
+
+    Records wait in the queue up to ``max_age_s`` (5 s in a gateway), and every collection of
+    the generation they had reached walked each one, its lists and their elements again, where
+    nothing could ever be freed: a record is data, every field a number, a string, None or a
+    list of those (events: ``RecordEvent``, itself untracked) and no field can refer back to
+    anything, so none can be part of a reference cycle (tests/tracing/test_store.py checks the
+    fields' types), and reference counting frees them once their batch is written. A tiny-model
+    gateway with the store child under load: collections 12.5-12.9 -> 3.2-3.8 us of CPU a
+    request, at ~0.15 us a call here, 7 calls a record and 4 a step row (2026-12-06,
+    alternating runs). ``PyObject_GC_UnTrack`` is a no-op on an object already untracked."""
+    names = _LISTS.get(type(item))
+    if _UNTRACK is None or names is None:  # a type whose fields are not known to be data
+        return
+    for name in names:
+        _UNTRACK(getattr(item, name))
+    _UNTRACK(item)
 
 
 # The writer's two threads as the OS names them (``top -H``, ``/proc/<pid>/task/<tid>/comm``):
@@ -123,12 +165,15 @@ class RecordWriter:
 
     # ---- the request path ---------------------------------------------------------------------
     def emit(self, record: RequestRecord) -> None:
-        self._put("requests", record)
+        if self._put("requests", record):
+            untrack(record)
 
     def emit_step(self, row: EngineStepRow) -> None:
-        self._put("engine_steps", row)
+        if self._put("engine_steps", row):
+            untrack(row)
 
-    def _put(self, kind: str, item: object) -> None:
+    def _put(self, kind: str, item: object) -> bool:
+        """Queue ``item``; False where it was dropped."""
         size = item_bytes(kind, item)
         if (len(self._queue) >= self.max_queue or self.queued_bytes + size > self.max_queue_bytes
                 or self._closing):
@@ -139,7 +184,7 @@ class RecordWriter:
                 log.warning("dropped the record of trace %s: %s", item.trace_id, why)
             else:
                 self.stats["steps_dropped"] += 1
-            return
+            return False
         was_empty = not self._queue
         self._queue.append((kind, item, time.monotonic(), size))
         self.queued_bytes += size
@@ -150,6 +195,7 @@ class RecordWriter:
         if was_empty or len(self._queue) >= self.batch_size:
             with self._cond:
                 self._cond.notify()
+        return True
 
     @property
     def alive(self) -> bool:

@@ -6,6 +6,8 @@ tells its rows apart by trace id.
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import json
 import re
 import secrets
@@ -195,6 +197,42 @@ def test_writer_batches_records_events_and_steps(store, tmp_path):
     assert store.select("SELECT count() FROM tailscope.engine_steps WHERE replica = 'rw'")[1] \
         == [(1,)]
     assert w.stats["written"] == 120 and w.stats["dropped"] == 0 and not w.spool_files()
+
+
+def test_queued_records_are_out_of_the_collectors_view_and_hold_only_data(store, tmp_path):
+    """The writer takes what it queues out of the garbage collector's view (tracing.writer.
+    untrack). That is safe only while no field can hold anything that refers back (else a
+    cycle through it would never be freed): every field of a record and of a step row is a
+    number, a string, None, or a list of those or of untracked events. A field of another
+    type fails here first."""
+    data = {"str", "int", "float", "bool", "int | None", "float | None", "list[int]",
+            "list[float]", "list[str]", "list[RecordEvent]"}
+    for cls in (RequestRecord, EngineStepRow):
+        kinds = {f.name: f.type for f in dataclasses.fields(cls)}
+        assert {n: k for n, k in kinds.items() if k not in data} == {}, cls
+    assert not gc.is_tracked(RecordEvent(1, "END"))  # a gc=False struct
+    w = RecordWriter(store, tmp_path / "spool", batch_size=50, max_age_s=0.2)
+    rec = make_record()
+    step = EngineStepRow("gc", 0, 1, time.time_ns() // 1000, 1.0, 2, 16, 1, 3, 100, 0.8, 0.1,
+                         0.1, member_traces=[rec.trace_id], member_prefill=[16],
+                         member_decode=[0])
+    lists = [rec.input_token_ids, rec.output_token_ids, rec.token_steps, rec.itl_ms,
+             rec.events, rec.tool_calls, step.member_traces, step.member_prefill,
+             step.member_decode]
+    assert gc.is_tracked(rec) and gc.is_tracked(step) and all(map(gc.is_tracked, lists))
+    w.emit(rec)
+    w.emit_step(step)
+    assert not gc.is_tracked(rec) and not gc.is_tracked(step)
+    assert not any(map(gc.is_tracked, lists))
+    assert w.flush()
+    w.close()
+    assert store.select("SELECT count() FROM tailscope.requests WHERE trace_id = {t:String}",
+                        {"t": rec.trace_id})[1] == [(1,)]
+    assert store.select("SELECT member_traces FROM tailscope.engine_steps WHERE replica = "
+                        "'gc'")[1] == [([rec.trace_id],)]
+    dropped = make_record()  # the writer is closed: not queued, left as it was
+    w.emit(dropped)
+    assert gc.is_tracked(dropped) and w.stats["dropped"] == 1
 
 
 def test_an_idle_writer_inserts_a_lone_record_once_it_is_max_age_old(store, tmp_path):
