@@ -249,7 +249,8 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
             # walked again and again (capture on: ~74). At 5,000: 1-9 collections in 15 s,
             # 0.4 us a request with capture off, ~11 with capture on (2026-12-05, 2,700
             # requests each, tail of the event loop's lag unchanged); cyclic garbage waits a
-            # little longer, a collection that runs walks more (a few ms).
+            # little longer, a collection that runs walks more (a few ms). (The records the
+            # writer queues are out of the collector's view too: tracing.writer.untrack.)
             if config.gc_threshold > 0:
                 _, older, oldest = gc.get_threshold()
                 gc.set_threshold(config.gc_threshold, older, oldest)
