@@ -235,6 +235,37 @@ def test_queued_records_are_out_of_the_collectors_view_and_hold_only_data(store,
     assert gc.is_tracked(dropped) and w.stats["dropped"] == 1
 
 
+def test_a_record_queued_behind_a_full_batch_is_left_to_the_collector(store, tmp_path):
+    """In a flood the writer converts a record within moments of its queueing, so it is not
+    worth untracking: only records that will wait for their batch are (tracing.writer
+    ``_waits``). The store's first insert is held up, so the writer holds two batches (one
+    in the insert, one converted, waiting) and what follows stays queued."""
+    import threading
+
+    gate = threading.Event()
+    w = RecordWriter(lambda: (gate.wait(30), store)[1], tmp_path / "spool", batch_size=2,
+                     max_age_s=60)
+    first = [make_record() for _ in range(4)]
+    for r in first:
+        w.emit(r)
+    deadline = time.monotonic() + 10
+    while w.queue_depth and time.monotonic() < deadline:  # both batches taken
+        time.sleep(0.01)
+    assert w.queue_depth == 0
+    later = [make_record() for _ in range(3)]
+    for r in later:
+        w.emit(r)
+    # the third finds a full batch ahead of it
+    assert [gc.is_tracked(r) for r in later] == [False, False, True]
+    assert not gc.is_tracked(first[0]) and not gc.is_tracked(first[1])
+    gate.set()
+    assert w.flush()
+    w.close()
+    ids = [r.trace_id for r in first + later]
+    assert store.select("SELECT count() FROM tailscope.requests WHERE has({i:Array(String)}, "
+                        "trace_id)", {"i": ids})[1] == [(7,)]
+
+
 def test_an_idle_writer_inserts_a_lone_record_once_it_is_max_age_old(store, tmp_path):
     """The writer sleeps until its next deadline: a record emitted into an empty queue, with
     the next look at the spool far off, is inserted ``max_age_s`` later, not at that look."""
