@@ -61,7 +61,7 @@ from tracing.store import (
 )
 
 # the list fields of what the writer queues (``untrack``)
-_LISTS = {cls: tuple(f.name for f in dataclasses.fields(cls) if f.type.startswith("list["))
+_LISTS = {cls: tuple(f.name for f in dataclasses.fields(cls) if str(f.type).startswith("list["))
           for cls in (RequestRecord, EngineStepRow)}
 
 DEAD_LETTER = "dead-letter.jsonl"
