@@ -189,7 +189,11 @@ def test_a_wait_for_kv_names_its_holders_and_the_one_behind_it_names_the_head(sm
     assert behind["record"]["wait_hol_ms"] > 0, (behind["events"], blocked["events"])
     notes = [e["detail"] for e in behind["events"] if e["state"] == "WAIT"]
     assert any(n.startswith("hol:") and ids["blocked"] in n for n in notes), notes
-    _, sentence = Q.why(Q.GatewaySource(url), ids["blocked"])
+    # /debug/requests answers from the gateway's memory; why reads the store (its flush
+    # interval later: a full CI run once asked before the record was there)
+    source = Q.GatewaySource(url)
+    assert wait_for(lambda: Q.records_found(source, [ids["blocked"]]) == 1, 10)
+    _, sentence = Q.why(source, ids["blocked"])
     assert "for KV blocks (held by " + ids["holder"] in sentence, sentence
 
 
