@@ -11,6 +11,7 @@ import gc
 import json
 import re
 import secrets
+import threading
 import time
 from pathlib import Path
 
@@ -240,8 +241,6 @@ def test_a_record_queued_behind_a_full_batch_is_left_to_the_collector(store, tmp
     worth untracking: only records that will wait for their batch are (tracing.writer
     ``_waits``). The store's first insert is held up, so the writer holds two batches (one
     in the insert, one converted, waiting) and what follows stays queued."""
-    import threading
-
     gate = threading.Event()
     w = RecordWriter(lambda: (gate.wait(30), store)[1], tmp_path / "spool", batch_size=2,
                      max_age_s=60)
