@@ -104,7 +104,7 @@ def test_the_embedded_engine_runs_with_the_stores_server_settings(store):
     """tracing.store.CHDB_OPTIONS reach chDB's engine (its MemoryWorker polls once a second,
     not its default many times a second). The options go in as server configuration; the ones
     that are server settings show in system.server_settings (the job assignees' idle poll is
-    read from the configuration alone, with no table to show it: its effect, chDB's idle CPU,
+    read from the configuration alone, with no table to show them: their effect, chDB's idle CPU,
     is measured in the option's comment, not timed here)."""
     from tracing.store import CHDB_OPTIONS
 
