@@ -179,31 +179,45 @@ def skip_pandas_probe() -> None:
     a pandas object, and that import cost a gateway 38-42 MB of RSS (with the store child
     224 -> 186 MB idle, 253 -> 228 at its peak under load; with the store in process 453 -> 411
     idle; 2026-12-05); ``tracing.queries`` imports pandas only when a query is asked for a
-    DataFrame. (An embedded store that takes a large batch loads pandas then, for chDB's
-    ``Python()`` table function: see ``Store.insert``.) Here ``import pandas`` fails during one
-    ``pa.array`` call, the shim notes "no pandas" for that check and does not look again; its
-    calls that need pandas (``to_pandas``, ``from_pandas``) import it when called, as before.
-    Called by the processes Tailscope starts (the gateway, the store process) before their
-    threads do: another thread's ``import pandas`` at this moment would fail. Nothing to do
+    DataFrame. Here ``import pandas`` fails during one ``pa.array`` call (``without_pandas``),
+    the shim notes "no pandas" for that check and does not look again; its calls that need
+    pandas (``to_pandas``, ``from_pandas``) import it when called, as before. Called by the
+    processes Tailscope starts (the gateway, the store process) at their start. Nothing to do
     where pandas is already imported."""
     if "pandas" in sys.modules:
         return
-    sys.meta_path.insert(0, _NO_PANDAS)
-    try:
+    with without_pandas():
         pa.array([0])
-    finally:
-        sys.meta_path.remove(_NO_PANDAS)
 
 
-class _NoPandasFinder:
-    """An import finder under which ``import pandas`` fails (``skip_pandas_probe``)."""
+class _PandasGuard(threading.local):
+    """An import finder under which ``import pandas`` fails on the threads that are inside
+    ``without_pandas`` (and only there: another thread's import goes on as usual)."""
+
+    depth = 0
 
     def find_spec(self, name: str, path=None, target=None) -> None:
-        if name.partition(".")[0] == "pandas":
+        if self.depth and name.partition(".")[0] == "pandas":
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 
 
-_NO_PANDAS = _NoPandasFinder()
+_PANDAS_GUARD = _PandasGuard()
+# Put in place once, when this module is imported (a finder added and removed while other
+# threads import could make one of their imports skip a finder); it looks at the name only on
+# a thread inside ``without_pandas``, and returns None (the next finder's turn) elsewhere.
+sys.meta_path.insert(0, _PANDAS_GUARD)
+
+
+class without_pandas:
+    """Within this block, on this thread, ``import pandas`` fails unless pandas is imported
+    already: for a library that imports pandas only to ask whether an object is one of its
+    (pyarrow's shim, chDB's ``Python()``) and does without it when the import fails."""
+
+    def __enter__(self) -> None:
+        _PANDAS_GUARD.depth += 1
+
+    def __exit__(self, *exc) -> None:
+        _PANDAS_GUARD.depth -= 1
 
 
 # Rows per chunk of the transposition and of the id arrays' packing. pyarrow and the loops here
@@ -567,22 +581,21 @@ class Store:
             with self.lock:
                 self.client.insert_arrow(f"{DATABASE}.{table}", data, settings=settings)
             return
-        # chDB's Python() table function imports pandas on its first call (to tell a DataFrame
-        # from the other objects it reads). Only a store that takes a large batch loads it
-        # (~40 MB; a gateway's usual batches go by insert_arrow; a gateway whose store is
-        # elsewhere loads none: skip_pandas_probe), once, here. The first large batch pays for
-        # it: a cold 100,000-record ingest in process 43-46k records/s against 52-58k with
-        # pandas imported before (the import holds the GIL the conversion beside it needs;
-        # through the store child, 49-51k either way; 2026-12-05, alternating runs).
-        import pandas  # noqa: F401
-
+        # chDB's Python() table function imports pandas on every call (to tell a DataFrame from
+        # the other objects it reads) and reads an Arrow table without it where the import
+        # fails, as it does here (``without_pandas``, this thread only): ~40 MB of RSS, and a
+        # first large batch's import (~150 ms of CPU in the inserter thread, holding the GIL
+        # the rest of the process needs) are not paid. The bench's cold 100,000-record ingest
+        # in process: 42,500-50,000 records/s with the import, 49,100-61,800 without
+        # (alternating runs, 2026-12-06).
         # Python() reads the table's buffers where they are, found by the local variable's name
         # in this frame
         _tailscope_arrow_batch = data  # noqa: F841
         cols = ", ".join(map(_identifier, data.column_names))
         setting = _token_setting(token)
-        with self.lock:  # a failure raises chDB's error with ClickHouse's message, as the
-            # insert_arrow route raises clickhouse-connect's (not StoreError: the store is up)
+        with self.lock, without_pandas():  # a failure raises chDB's error with ClickHouse's
+            # message, as the insert_arrow route raises clickhouse-connect's (not StoreError:
+            # the store is up)
             self._arrow_in.query(f"INSERT INTO {DATABASE}.{_identifier(table)} ({cols}) SELECT "
                                  f"{cols} FROM Python(_tailscope_arrow_batch){setting}")
 

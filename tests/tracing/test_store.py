@@ -636,6 +636,66 @@ print(json.dumps(out))
     assert out["steps"][0] > 0 and out["steps"][1] == 0
 
 
+def test_a_python_insert_loads_no_pandas_and_the_guard_holds_on_its_own_thread_only(tmp_path):
+    """chDB's ``Python()`` imports pandas on each call to ask whether the object is a DataFrame;
+    ``Store.insert`` runs it under ``without_pandas``, so a large batch lands (every row) and
+    the process still has no pandas. The guard is per thread: inside it ``import pandas``
+    fails on that thread while another thread imports pandas as usual (and then the first
+    gets the module too). (In a fresh interpreter: this one may have pandas loaded.)"""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys, threading
+from tracing import store as S
+from tracing.store import Store, records_to_arrow, skip_pandas_probe, without_pandas
+from bench.trace_overhead import make_records
+skip_pandas_probe()
+S.PYTHON_INSERT_MIN_BYTES = 0  # every insert through Python()
+store = Store("chdb://{tmp_path}/store")
+store.migrate()
+sent = []
+handle = store._arrow_in
+class Spy:
+    def query(self, sql, *args):
+        sent.append(sql)
+        return handle.query(sql, *args)
+store._arrow_in = Spy()
+requests, events = records_to_arrow(make_records(300))
+store.insert("requests", requests, "t1")
+store.insert("request_events", events, "t1")
+print(all("FROM Python(" in q for q in sent), len(sent),
+      store.select("SELECT count() FROM tailscope.requests")[1][0][0],
+      store.select("SELECT count() FROM tailscope.request_events")[1][0][0] == events.num_rows,
+      "pandas" in sys.modules)
+inside, imported, out = threading.Event(), threading.Event(), []
+def guarded():
+    with without_pandas():
+        try:
+            import pandas  # noqa: F401
+            out.append("imported")
+        except ModuleNotFoundError:
+            out.append("refused")
+        inside.set()
+        imported.wait(60)
+        import pandas  # noqa: F401,F811  (in sys.modules now: the guard lets it through)
+        out.append("then " + pandas.__name__)
+t = threading.Thread(target=guarded)
+t.start()
+inside.wait(60)
+import pandas
+imported.set()
+t.join(60)
+print(*out)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, cwd=Path(__file__).parents[2])
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[-2] == "True 2 300 True False", lines
+    assert lines[-1] == "refused then pandas", lines
+
+
 @pytest.mark.parametrize("route", ["Arrow file", "Python()"])
 def test_the_writers_arrow_tables_read_back_value_for_value_and_a_resent_batch_is_a_no_op(
         store, monkeypatch, route):
