@@ -314,8 +314,10 @@ class RecordWriter:
         return out
 
     def _tables(self, items) -> dict[str, pa.Table]:
-        records = [it for kind, it, *_ in items if kind == "requests"]
-        steps = [it for kind, it, *_ in items if kind == "engine_steps"]
+        # by index: ``for kind, it, *_ in items`` builds a list per item for ``*_`` (a flush
+        # of 1,700 items: 318 against 45 us)
+        records = [it[1] for it in items if it[0] == "requests"]
+        steps = [it[1] for it in items if it[0] == "engine_steps"]
         out = {}
         if records:  # a record whose row cannot be converted keeps its events out too
             out["requests"], out["request_events"] = self._convert(
