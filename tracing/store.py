@@ -584,10 +584,10 @@ class Store:
         # chDB's Python() table function imports pandas on every call (to tell a DataFrame from
         # the other objects it reads) and reads an Arrow table without it where the import
         # fails, as it does here (``without_pandas``, this thread only): ~40 MB of RSS, and a
-        # first large batch's import (~150 ms of CPU in the inserter thread, holding the GIL
-        # the rest of the process needs) are not paid. The bench's cold 100,000-record ingest
-        # in process: 42,500-50,000 records/s with the import, 49,100-61,800 without
-        # (alternating runs, 2026-12-06).
+        # first large batch's import (a first Python() query took 123 ms of CPU with it, 46
+        # without; the import holds the GIL the rest of the process needs) are not paid. The
+        # bench's cold 100,000-record ingest in process: 42,500-50,000 records/s with the
+        # import, 49,100-61,800 without (alternating runs, 2026-12-06).
         # Python() reads the table's buffers where they are, found by the local variable's name
         # in this frame
         _tailscope_arrow_batch = data  # noqa: F841
