@@ -92,7 +92,7 @@ class Settings:
     query_max_memory_mb: int = 2048  # TAILSCOPE_QUERY_MAX_MEMORY_MB
     store_max_queue_mb: int = 256  # TAILSCOPE_STORE_MAX_QUEUE_MB: record writer queue
     # TAILSCOPE_GC_THRESHOLD: the gateway's generation-0 collection threshold (0: Python's 700)
-    gc_threshold: int = 5000
+    gc_threshold: int = 20000
     key_id_secret: str = ""  # TAILSCOPE_KEY_ID_SECRET: keys the api_key_id hash
 
     @classmethod

@@ -184,7 +184,7 @@ def test_metrics_count_requests_and_latencies(tiny_server):
     assert metric(text, "tailscope:replica_ready", replica="r0") == 1.0
     assert metric(text, "tailscope:num_requests_running", replica="r0") == 0.0
     assert 0.0 <= metric(text, "tailscope:kv_cache_usage_perc", replica="r0") <= 1.0
-    # a serving gateway collects its youngest generation at 5,000 objects, not Python's 700
+    # a serving gateway collects its youngest generation at 20,000 objects, not Python's 700
     # (TAILSCOPE_GC_THRESHOLD); the older generations keep theirs
-    assert metric(text, "tailscope:gc_threshold", generation="0") == 5000
+    assert metric(text, "tailscope:gc_threshold", generation="0") == 20000
     assert metric(text, "tailscope:gc_threshold", generation="1") == 10
