@@ -251,13 +251,14 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
             # requests each, tail of the event loop's lag unchanged); cyclic garbage waits a
             # little longer, a collection that runs walks more (a few ms). The records the
             # writer queues are out of the collector's view (tracing.writer.untrack) but still
-            # count here until their flush frees them: ~19 allocations a record (it, its lists,
-            # its events) and 4 a step row, ~16,000 a 5 s flush at 140 requests/s, so at 5,000
-            # each flush set off ~3 collections that walked the in-flight requests and freed
-            # nothing. At 20,000: capture on 9-10 -> 1-2 collections in 20 s, 6.8-7.6 -> 0.9-3.2
-            # us a request; capture off 1 -> 0; the event loop's lag no worse (2026-12-06,
-            # alternating runs, ~2,700 requests each). A gateway flushing more than ~1,000
-            # records at a time collects once or more a flush again.
+            # count here until their flush frees them: ~20 allocations a record (it, its lists,
+            # its events) and a few a step row, 15,000-20,000 a 5 s flush at 140 requests/s, so
+            # at 5,000 each flush set off ~3 collections that walked the in-flight requests and
+            # freed nothing. At 20,000: capture on 9-10 -> 1-2 collections in 20 s, 6.8-7.6 ->
+            # 0.9-3.2 us a request; capture off 1 -> 0; the event loop's lag no worse
+            # (2026-12-06, alternating runs, ~2,700 requests each). Its cost: more young garbage
+            # waits, the gateway's peak RSS (store child) 230-232 -> 236-240 MB. A gateway
+            # flushing more than ~1,000 records at a time collects once or more a flush again.
             if config.gc_threshold > 0:
                 _, older, oldest = gc.get_threshold()
                 gc.set_threshold(config.gc_threshold, older, oldest)
