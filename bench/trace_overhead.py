@@ -553,9 +553,10 @@ def main() -> int:
                     help="the gateways' model: tiny (the gateway's own cost dominates) or the "
                          "bundled SmolLM2 (the engine's does)")
     args = ap.parse_args()
-    from tracing.store import skip_pandas_probe
+    from tracing.store import skip_pandas_probe, use_arrow_pool
 
     skip_pandas_probe()  # as the gateway and the store process do
+    use_arrow_pool()
     if args.quick:
         args.seconds, args.rounds, args.records, args.merge_flushes = 5.0, 1, 20_000, 100
     if not args.skip_ingest:

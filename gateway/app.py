@@ -44,7 +44,13 @@ from gateway.upstream import UpstreamConfig, UpstreamPool
 from tracing.record import RequestRecord
 from tracing.retention import TailRetention
 from tracing.sinks import FanoutSink, JsonlSink, MemorySink, RecordSink
-from tracing.store import QueryLimits, is_embedded, normalise_dsn, skip_pandas_probe
+from tracing.store import (
+    QueryLimits,
+    is_embedded,
+    normalise_dsn,
+    skip_pandas_probe,
+    use_arrow_pool,
+)
 
 log = logging.getLogger("tailscope.gateway")
 LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
@@ -159,6 +165,7 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
     """The gateway; ``backend`` replaces the replica processes (tests pass an
     ``InProcessBackend``)."""
     skip_pandas_probe()  # ~40 MB of RSS (tracing.store)
+    use_arrow_pool()  # the writer's conversions without huge-page faults (tracing.store)
     tok_path = tokenizer_path(config)
     tokenizer = load_tokenizer(tok_path)
     pool = backend or ReplicaPool(config.model, config.engine, config.replicas,

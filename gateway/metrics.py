@@ -12,6 +12,7 @@ import asyncio
 import gc
 import time
 
+import pyarrow as pa
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -33,6 +34,19 @@ class _GcCollector:
                               "per generation (gc.get_threshold())", labels=["generation"])
         for gen, value in enumerate(gc.get_threshold()):
             g.add_metric([str(gen)], value)
+        yield g
+
+
+class _ArrowCollector:
+    """``tailscope:arrow_allocated_bytes{pool}``: what pyarrow's default memory pool holds now
+    (the record writer's batches between conversion and insert), by the pool's backend
+    (``tracing.store.use_arrow_pool``)."""
+
+    def collect(self):
+        pool = pa.default_memory_pool()
+        g = GaugeMetricFamily("tailscope:arrow_allocated_bytes", "Bytes allocated from "
+                              "pyarrow's default memory pool", labels=["pool"])
+        g.add_metric([pool.backend_name], pool.bytes_allocated())
         yield g
 
 
@@ -182,6 +196,7 @@ class GatewayMetrics:
         self.decode = hist("tailscope:request_decode_time_seconds", "Engine decode time")
         r.register(_PoolCollector(pool))
         r.register(_GcCollector())
+        r.register(_ArrowCollector())
         self.stalls = LoopStalls(r)
 
     def watch_backends(self, upstreams) -> None:

@@ -59,6 +59,7 @@ from tracing.store import (
     StoreError,
     jsonable,
     skip_pandas_probe,
+    use_arrow_pool,
     write_arrow_file,
 )
 
@@ -413,6 +414,7 @@ def serve(dsn: str, host: str, port: int, key: str | None, parent_pid: int | Non
     import signal
 
     skip_pandas_probe()
+    use_arrow_pool()
     store = Store(dsn, limits)
     store.migrate()
     log.info("store process: %s on %s:%d (%s)", store.dsn, host, port,

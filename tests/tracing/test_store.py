@@ -862,3 +862,41 @@ if not control:
     # without the skip, the conversion loads pandas: what the function is there to avoid
     assert run("control")[0] == "True"
     assert run()[:2] == ["False", "DataFrame 3 True"]
+
+
+def test_use_arrow_pool_moves_conversions_off_mimalloc_unless_a_pool_is_named():
+    """``use_arrow_pool``: the gateway's and the store process's Arrow buffers come from the
+    system allocator (pyarrow's default mimalloc backs them with huge pages that every flush
+    faults in and zeroes again); the conversion then allocates from it, gives the same tables,
+    and frees what it held once they are gone; an operator's ``ARROW_DEFAULT_MEMORY_POOL``
+    wins. (In fresh interpreters: the pool is the process's.)"""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import pyarrow as pa
+from tracing.store import records_to_arrow, use_arrow_pool
+from bench.trace_overhead import make_records
+records = make_records(50)
+before = pa.default_memory_pool().backend_name
+reference = records_to_arrow(records)
+print(before, use_arrow_pool())
+pool = pa.default_memory_pool()
+held = pool.bytes_allocated()
+tables = records_to_arrow(records)
+print(pool.bytes_allocated() > held, all(a.equals(b) for a, b in zip(tables, reference)))
+del tables
+print(pool.bytes_allocated() == held)
+"""
+    def run(**env: str) -> list[str]:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=120, cwd=Path(__file__).parents[2],
+                             env={k: v for k, v in os.environ.items()
+                                  if k != "ARROW_DEFAULT_MEMORY_POOL"} | env)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.split("\n")
+
+    first, *rest = run()
+    assert first.split()[1] == "system" and rest[:2] == ["True True", "True"]
+    assert run(ARROW_DEFAULT_MEMORY_POOL="mimalloc")[0] == "mimalloc mimalloc"
