@@ -88,8 +88,13 @@ def test_whatif_replays_the_recorded_window_and_a_candidate_config(bundled_path)
         (f,) = fast["points"]
         assert fast["step_speed"] == 2.0 and fast["candidate_changes"] == {}
         assert f["recorded_config"] == point["recorded_config"]
-        assert f["candidate"]["table"]["queue_ms"]["p50"] < \
-            0.75 * point["recorded_config"]["table"]["queue_ms"]["p50"]
+        # the queue's tail, not its median: in a fast hour the recorded config's median request
+        # is predicted not to queue at all (a full CI run of 4531f65: p50 0.0 for both; two
+        # runs after it: p50 0.02 and 0.17 ms, p90 0.7 and 1.8, p99 5.0 and 14.8, the faster
+        # replicas' p99 0.4 and 1.5)
+        fq, rq = f["candidate"]["table"]["queue_ms"], point["recorded_config"]["table"]["queue_ms"]
+        assert fq["p99"] < 0.75 * rq["p99"], (fq, rq)
+        assert fq["p90"] <= rq["p90"] and fq["p50"] <= rq["p50"], (fq, rq)
         assert f["candidate"]["table"]["e2e_ms"]["p50"] < \
             0.75 * point["recorded_config"]["table"]["e2e_ms"]["p50"]
         bad = subprocess.run([sys.executable, "-m", "tailscope.cli", "whatif", "--url",
