@@ -27,7 +27,10 @@ writer's ingest rate into embedded ClickHouse (chDB).
    the gateway's garbage collections dearer (its queued records, the emit path's objects; they
    run in whichever thread allocates, mostly the event loop): each gateway's time in them is
    read from its ``tailscope:gc_pause_seconds``, and the difference with capture off is added
-   to capture's own threads.
+   to capture's own threads. Then what those leave out: the gateway's main thread (its event
+   loop) per request in each mode; the difference holds capture's work there (each step's
+   ``engine_steps`` row, each emit), its threads' interference with the loop (caches, the
+   GIL), and the runs' drift.
 2. The writer's conversion of 10,000 records to Arrow, its columnar one against the plain
    per-column one it replaced, side by side (best of 3 each).
 3. The writer alone, in this process: ``--records`` records with 256 token ids each (128
@@ -161,15 +164,16 @@ def _thread_cpu_s(pid: int, tid: int, psutil_s: float) -> float:
 def capture_threads_cpu(pid: int) -> dict[str, float]:
     """CPU seconds so far of the gateway's threads that exist only for capture: the record
     writer's two (``tracing.writer.WRITER`` / ``INSERTER``, named so) and the embedded store
-    engine's own (chDB's C++ threads: every thread named neither ``python`` nor ZeroMQ's).
-    The times are the scheduler's (``_thread_cpu_s``); the names (which psutil does not give
-    per thread) Linux's ``/proc/<pid>/task/<tid>/comm``, so elsewhere every thread counts as
-    unnamed: zeros."""
+    engine's own (chDB's C++ threads: every thread named neither ``python`` nor ZeroMQ's);
+    and, apart, its main thread (``event_loop``: the request path, where capture's step rows
+    and emits are made too). The times are the scheduler's (``_thread_cpu_s``); the names
+    (which psutil does not give per thread) Linux's ``/proc/<pid>/task/<tid>/comm``, so
+    elsewhere every thread counts as unnamed: zeros."""
     import psutil
 
     from tracing.writer import INSERTER, WRITER
 
-    out = {"writer": 0.0, "store_engine": 0.0}
+    out = {"writer": 0.0, "store_engine": 0.0, "event_loop": 0.0}
     try:
         threads = psutil.Process(pid).threads()
     except psutil.Error:
@@ -181,7 +185,9 @@ def capture_threads_cpu(pid: int) -> dict[str, float]:
         except OSError:  # the thread ended, or no /proc
             continue
         cpu = _thread_cpu_s(pid, t.id, t.user_time + t.system_time)
-        if comm in (WRITER, INSERTER):
+        if t.id == pid:
+            out["event_loop"] += cpu
+        elif comm in (WRITER, INSERTER):
             out["writer"] += cpu
         elif not comm.startswith(("python", "ZMQ")):
             out["store_engine"] += cpu
@@ -253,14 +259,15 @@ def throughput(seconds: float, concurrency: int, rounds: int, model: str = "tiny
                 # and the whole store child; then the gateway's garbage collections
                 cpu[mode].append((d["gateway"] + d["store"], d["replica"],
                                   d["writer"] + d["store_engine"] + d["store"],
-                                  (gc_after - gc_before) * 1000 / n))
+                                  (gc_after - gc_before) * 1000 / n, d["event_loop"]))
             finally:
                 peak.stop()
                 rss[mode] = [max(rss[mode][0], peak.gateway_mb), max(rss[mode][1], peak.store_mb)]
                 proc.terminate()
                 proc.wait(60)
     return {m: (*max(v), *rss[m], *min(c[:2] for c in cpu[m]), min(c[2] for c in cpu[m]),
-                min(c[3] for c in cpu[m])) for m, v in results.items()}
+                min(c[3] for c in cpu[m]), min(c[4] for c in cpu[m]))
+            for m, v in results.items()}
 
 
 def make_records(n: int) -> list:
@@ -608,7 +615,7 @@ def main() -> int:
     tp = throughput(args.seconds, args.concurrency, args.rounds, args.model, args.flush_s)
     print()
     for mode, label in MODES.items():
-        rps, tps, gw_mb, store_mb, gw_cpu, rep_cpu, _, gc_ms = tp[mode]
+        rps, tps, gw_mb, store_mb, gw_cpu, rep_cpu, _, gc_ms, _ = tp[mode]
         child = f" + store child {store_mb:.0f} MB" if mode == "child" else ""
         print(f"{label:34}: {rps:7.1f} req/s {tps:8.1f} output tok/s   gateway peak RSS "
               f"{gw_mb:.0f} MB{child}; CPU per request: gateway{' + store' if child else ''} "
@@ -637,6 +644,15 @@ def main() -> int:
         print(f"plus the garbage collections capture adds in the gateway, {MODES[mode]}: "
               f"{gc_extra:+.3f} ms per request ({tp[mode][7]:.3f} against {off[7]:.3f}); "
               f"with its own threads {total:.3f} ms = {100 * total / (off[4] + off[5]):.2f}%")
+    # what the figures above leave out: capture's work on the event loop (each step's
+    # engine_steps row, each emit) and its threads' interference with it; this difference also
+    # carries the request path's own drift between runs
+    for mode in ("on", "child"):
+        loop = tp[mode][8] - off[8]
+        print(f"the gateway's event loop (its main thread), {MODES[mode]}: {tp[mode][8]:.3f} ms "
+              f"per request against {off[8]:.3f} with capture off: {loop:+.3f} ms = "
+              f"{100 * loop / (off[4] + off[5]):+.2f}% (capture's step rows and emits there, "
+              "its threads' interference, and the runs' drift)")
     if merged:  # what a fresh store's short run leaves out (part 5)
         for label, what in (("declared", "as declared"), ("default", "at ClickHouse's default")):
             cost = merge_us[label]
