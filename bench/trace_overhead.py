@@ -71,6 +71,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -223,13 +224,30 @@ def gc_seconds(url: str) -> float:
                if line.startswith("tailscope:gc_pause_seconds_sum{"))
 
 
+class Throughput(NamedTuple):
+    """One mode's figures from ``throughput``: the best requests/s and output tokens/s, the
+    highest peak RSS (MB) of the gateway and of its store child, and the least CPU ms per
+    request of the gateway (+ its store child), the replica, capture's own threads, the
+    gateway's garbage collections and its main thread (event loop)."""
+
+    rps: float
+    tps: float
+    gw_mb: float
+    store_mb: float
+    gw_cpu: float
+    rep_cpu: float
+    own_ms: float
+    gc_ms: float
+    loop_ms: float
+
+
 FLUSH_S = 5.0  # the gateways' TAILSCOPE_STORE_FLUSH_S here (the product default; --flush-s)
 MODES = {"on": "capture on (store in the gateway)", "child": "capture on (store child)",
          "off": "capture off"}
 
 
 def throughput(seconds: float, concurrency: int, rounds: int, model: str = "tiny",
-               flush_s: float = FLUSH_S) -> dict:
+               flush_s: float = FLUSH_S) -> dict[str, Throughput]:
     """Per mode: the best (requests/s, output tokens/s) of the rounds, the highest peak RSS of
     the gateway and of its store child, and the least CPU milliseconds per request of the
     gateway (+ its store child) and of the replica. CPU per request is the steadier measure on
@@ -265,8 +283,9 @@ def throughput(seconds: float, concurrency: int, rounds: int, model: str = "tiny
                 rss[mode] = [max(rss[mode][0], peak.gateway_mb), max(rss[mode][1], peak.store_mb)]
                 proc.terminate()
                 proc.wait(60)
-    return {m: (*max(v), *rss[m], *min(c[:2] for c in cpu[m]), min(c[2] for c in cpu[m]),
-                min(c[3] for c in cpu[m]), min(c[4] for c in cpu[m]))
+    return {m: Throughput(*max(v), *rss[m], *min(c[:2] for c in cpu[m]),
+                          min(c[2] for c in cpu[m]), min(c[3] for c in cpu[m]),
+                          min(c[4] for c in cpu[m]))
             for m, v in results.items()}
 
 
@@ -615,50 +634,51 @@ def main() -> int:
     tp = throughput(args.seconds, args.concurrency, args.rounds, args.model, args.flush_s)
     print()
     for mode, label in MODES.items():
-        rps, tps, gw_mb, store_mb, gw_cpu, rep_cpu, _, gc_ms, _ = tp[mode]
-        child = f" + store child {store_mb:.0f} MB" if mode == "child" else ""
-        print(f"{label:34}: {rps:7.1f} req/s {tps:8.1f} output tok/s   gateway peak RSS "
-              f"{gw_mb:.0f} MB{child}; CPU per request: gateway{' + store' if child else ''} "
-              f"{gw_cpu:.2f} ms (of it in garbage collections {gc_ms:.3f}), replica "
-              f"{rep_cpu:.2f} ms")
+        t = tp[mode]
+        child = f" + store child {t.store_mb:.0f} MB" if mode == "child" else ""
+        print(f"{label:34}: {t.rps:7.1f} req/s {t.tps:8.1f} output tok/s   gateway peak RSS "
+              f"{t.gw_mb:.0f} MB{child}; CPU per request: gateway{' + store' if child else ''} "
+              f"{t.gw_cpu:.2f} ms (of it in garbage collections {t.gc_ms:.3f}), replica "
+              f"{t.rep_cpu:.2f} ms")
     off = tp["off"]
+    base = off.gw_cpu + off.rep_cpu  # the CPU a request costs without capture
     for mode in ("on", "child"):
-        extra = tp[mode][4] - off[4]
-        print(f"capture cost, {MODES[mode]}: throughput {100 * (tp[mode][0] / off[0] - 1):+.1f}%"
-              f"; CPU {extra:+.2f} ms per request = {100 * extra / (off[4] + off[5]):+.1f}% of "
+        extra = tp[mode].gw_cpu - off.gw_cpu
+        print(f"capture cost, {MODES[mode]}: throughput {100 * (tp[mode].rps / off.rps - 1):+.1f}%"
+              f"; CPU {extra:+.2f} ms per request = {100 * extra / base:+.1f}% of "
               "the CPU a request costs without capture (gateway + replica)")
     # the difference of two runs' totals carries the run-to-run drift of the request path's
     # own CPU (on this 2-core VM +-0.3 ms per request between runs that differ in nothing);
     # the threads that exist only for capture are read apart, steadier
     for mode in ("on", "child"):
-        own = tp[mode][6]
+        own = tp[mode].own_ms
         print(f"capture's own threads, {MODES[mode]} (the writer's, the store engine's"
               f"{', the store child' if mode == 'child' else ''}): {own:.3f} ms per request = "
-              f"{100 * own / (off[4] + off[5]):.2f}% of the CPU a request costs without "
-              f"capture (the same threads with capture off: {off[6]:.3f} ms)")
+              f"{100 * own / base:.2f}% of the CPU a request costs without "
+              f"capture (the same threads with capture off: {off.own_ms:.3f} ms)")
     # what capture adds to the collections of the gateway's own threads (its queued records and
     # the emit path's objects): they run in whichever thread allocates, mostly the event loop
     for mode in ("on", "child"):
-        gc_extra = tp[mode][7] - off[7]
-        total = tp[mode][6] + gc_extra
+        gc_extra = tp[mode].gc_ms - off.gc_ms
+        total = tp[mode].own_ms + gc_extra
         print(f"plus the garbage collections capture adds in the gateway, {MODES[mode]}: "
-              f"{gc_extra:+.3f} ms per request ({tp[mode][7]:.3f} against {off[7]:.3f}); "
-              f"with its own threads {total:.3f} ms = {100 * total / (off[4] + off[5]):.2f}%")
+              f"{gc_extra:+.3f} ms per request ({tp[mode].gc_ms:.3f} against {off.gc_ms:.3f}); "
+              f"with its own threads {total:.3f} ms = {100 * total / base:.2f}%")
     # what the figures above leave out: capture's work on the event loop (each step's
     # engine_steps row, each emit) and its threads' interference with it; this difference also
     # carries the request path's own drift between runs
     for mode in ("on", "child"):
-        loop = tp[mode][8] - off[8]
-        print(f"the gateway's event loop (its main thread), {MODES[mode]}: {tp[mode][8]:.3f} ms "
-              f"per request against {off[8]:.3f} with capture off: {loop:+.3f} ms = "
-              f"{100 * loop / (off[4] + off[5]):+.2f}% (capture's step rows and emits there, "
-              "its threads' interference, and the runs' drift)")
+        loop = tp[mode].loop_ms - off.loop_ms
+        print(f"the gateway's event loop (its main thread), {MODES[mode]}: "
+              f"{tp[mode].loop_ms:.3f} ms per request against {off.loop_ms:.3f} with capture "
+              f"off: {loop:+.3f} ms = {100 * loop / base:+.2f}% (capture's step rows and emits "
+              "there, its threads' interference, and the runs' drift)")
     if merged:  # what a fresh store's short run leaves out (part 5)
         for label, what in (("declared", "as declared"), ("default", "at ClickHouse's default")):
             cost = merge_us[label]
             print(f"plus the store's merges in steady state ({what}; part 5, measured apart on "
                   f"an otherwise idle machine): {cost / 1000:.3f} ms per request = "
-                  f"{100 * cost / 1000 / (off[4] + off[5]):.2f}% of the CPU a request costs "
+                  f"{100 * cost / 1000 / base:.2f}% of the CPU a request costs "
                   "without capture")
     print(f"({args.model} model; best of {args.rounds} alternating runs of {args.seconds:g} s, "
           f"{args.concurrency} "
