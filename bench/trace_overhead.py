@@ -1,36 +1,40 @@
 """What tracing costs: gateway+engine throughput with full capture vs capture off, and the record
 writer's ingest rate into embedded ClickHouse (chDB).
 
-    python bench/trace_overhead.py [--seconds 15] [--concurrency 16] [--records 100000] [--quick]
-                                   [--detail-sample 0.1] [--skip-ingest | --skip-gateway]
-                                   [--model tiny|bundled]
+    python bench/trace_overhead.py [--seconds 8] [--gateway-rounds 6] [--concurrency 16]
+                                   [--records 100000] [--quick] [--detail-sample 0.1]
+                                   [--skip-ingest | --skip-gateway] [--model tiny|bundled]
                                    [--flush-s 5] [--merge-flushes 300]
 
-1. Two gateways on the tiny model (vocabulary of the bundled tokenizer; ``--model bundled``: the
-   bundled SmolLM2, where the engine, not the gateway, is the bottleneck), one replica each, run
-   one after the other under the same closed-loop load (``--concurrency`` streams of short
-   completions): ``capture on`` writes every record, its events and every engine step to chDB;
-   ``capture off`` has no store (records still go to the in-memory sink and ``/metrics``). The
-   runs alternate on/off/on/off and the best of each is compared, to damp drift on a shared
-   machine. A third gateway runs the store in a supervised child process
-   (``TAILSCOPE_STORE_PROCESS=1``). Printed: requests/s, output tokens/s, each gateway's peak
-   RSS (the store child's apart), and the CPU milliseconds a request costs the gateway (with
-   its store child) and the replica, read after the writer has flushed (``--flush-s``, the
-   gateways' ``TAILSCOPE_STORE_FLUSH_S``: 5 s, the default, since a store insert has a fixed
-   cost that a shorter interval pays more often);
-   capture's cost as the throughput loss and as the extra CPU per request over the CPU a
-   request costs without it (the steadier figure: throughput drifts between runs here), and
-   the CPU of the threads that exist only for capture, read per thread (the writer's two,
-   named ``ts-writer`` / ``ts-insert``, and the embedded store engine's, plus the store child
-   when there is one): a difference of two runs' totals also carries the request path's own
-   drift between runs (+-0.3 ms per request here), which these do not. Capture also makes
-   the gateway's garbage collections dearer (its queued records, the emit path's objects; they
-   run in whichever thread allocates, mostly the event loop): each gateway's time in them is
-   read from its ``tailscope:gc_pause_seconds``, and the difference with capture off is added
-   to capture's own threads. Then what those leave out: the gateway's main thread (its event
-   loop) per request in each mode; the difference holds capture's work there (each step's
-   ``engine_steps`` row, each emit), its threads' interference with the loop (caches, the
-   GIL), and the runs' drift.
+1. Three gateways on the tiny model (vocabulary of the bundled tokenizer; ``--model bundled``: the
+   bundled SmolLM2, where the engine, not the gateway, is the bottleneck), one replica each, alive
+   side by side for the whole part: ``capture on`` writes every record, its events and every engine
+   step to chDB; ``capture off`` has no store (records still go to the in-memory sink and
+   ``/metrics``); the third runs the store in a supervised child process
+   (``TAILSCOPE_STORE_PROCESS=1``). They take the same closed-loop load (``--concurrency`` streams
+   of short completions, ``--seconds`` each) one at a time, in ``--gateway-rounds`` rounds that
+   load every gateway once in a rotating order. Each capture mode is compared with capture off
+   round by round: the difference within a round holds no drift between minutes or between fresh
+   processes, which on this shared 2-core VM is +-10 % of a request's CPU (earlier versions started
+   a gateway per run and compared the best runs; their event-loop line moved 60-120 us a request
+   between runs of identical code). Printed per mode (medians over the rounds): requests/s, output
+   tokens/s, each gateway's peak RSS (the store child's apart), and the CPU milliseconds a request
+   costs the gateway (with its store child) and the replica, read after the writer has flushed
+   (``--flush-s``, the gateways' ``TAILSCOPE_STORE_FLUSH_S``: 5 s, the default, since a store
+   insert has a fixed cost that a shorter interval pays more often). Then capture's cost, round by
+   round (the median and the least and greatest of the rounds' differences): the throughput loss,
+   and the extra CPU a request costs the gateway (with its store child) over the CPU a request
+   costs without capture (gateway + replica), with the replica's own difference beside it (capture
+   does not change the replica's work, so that one is the drift left within a round); and the CPU
+   of the threads that exist only for capture, read per thread (the writer's two, named
+   ``ts-writer`` / ``ts-insert``, and the embedded store engine's, plus the store child when there
+   is one), which hold no request-path drift at all. Capture also makes the gateway's garbage
+   collections dearer (its queued records, the emit path's objects; they run in whichever thread
+   allocates, mostly the event loop): each gateway's time in them is read from its
+   ``tailscope:gc_pause_seconds``, and the difference with capture off is added to capture's own
+   threads. Then what those leave out: the gateway's main thread (its event loop) per request,
+   round by round against capture off; the difference holds capture's work there (each step's
+   ``engine_steps`` row, each emit) and its threads' interference with the loop (caches, the GIL).
 2. The writer's conversion of 10,000 records to Arrow, its columnar one against the plain
    per-column one it replaced, side by side (best of 3 each).
 3. The writer alone, in this process: ``--records`` records with 256 token ids each (128
@@ -225,10 +229,10 @@ def gc_seconds(url: str) -> float:
 
 
 class Throughput(NamedTuple):
-    """One mode's figures from ``throughput``: the best requests/s and output tokens/s, the
-    highest peak RSS (MB) of the gateway and of its store child, and the least CPU ms per
-    request of the gateway (+ its store child), the replica, capture's own threads, the
-    gateway's garbage collections and its main thread (event loop)."""
+    """One mode's figures from ``throughput``, each the median over the rounds: requests/s,
+    output tokens/s, and CPU ms per request of the gateway (+ its store child), the replica,
+    capture's own threads, the gateway's garbage collections and its main thread (event
+    loop); and the highest peak RSS (MB) of the gateway and of its store child."""
 
     rps: float
     tps: float
@@ -241,52 +245,89 @@ class Throughput(NamedTuple):
     loop_ms: float
 
 
+class Paired(NamedTuple):
+    """A capture mode against capture off, round by round (each round loads both gateways, one
+    after the other): the per-round differences, each as (median, least, greatest) over the
+    rounds. ``rps``: throughput, % of capture off's; ``gw``: the CPU a request costs the
+    gateway (+ its store child), ms; ``rep``: the same for the replica, whose work capture does
+    not change (the same requests, the same tokens), so what it moves is the machine's drift
+    within a round; ``loop``: the gateway's main thread, ms per request."""
+
+    rps: tuple[float, float, float]
+    gw: tuple[float, float, float]
+    rep: tuple[float, float, float]
+    loop: tuple[float, float, float]
+
+
 FLUSH_S = 5.0  # the gateways' TAILSCOPE_STORE_FLUSH_S here (the product default; --flush-s)
 MODES = {"on": "capture on (store in the gateway)", "child": "capture on (store child)",
          "off": "capture off"}
 
 
+def _spread(values: list[float]) -> tuple[float, float, float]:
+    import statistics
+
+    return statistics.median(values), min(values), max(values)
+
+
 def throughput(seconds: float, concurrency: int, rounds: int, model: str = "tiny",
-               flush_s: float = FLUSH_S) -> dict[str, Throughput]:
-    """Per mode: the best (requests/s, output tokens/s) of the rounds, the highest peak RSS of
-    the gateway and of its store child, and the least CPU milliseconds per request of the
-    gateway (+ its store child) and of the replica. CPU per request is the steadier measure on
-    a shared 2-core machine: throughput drifts with the machine between runs, the CPU a
-    request costs much less. The CPU is read after the writer's flush interval has passed, so
-    the records' conversion and inserts are in it."""
-    results: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
-    cpu: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
-    rss: dict[str, list[float]] = {m: [0.0, 0.0] for m in MODES}
-    for _ in range(rounds):
+               flush_s: float = FLUSH_S) -> tuple[dict[str, Throughput], dict[str, Paired]]:
+    """The three gateways (``MODES``) run side by side for the whole measurement, each with
+    its replica, and take the load one at a time: ``rounds`` rounds, each loading every
+    gateway once in a rotating order. Per mode the medians over the rounds
+    (``Throughput``), and per capture mode its round-by-round differences from capture off
+    (``Paired``). Pairing within a round is what makes the differences readable on this
+    shared 2-core VM: the CPU a request costs drifts by +-10 % between minutes and between
+    fresh processes (a gateway started afresh per run read its event loop 60-120 us a request
+    dearer or cheaper than the run before with no change in it); within a round both
+    gateways see the same minute. CPU is read after the writer's flush interval has passed,
+    so the records' conversion and inserts are in it."""
+    gateways: dict[str, tuple[subprocess.Popen, str, PeakRss]] = {}
+    per_round: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
+    try:
         for mode in MODES:
             store = f"chdb://{tempfile.mkdtemp(prefix='tailscope-bench-')}/store" \
                 if mode != "off" else None
             proc, url = start_gateway(store, child=mode == "child", model=model,
                                       flush_s=flush_s)
-            peak = PeakRss(proc.pid)
-            try:
-                closed_loop(url, 2.0, concurrency, model)  # warm-up
-                time.sleep(flush_s + 1)  # the warm-up's records written
+            gateways[mode] = proc, url, PeakRss(proc.pid)
+        for _, url, _ in gateways.values():
+            closed_loop(url, 2.0, concurrency, model)  # warm-up
+        time.sleep(flush_s + 1)  # the warm-ups' records written
+        for r in range(rounds):
+            order = list(MODES)[r % len(MODES):] + list(MODES)[:r % len(MODES)]
+            for mode in order:
+                proc, url, _ = gateways[mode]
                 before, gc_before = cpu_seconds(proc.pid), gc_seconds(url)
                 rps, tps, n = closed_loop(url, seconds, concurrency, model)
                 time.sleep(flush_s + 1)  # this run's records written (their CPU counted)
                 after, gc_after = cpu_seconds(proc.pid), gc_seconds(url)
-                results[mode].append((rps, tps))
                 d = {k: (after[k] - before[k]) * 1000 / n for k in after}
                 # capture's own threads: the writer's and the store engine's in the gateway,
                 # and the whole store child; then the gateway's garbage collections
-                cpu[mode].append((d["gateway"] + d["store"], d["replica"],
-                                  d["writer"] + d["store_engine"] + d["store"],
-                                  (gc_after - gc_before) * 1000 / n, d["event_loop"]))
-            finally:
-                peak.stop()
-                rss[mode] = [max(rss[mode][0], peak.gateway_mb), max(rss[mode][1], peak.store_mb)]
-                proc.terminate()
-                proc.wait(60)
-    return {m: Throughput(*max(v), *rss[m], *min(c[:2] for c in cpu[m]),
-                          min(c[2] for c in cpu[m]), min(c[3] for c in cpu[m]),
-                          min(c[4] for c in cpu[m]))
-            for m, v in results.items()}
+                per_round[mode].append({
+                    "rps": rps, "tps": tps, "gw_cpu": d["gateway"] + d["store"],
+                    "rep_cpu": d["replica"], "own_ms": d["writer"] + d["store_engine"] + d["store"],
+                    "gc_ms": (gc_after - gc_before) * 1000 / n, "loop_ms": d["event_loop"]})
+    finally:
+        for proc, _, peak in gateways.values():
+            peak.stop()
+            proc.terminate()
+        for proc, _, _ in gateways.values():
+            proc.wait(60)
+    medians = {m: Throughput(
+        *(_spread([r[f] for r in runs])[0] for f in ("rps", "tps")),
+        gateways[m][2].gateway_mb, gateways[m][2].store_mb,
+        *(_spread([r[f] for r in runs])[0] for f in Throughput._fields[4:]))
+        for m, runs in per_round.items()}
+    off = per_round["off"]
+    paired = {m: Paired(
+        _spread([100 * (r["rps"] / o["rps"] - 1) for r, o in zip(per_round[m], off, strict=True)]),
+        _spread([r["gw_cpu"] - o["gw_cpu"] for r, o in zip(per_round[m], off, strict=True)]),
+        _spread([r["rep_cpu"] - o["rep_cpu"] for r, o in zip(per_round[m], off, strict=True)]),
+        _spread([r["loop_ms"] - o["loop_ms"] for r, o in zip(per_round[m], off, strict=True)]))
+        for m in ("on", "child")}
+    return medians, paired
 
 
 def make_records(n: int) -> list:
@@ -560,9 +601,13 @@ def ingest(n: int, detail_sample: float = 1.0, child: bool = False,
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seconds", type=float, default=15.0)
+    ap.add_argument("--seconds", type=float, default=8.0,
+                    help="part 1's load on a gateway in each round")
     ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="part 5's alternating runs of each merge setting")
+    ap.add_argument("--gateway-rounds", type=int, default=6,
+                    help="part 1's rounds: each loads every gateway once (--quick: 2)")
     ap.add_argument("--records", type=int, default=100_000)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--detail-sample", type=float, default=0.1)
@@ -585,6 +630,7 @@ def main() -> int:
     use_arrow_pool()
     if args.quick:
         args.seconds, args.rounds, args.records, args.merge_flushes = 5.0, 1, 20_000, 100
+        args.gateway_rounds = 2
     if not args.skip_ingest:
         col, plain = conversion(10_000)
         print(f"conversion to Arrow (requests + request_events), 10,000 records: columnar "
@@ -631,7 +677,8 @@ def main() -> int:
               "stopped: a figure near or below 0 is within the machine's drift)")
     if args.skip_gateway:
         return 0
-    tp = throughput(args.seconds, args.concurrency, args.rounds, args.model, args.flush_s)
+    tp, paired = throughput(args.seconds, args.concurrency, args.gateway_rounds, args.model,
+                            args.flush_s)
     print()
     for mode, label in MODES.items():
         t = tp[mode]
@@ -642,14 +689,21 @@ def main() -> int:
               f"{t.rep_cpu:.2f} ms")
     off = tp["off"]
     base = off.gw_cpu + off.rep_cpu  # the CPU a request costs without capture
+
+    def spread(v: tuple[float, float, float], fmt: str, scale: float = 1.0) -> str:
+        return (f"{v[0] * scale:{fmt}} [{v[1] * scale:{fmt}}, {v[2] * scale:{fmt}}]")
+
+    # each round loads every gateway once, so a round's difference holds no drift between
+    # minutes or processes; the median over the rounds and the least and greatest of them
     for mode in ("on", "child"):
-        extra = tp[mode].gw_cpu - off.gw_cpu
-        print(f"capture cost, {MODES[mode]}: throughput {100 * (tp[mode].rps / off.rps - 1):+.1f}%"
-              f"; CPU {extra:+.2f} ms per request = {100 * extra / base:+.1f}% of "
-              "the CPU a request costs without capture (gateway + replica)")
-    # the difference of two runs' totals carries the run-to-run drift of the request path's
-    # own CPU (on this 2-core VM +-0.3 ms per request between runs that differ in nothing);
-    # the threads that exist only for capture are read apart, steadier
+        pr = paired[mode]
+        print(f"capture cost, {MODES[mode]}, round by round (median [least, greatest] of "
+              f"{args.gateway_rounds}): throughput {spread(pr.rps, '+.1f')} %; the gateway's "
+              f"CPU{' (+ store child)' if mode == 'child' else ''} {spread(pr.gw, '+.3f')} ms "
+              f"per request = {spread(pr.gw, '+.2f', 100 / base)} % of the CPU a request costs "
+              f"without capture (gateway + replica); the replica's {spread(pr.rep, '+.3f')} ms "
+              "(capture does not change its work: the machine's drift within a round)")
+    # the threads that exist only for capture, read apart: no request-path drift in them
     for mode in ("on", "child"):
         own = tp[mode].own_ms
         print(f"capture's own threads, {MODES[mode]} (the writer's, the store engine's"
@@ -664,15 +718,14 @@ def main() -> int:
         print(f"plus the garbage collections capture adds in the gateway, {MODES[mode]}: "
               f"{gc_extra:+.3f} ms per request ({tp[mode].gc_ms:.3f} against {off.gc_ms:.3f}); "
               f"with its own threads {total:.3f} ms = {100 * total / base:.2f}%")
-    # what the figures above leave out: capture's work on the event loop (each step's
-    # engine_steps row, each emit) and its threads' interference with it; this difference also
-    # carries the request path's own drift between runs
+    # what the own threads leave out: capture's work on the event loop (each step's
+    # engine_steps row, each emit) and its threads' interference with it
     for mode in ("on", "child"):
-        loop = tp[mode].loop_ms - off.loop_ms
-        print(f"the gateway's event loop (its main thread), {MODES[mode]}: "
-              f"{tp[mode].loop_ms:.3f} ms per request against {off.loop_ms:.3f} with capture "
-              f"off: {loop:+.3f} ms = {100 * loop / base:+.2f}% (capture's step rows and emits "
-              "there, its threads' interference, and the runs' drift)")
+        loop = paired[mode].loop
+        print(f"the gateway's event loop (its main thread), {MODES[mode]}, round by round: "
+              f"{spread(loop, '+.3f')} ms per request = {spread(loop, '+.2f', 100 / base)} % "
+              f"(median {tp[mode].loop_ms:.3f} ms against {off.loop_ms:.3f} with capture off; "
+              "capture's step rows and emits there and its threads' interference)")
     if merged:  # what a fresh store's short run leaves out (part 5)
         for label, what in (("declared", "as declared"), ("default", "at ClickHouse's default")):
             cost = merge_us[label]
@@ -680,9 +733,9 @@ def main() -> int:
                   f"an otherwise idle machine): {cost / 1000:.3f} ms per request = "
                   f"{100 * cost / 1000 / base:.2f}% of the CPU a request costs "
                   "without capture")
-    print(f"({args.model} model; best of {args.rounds} alternating runs of {args.seconds:g} s, "
-          f"{args.concurrency} "
-          "streams, 16 output tokens; peak RSS the highest over the runs)")
+    print(f"({args.model} model; {args.gateway_rounds} rounds of {args.seconds:g} s on each "
+          f"gateway, {args.concurrency} streams, 16 output tokens; figures per mode are the "
+          "medians over the rounds, peak RSS the highest over the gateway's life)")
     return 0
 
 
