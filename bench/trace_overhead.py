@@ -25,16 +25,17 @@ writer's ingest rate into embedded ClickHouse (chDB).
    round (the median and the least and greatest of the rounds' differences): the throughput loss,
    and the extra CPU a request costs the gateway (with its store child) over the CPU a request
    costs without capture (gateway + replica), with the replica's own difference beside it (capture
-   does not change the replica's work, so that one is the drift left within a round); and the CPU
-   of the threads that exist only for capture, read per thread (the writer's two, named
-   ``ts-writer`` / ``ts-insert``, and the embedded store engine's, plus the store child when there
-   is one), which hold no request-path drift at all. Capture also makes the gateway's garbage
-   collections dearer (its queued records, the emit path's objects; they run in whichever thread
-   allocates, mostly the event loop): each gateway's time in them is read from its
-   ``tailscope:gc_pause_seconds``, and the difference with capture off is added to capture's own
-   threads. Then what those leave out: the gateway's main thread (its event loop) per request,
-   round by round against capture off; the difference holds capture's work there (each step's
-   ``engine_steps`` row, each emit) and its threads' interference with the loop (caches, the GIL).
+   does not change the replica's work: that one is the drift left within a round, and capture's
+   threads taking turns with the replica's on two cores); and the CPU of the threads that exist
+   only for capture, read per thread (the writer's two, named ``ts-writer`` / ``ts-insert``, and
+   the embedded store engine's, plus the store child when there is one), which hold no request-path
+   drift at all. Capture also makes the gateway's garbage collections dearer (its queued records,
+   the emit path's objects; they run in whichever thread allocates, mostly the event loop): each
+   gateway's time in them is read from its ``tailscope:gc_pause_seconds``, and the difference with
+   capture off is added to capture's own threads. Then what those leave out: the gateway's main
+   thread (its event loop) per request, round by round against capture off; the difference holds
+   capture's work there (each step's ``engine_steps`` row, each emit) and its threads' interference
+   with the loop (caches, the GIL).
 2. The writer's conversion of 10,000 records to Arrow, its columnar one against the plain
    per-column one it replaced, side by side (best of 3 each).
 3. The writer alone, in this process: ``--records`` records with 256 token ids each (128
@@ -250,8 +251,9 @@ class Paired(NamedTuple):
     after the other): the per-round differences, each as (median, least, greatest) over the
     rounds. ``rps``: throughput, % of capture off's; ``gw``: the CPU a request costs the
     gateway (+ its store child), ms; ``rep``: the same for the replica, whose work capture does
-    not change (the same requests, the same tokens), so what it moves is the machine's drift
-    within a round; ``loop``: the gateway's main thread, ms per request."""
+    not change (the same requests, the same tokens): what moves it is the machine within a
+    round, and capture's threads taking turns with its spinning OpenMP threads on the cores;
+    ``loop``: the gateway's main thread, ms per request."""
 
     rps: tuple[float, float, float]
     gw: tuple[float, float, float]
@@ -690,7 +692,7 @@ def main() -> int:
     off = tp["off"]
     base = off.gw_cpu + off.rep_cpu  # the CPU a request costs without capture
 
-    def spread(v: tuple[float, float, float], fmt: str, scale: float = 1.0) -> str:
+    def fmt_spread(v: tuple[float, float, float], fmt: str, scale: float = 1.0) -> str:
         return (f"{v[0] * scale:{fmt}} [{v[1] * scale:{fmt}}, {v[2] * scale:{fmt}}]")
 
     # each round loads every gateway once, so a round's difference holds no drift between
@@ -698,11 +700,12 @@ def main() -> int:
     for mode in ("on", "child"):
         pr = paired[mode]
         print(f"capture cost, {MODES[mode]}, round by round (median [least, greatest] of "
-              f"{args.gateway_rounds}): throughput {spread(pr.rps, '+.1f')} %; the gateway's "
-              f"CPU{' (+ store child)' if mode == 'child' else ''} {spread(pr.gw, '+.3f')} ms "
-              f"per request = {spread(pr.gw, '+.2f', 100 / base)} % of the CPU a request costs "
-              f"without capture (gateway + replica); the replica's {spread(pr.rep, '+.3f')} ms "
-              "(capture does not change its work: the machine's drift within a round)")
+              f"{args.gateway_rounds}): throughput {fmt_spread(pr.rps, '+.1f')} %; the gateway's "
+              f"CPU{' (+ store child)' if mode == 'child' else ''} {fmt_spread(pr.gw, '+.3f')} ms "
+              f"per request = {fmt_spread(pr.gw, '+.2f', 100 / base)} % of the CPU a request costs "
+              f"without capture (gateway + replica); the replica's {fmt_spread(pr.rep, '+.3f')} "
+              "ms (capture does not change its work: the machine's drift within a round, and "
+              "capture's threads taking turns with its threads on the cores)")
     # the threads that exist only for capture, read apart: no request-path drift in them
     for mode in ("on", "child"):
         own = tp[mode].own_ms
@@ -723,7 +726,8 @@ def main() -> int:
     for mode in ("on", "child"):
         loop = paired[mode].loop
         print(f"the gateway's event loop (its main thread), {MODES[mode]}, round by round: "
-              f"{spread(loop, '+.3f')} ms per request = {spread(loop, '+.2f', 100 / base)} % "
+              f"{fmt_spread(loop, '+.3f')} ms per request = "
+              f"{fmt_spread(loop, '+.2f', 100 / base)} % "
               f"(median {tp[mode].loop_ms:.3f} ms against {off.loop_ms:.3f} with capture off; "
               "capture's step rows and emits there and its threads' interference)")
     if merged:  # what a fresh store's short run leaves out (part 5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -64,8 +65,10 @@ def test_replica_killed_mid_stream(own_server):
             next(lines)
             os.kill(pid, signal.SIGKILL)
             rest = list(lines)
-    assert any('"error"' in line for line in rest), rest[-3:]
-    assert rest[-1] != "data: [DONE]" or any('"error"' in line for line in rest)
+    # an error event, parsed (a chunk whose text is the token "error" is not one)
+    errors = [json.loads(x[6:])["error"] for x in rest
+              if x.startswith("data: {") and "error" in json.loads(x[6:])]
+    assert errors and errors[0]["type"] == "server_error", rest[-3:]
     assert httpx.get(f"{url}/health").status_code == 200  # the gateway stays up
     assert wait_for(lambda: httpx.get(f"{url}/ready").status_code == 200, 120)
     info = replicas(url)["r0"]

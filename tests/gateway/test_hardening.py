@@ -237,10 +237,14 @@ def test_a_bad_request_never_fails_an_innocent_stream(hard_server):
                              "temperature": 1.0})
     t.join(60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_k"
-    assert lines[-1] == "data: [DONE]" and not any('"error"' in x for x in lines)
-    finishes = [json.loads(x[6:])["choices"][0]["finish_reason"] for x in lines
-                if x.startswith("data: {")]
-    assert finishes[-1] == "length"
+    assert lines[-1] == "data: [DONE]"
+    # each event parsed: an error event has an "error" key; the text itself may be "error"
+    # (the tiny model's random weights can sample that very token, 2742, and a substring check on
+    # the raw lines read `"text":"error"` as a failure)
+    events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert not [e for e in events if "error" in e], [e for e in events if "error" in e]
+    assert all(e["object"] == "text_completion" for e in events)
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
 
 
 def test_minus_infinity_logprobs_are_clamped_and_valid_json(hard_server):
