@@ -14,28 +14,28 @@ writer's ingest rate into embedded ClickHouse (chDB).
    (``TAILSCOPE_STORE_PROCESS=1``). They take the same closed-loop load (``--concurrency`` streams
    of short completions, ``--seconds`` each) one at a time, in ``--gateway-rounds`` rounds that
    load every gateway once in a rotating order. Each capture mode is compared with capture off
-   round by round: the difference within a round holds no drift between minutes or between fresh
-   processes, which on this shared 2-core VM is +-10 % of a request's CPU (earlier versions started
-   a gateway per run and compared the best runs; their event-loop line moved 60-120 us a request
-   between runs of identical code). Printed per mode (medians over the rounds): requests/s, output
-   tokens/s, each gateway's peak RSS (the store child's apart), and the CPU milliseconds a request
-   costs the gateway (with its store child) and the replica, read after the writer has flushed
-   (``--flush-s``, the gateways' ``TAILSCOPE_STORE_FLUSH_S``: 5 s, the default, since a store
-   insert has a fixed cost that a shorter interval pays more often). Then capture's cost, round by
-   round (the median and the least and greatest of the rounds' differences): the throughput loss,
-   and the extra CPU a request costs the gateway (with its store child) over the CPU a request
-   costs without capture (gateway + replica), with the replica's own difference beside it (capture
-   does not change the replica's work: that one is the drift left within a round, and capture's
-   threads taking turns with the replica's on two cores); and the CPU of the threads that exist
-   only for capture, read per thread (the writer's two, named ``ts-writer`` / ``ts-insert``, and
-   the embedded store engine's, plus the store child when there is one), which hold no request-path
-   drift at all. Capture also makes the gateway's garbage collections dearer (its queued records,
-   the emit path's objects; they run in whichever thread allocates, mostly the event loop): each
-   gateway's time in them is read from its ``tailscope:gc_pause_seconds``, and the difference with
-   capture off is added to capture's own threads. Then what those leave out: the gateway's main
-   thread (its event loop) per request, round by round against capture off; the difference holds
-   capture's work there (each step's ``engine_steps`` row, each emit) and its threads' interference
-   with the loop (caches, the GIL).
+   round by round: the difference within a round holds no drift between fresh processes and little
+   between minutes, which on this shared 2-core VM is +-10 % of a request's CPU (earlier versions
+   started a gateway per run and compared the best runs; their event-loop line moved 60-250 us a
+   request between runs of identical code). Printed per mode (medians over the rounds): requests/s,
+   output tokens/s, each gateway's peak RSS (the store child's apart), and the CPU milliseconds a
+   request costs the gateway (with its store child) and the replica, read after the writer has
+   flushed (``--flush-s``, the gateways' ``TAILSCOPE_STORE_FLUSH_S``: 5 s, the default, since a
+   store insert has a fixed cost that a shorter interval pays more often). Then capture's cost,
+   round by round (the median and the least and greatest of the rounds' differences): the
+   throughput loss, and the extra CPU a request costs the gateway (with its store child) over the
+   CPU a request costs without capture (gateway + replica), with the replica's own difference
+   beside it (capture does not change the replica's work: that one is the drift left within a
+   round, and capture's threads taking turns with the replica's on two cores); and the CPU of the
+   threads that exist only for capture, read per thread (the writer's two, named ``ts-writer`` /
+   ``ts-insert``, and the embedded store engine's, plus the store child when there is one), which
+   hold no request-path drift at all. Capture also makes the gateway's garbage collections dearer
+   (its queued records, the emit path's objects; they run in whichever thread allocates, mostly the
+   event loop): each gateway's time in them is read from its ``tailscope:gc_pause_seconds``, and
+   the difference with capture off is added to capture's own threads. Then what those leave out:
+   the gateway's main thread (its event loop) per request, round by round against capture off; the
+   difference holds capture's work there (each step's ``engine_steps`` row, each emit) and its
+   threads' interference with the loop (caches, the GIL).
 2. The writer's conversion of 10,000 records to Arrow, its columnar one against the plain
    per-column one it replaced, side by side (best of 3 each).
 3. The writer alone, in this process: ``--records`` records with 256 token ids each (128
@@ -280,7 +280,7 @@ def throughput(seconds: float, concurrency: int, rounds: int, model: str = "tiny
     (``Throughput``), and per capture mode its round-by-round differences from capture off
     (``Paired``). Pairing within a round is what makes the differences readable on this
     shared 2-core VM: the CPU a request costs drifts by +-10 % between minutes and between
-    fresh processes (a gateway started afresh per run read its event loop 60-120 us a request
+    fresh processes (a gateway started afresh per run read its event loop 60-250 us a request
     dearer or cheaper than the run before with no change in it); within a round both
     gateways see the same minute. CPU is read after the writer's flush interval has passed,
     so the records' conversion and inserts are in it."""
@@ -695,7 +695,7 @@ def main() -> int:
     def fmt_spread(v: tuple[float, float, float], fmt: str, scale: float = 1.0) -> str:
         return (f"{v[0] * scale:{fmt}} [{v[1] * scale:{fmt}}, {v[2] * scale:{fmt}}]")
 
-    # each round loads every gateway once, so a round's difference holds no drift between
+    # each round loads every gateway once, so a round's difference holds little drift between
     # minutes or processes; the median over the rounds and the least and greatest of them
     for mode in ("on", "child"):
         pr = paired[mode]
