@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -11,6 +10,7 @@ import httpx
 import pytest
 
 from tests.gateway.conftest import start_server, stop_server
+from tracing.client import sse_json
 
 
 def replicas(url: str) -> dict:
@@ -66,8 +66,8 @@ def test_replica_killed_mid_stream(own_server):
             os.kill(pid, signal.SIGKILL)
             rest = list(lines)
     # an error event, parsed (a chunk whose text is the token "error" is not one)
-    errors = [json.loads(x[6:])["error"] for x in rest
-              if x.startswith("data: {") and "error" in json.loads(x[6:])]
+    events = [e for e in map(sse_json, rest) if e is not None]
+    errors = [e["error"] for e in events if "error" in e]
     assert errors and errors[0]["type"] == "server_error", rest[-3:]
     assert httpx.get(f"{url}/health").status_code == 200  # the gateway stays up
     assert wait_for(lambda: httpx.get(f"{url}/ready").status_code == 200, 120)

@@ -21,6 +21,7 @@ import pytest
 
 from tests.gateway.conftest import LOAD, start_server, stop_server
 from tests.gateway.test_faults import replicas, wait_for
+from tracing.client import sse_json
 
 
 @pytest.fixture(scope="module")
@@ -241,8 +242,9 @@ def test_a_bad_request_never_fails_an_innocent_stream(hard_server):
     # each event parsed: an error event has an "error" key; the text itself may be "error"
     # (the tiny model's random weights can sample that very token, 2742, and a substring check on
     # the raw lines read `"text":"error"` as a failure)
-    events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
-    assert not [e for e in events if "error" in e], [e for e in events if "error" in e]
+    events = [e for e in map(sse_json, lines) if e is not None]
+    errors = [e for e in events if "error" in e]
+    assert not errors, errors
     assert all(e["object"] == "text_completion" for e in events)
     assert events[-1]["choices"][0]["finish_reason"] == "length"
 
