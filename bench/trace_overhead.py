@@ -71,6 +71,7 @@ from __future__ import annotations
 import argparse
 import gc
 import secrets
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -267,8 +268,6 @@ MODES = {"on": "capture on (store in the gateway)", "child": "capture on (store 
 
 
 def _spread(values: list[float]) -> tuple[float, float, float]:
-    import statistics
-
     return statistics.median(values), min(values), max(values)
 
 
@@ -318,17 +317,20 @@ def throughput(seconds: float, concurrency: int, rounds: int, model: str = "tiny
         for proc, _, _ in gateways.values():
             proc.wait(60)
     medians = {m: Throughput(
-        *(_spread([r[f] for r in runs])[0] for f in ("rps", "tps")),
+        *(statistics.median(r[f] for r in runs) for f in ("rps", "tps")),
         gateways[m][2].gateway_mb, gateways[m][2].store_mb,
-        *(_spread([r[f] for r in runs])[0] for f in Throughput._fields[4:]))
+        *(statistics.median(r[f] for r in runs) for f in Throughput._fields[4:]))
         for m, runs in per_round.items()}
-    off = per_round["off"]
-    paired = {m: Paired(
-        _spread([100 * (r["rps"] / o["rps"] - 1) for r, o in zip(per_round[m], off, strict=True)]),
-        _spread([r["gw_cpu"] - o["gw_cpu"] for r, o in zip(per_round[m], off, strict=True)]),
-        _spread([r["rep_cpu"] - o["rep_cpu"] for r, o in zip(per_round[m], off, strict=True)]),
-        _spread([r["loop_ms"] - o["loop_ms"] for r, o in zip(per_round[m], off, strict=True)]))
-        for m in ("on", "child")}
+
+    def against_off(mode: str, field: str, pct: bool = False) -> tuple[float, float, float]:
+        """``field``'s differences from capture off, round by round (in % of off's with
+        ``pct``), as ``_spread`` gives them."""
+        return _spread([100 * (r[field] / o[field] - 1) if pct else r[field] - o[field]
+                        for r, o in zip(per_round[mode], per_round["off"], strict=True)])
+
+    paired = {m: Paired(against_off(m, "rps", pct=True), against_off(m, "gw_cpu"),
+                        against_off(m, "rep_cpu"), against_off(m, "loop_ms"))
+              for m in ("on", "child")}
     return medians, paired
 
 
