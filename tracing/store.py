@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime as dt
 import itertools
+import logging
 import operator
 import os
 import sys
@@ -45,6 +46,8 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from tracing.schema import DATABASE, MIGRATIONS, TABLES, Table
+
+log = logging.getLogger("tailscope.store")
 
 DEFAULT_DSN = "chdb://./.tailscope/store"
 
@@ -727,7 +730,33 @@ class Store:
         with self.read_lock:
             body = self.check_select(sql, parameters)
             tagged = f"/* {_READ_TAG}{query_id or uuid.uuid4().hex} */ {body}"
-            return getattr(self.reader, method)(tagged, parameters=parameters or None)
+            try:
+                return getattr(self.reader, method)(tagged, parameters=parameters or None)
+            except Exception:
+                if is_embedded(self.dsn):
+                    self._renew_reader()
+                raise
+
+    def _renew_reader(self) -> None:
+        """A fresh read-only client in place of one whose read just failed. On chDB (4.4 with
+        clickhouse-connect 1.12), an Arrow read that fails part-way (a limit, a cancel) leaves
+        the rest of its output on the connection, and the next read on it gets those bytes
+        (``'utf-8' codec can't decode byte 0xff``: Arrow's stream marker) instead of its own
+        answer: one failed drill-down query broke the next one. A new client is a new
+        connection to the same engine (~9 ms); the writer's client is not touched."""
+        import clickhouse_connect
+
+        old = self.reader
+        try:
+            self.reader = clickhouse_connect.get_client(
+                dsn=self.dsn, chdb_options=CHDB_OPTIONS, settings=self.limits.settings())
+        except Exception:  # keep the old one rather than none: the next read may still work
+            log.exception("could not open a fresh read client for %s", self.dsn)
+            return
+        try:
+            old.close()
+        except Exception:  # closing a broken connection must not fail the read's own error
+            pass
 
     def select(self, sql: str, parameters: dict | None = None, query_id: str | None = None
                ) -> tuple[list[str], list[tuple]]:

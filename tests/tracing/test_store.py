@@ -100,6 +100,25 @@ def test_the_reader_session_is_read_only_for_its_life_with_limits(store):
         store.select("SELECT count() FROM system.numbers")  # unbounded: refused by the limit
 
 
+def test_a_read_that_fails_part_way_leaves_the_next_reads_their_own_answers(store):
+    """An Arrow read past a limit failed, and on chDB the next read on that connection got the
+    failed one's leftover bytes (a 400 "not one valid statement" for a plain SELECT 1): every
+    read through a store process is an Arrow read, so one refused drill-down query broke the
+    next. The reader is renewed after a failed read; the writer's client is untouched."""
+    writer_client = store.client
+    for _ in range(2):
+        with pytest.raises(Exception, match="[Ll]imit"):
+            store.select_arrow("SELECT count() FROM system.numbers")
+        assert store.select("SELECT 41 + 1 AS x") == (["x"], [(42,)])
+        assert store.select_arrow("SELECT 'after' AS s").to_pylist() == [{"s": "after"}]
+    # the renewed reader is read-only with the same limits
+    assert store.select("SELECT getSetting('readonly'), getSetting('max_result_rows')")[1] == \
+        [(1, store.limits.max_result_rows)]
+    with pytest.raises(Exception, match="readonly"):
+        store.reader.command("CREATE TABLE default.pwn3 (x Int8) ENGINE = Memory")
+    assert store.client is writer_client
+
+
 def test_the_embedded_engine_runs_with_the_stores_server_settings(store):
     """tracing.store.CHDB_OPTIONS reach chDB's engine (its MemoryWorker polls once a second,
     not its default many times a second). The options go in as server configuration; the ones
