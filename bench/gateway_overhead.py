@@ -18,9 +18,10 @@ the bundled tokenizer) with the same prompts (token ids) and 4 output tokens (``
 Load is open loop: the send times are fixed up front (evenly spaced at each rate) and latency is
 measured from the *scheduled* time, so a stalled server cannot hide its stall; the report says
 how far the client itself fell behind. The figures include the client's own cost, which is
-larger for HTTP than for ZeroMQ, so "added" is an upper bound on the gateway's share. Peak RSS
-is the gateway process's alone (its replica is a separate process); the gateway runs with full
-capture into a fresh embedded chDB store. No pass/fail here.
+larger for HTTP than for ZeroMQ, so "added" is an upper bound on the gateway's share. The
+gateway runs with full capture into a fresh embedded chDB store; its CPU and peak RSS are the
+gateway process's with its store child's (where the store runs by default), its replica apart.
+No pass/fail here.
 
 The replica runs with one torch thread on both paths (``--replica-threads``, default 1): on a
 small machine the load generator, the gateway and the replica share the cores, and a replica
@@ -205,23 +206,54 @@ async def timed_stream(http, url: str, body: dict, at: int, res: Result, is_cont
 
 
 
-def cpu_ms(pid: int) -> float:
-    import psutil
-
-    t = psutil.Process(pid).cpu_times()
-    return (t.user + t.system) * 1e3
-
-
-def peak_rss_sampler(pid: int, stop: threading.Event, out: list[float]) -> None:
+def proxy_processes(pid: int) -> list:
+    """The process ``pid`` and its descendants except engine replicas: a gateway with its
+    store child (an embedded store runs there by default, ``TAILSCOPE_STORE_PROCESS``), or a
+    proxy with whatever workers it starts: what serving as a proxy costs, the engine apart."""
     import psutil
 
     p = psutil.Process(pid)
+    out = [p]
+    for c in p.children(recursive=True):
+        try:
+            if "engine.replica" not in c.cmdline():
+                out.append(c)
+        except psutil.Error:  # it ended meanwhile
+            pass
+    return out
+
+
+def cpu_ms(pid: int) -> float:
+    """CPU milliseconds so far of ``proxy_processes(pid)``."""
+    import psutil
+
+    total = 0.0
+    for p in proxy_processes(pid):
+        try:
+            t = p.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total * 1e3
+
+
+def peak_rss_sampler(pid: int, stop: threading.Event, out: list[float]) -> None:
+    """The peak of ``proxy_processes(pid)``'s summed RSS, sampled every 50 ms until ``stop``."""
+    import psutil
+
     peak = 0
     while not stop.is_set():
         try:
-            peak = max(peak, p.memory_info().rss)
-        except psutil.Error:
+            procs = proxy_processes(pid)
+        except psutil.Error:  # the process is gone
             break
+        total = 0
+        for p in procs:
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                pass
+        peak = max(peak, total)
         time.sleep(0.05)
     out.append(peak / 2**20)
 
@@ -340,7 +372,7 @@ def main() -> int:
               f"{added['added_ttft_p99_ms']:9.2f} {added['added_e2e_p50_ms']:9.2f} "
               f"{added['added_e2e_p99_ms']:9.2f}   (gateway CPU "
               f"{added['gateway_cpu_ms_per_request']:.2f} ms/request)")
-    print(f"\ngateway process peak RSS: {peak_mb:.0f} MB (its replica not included)")
+    print(f"\ngateway peak RSS: {peak_mb:.0f} MB (with its store child; its replica not included)")
     print(f"medians of added e2e p50 over rates: "
           f"{statistics.median(r['added_e2e_p50_ms'] for r in rows):.2f} ms")
     if args.json:

@@ -82,7 +82,7 @@ class GatewayConfig:
     memory_records: int = 10_000  # the latest records kept for /debug/requests
     store_dsn: str | None = None  # chdb:///path, http(s)://host:8123, tailscope://host:8124
     store_key: str | None = None  # the store process's key (tailscope:// DSNs)
-    store_process: bool = False  # an embedded store in a supervised child process
+    store_process: bool = True  # an embedded (chDB) store in a supervised child process
     spool_dir: str | None = None  # where batches wait while the store is down
     store_ttl_days: int = 30  # default row TTL (a tenant's ttl_days overrides)
     store_flush_s: float = 5.0  # a batch is inserted when its oldest record is this old

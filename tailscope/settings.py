@@ -56,7 +56,7 @@ class Settings:
     detail_warmup: int = 100  # TAILSCOPE_DETAIL_WARMUP: first requests per model all kept
     store_dsn: str = "chdb://./.tailscope/store"  # TAILSCOPE_STORE_DSN ("none": no store)
     store_key: str = ""  # TAILSCOPE_STORE_KEY: a store process's key (tailscope:// DSNs)
-    store_process: bool = False  # TAILSCOPE_STORE_PROCESS: the embedded store in a child process
+    store_process: bool = True  # TAILSCOPE_STORE_PROCESS: the embedded store in a child process
     spool_dir: str = ""  # TAILSCOPE_SPOOL_DIR: failed batches wait here (default beside store)
     store_ttl_days: int = 30  # TAILSCOPE_STORE_TTL_DAYS: default row TTL
     store_flush_s: float = 5.0  # TAILSCOPE_STORE_FLUSH_S: oldest record waits this long at most
