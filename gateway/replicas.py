@@ -196,7 +196,11 @@ class ReplicaPool:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if self.transport.key:  # its messages are signed like every other replica's
             env["TAILSCOPE_REPLICA_KEY"] = self.transport.key.decode()
-        proc = subprocess.Popen(cmd, env=env)
+        # its own process group: a terminal's Ctrl-C (SIGINT to the foreground group) reaches
+        # the gateway alone, which stops its replicas itself; in the gateway's group each
+        # replica died of the SIGINT mid-shutdown (a KeyboardInterrupt traceback) and the
+        # supervisor started it again while the gateway was stopping
+        proc = subprocess.Popen(cmd, env=env, process_group=0)
         self.transport.connect(r.id)
         return proc
 

@@ -121,7 +121,8 @@ class StoreProcess:
             [sys.executable, "-m", "tailscope.cli", "store", "--dsn", self.dsn, "serve",
              "--port", str(self.port), "--parent-pid", str(os.getpid()),
              "--inbox", str(self.inbox)],
-            env={**os.environ, "TAILSCOPE_STORE_KEY": self.key, "PYTHONUNBUFFERED": "1"})
+            env={**os.environ, "TAILSCOPE_STORE_KEY": self.key, "PYTHONUNBUFFERED": "1"},
+            process_group=0)  # not stopped by a terminal's Ctrl-C: the gateway drains into it
 
     def _healthy(self) -> bool:
         try:

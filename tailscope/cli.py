@@ -242,8 +242,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "the admin key" if s.admin_key else "loopback clients only")
     # uvicorn waits for in-flight requests before it stops: on the signal, stop what only waits
     # on the store (a long /debug/query) at once instead of up to its time limit
-    uvicorn_server(app, app.state.on_exit_signal, host=args.host, port=args.port,
-                   log_level="info", access_log=args.access_log).run()
+    try:
+        uvicorn_server(app, app.state.on_exit_signal, host=args.host, port=args.port,
+                       log_level="info", access_log=args.access_log).run()
+    except KeyboardInterrupt:
+        # Ctrl-C: uvicorn has shut down gracefully (requests finished, records drained, the
+        # replicas and the store child stopped) and raises the signal again once done, which
+        # surfaced as a KeyboardInterrupt traceback; exit as an interrupted program does
+        return 130
     return 0
 
 

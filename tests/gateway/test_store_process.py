@@ -4,6 +4,7 @@ it is down and replays with the same insert tokens); and it does not outlive its
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -91,3 +92,59 @@ def test_a_clean_stop_drains_into_the_child_then_stops_it(bundled_path, tmp_path
          f"t={r.headers['x-tailscope-trace-id']}"], capture_output=True, text=True, timeout=120,
         env={**os.environ, "TAILSCOPE_GATEWAY_URL": "http://127.0.0.1:9"})
     assert out.returncode == 0 and out.stdout.splitlines()[-1] == "1", out.stderr[-500:]
+
+
+def test_ctrl_c_stops_the_gateway_its_replica_and_its_store_child_cleanly(bundled_path,
+                                                                          tmp_path):
+    """A terminal's Ctrl-C sends SIGINT to its whole foreground process group. The replica and
+    the store child got it too: the replica died mid-shutdown with a KeyboardInterrupt
+    traceback and the supervisor started it again while the gateway stopped, and the gateway
+    ended on a traceback of its own. Now only the gateway takes it: every record of the queue
+    is drained into the store, the children stop, and the gateway exits 130 with no
+    traceback."""
+    from tracing.client import free_port
+
+    dsn, port = f"chdb://{tmp_path}/store", free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(  # its own session: the group a terminal would signal
+            [sys.executable, "-m", "tailscope.cli", "serve", "--model", "tiny:49152",
+             "--tokenizer", str(bundled_path), "--port", str(port)],
+            env={**os.environ, "TAILSCOPE_STORE_DSN": dsn, "TAILSCOPE_KV_CACHE_MB": "64",
+                 "TAILSCOPE_STORE_FLUSH_S": "60",  # every record still queued at the signal
+                 "TAILSCOPE_INSTANCE_ID": ""},
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def ready() -> bool:
+            try:
+                return httpx.get(f"{url}/ready", timeout=2).json().get("all_ready", False)
+            except (httpx.HTTPError, ValueError):
+                return False
+        assert wait_for(ready, 240), log.read_text()[-2000:]
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert {"engine.replica" in c.cmdline() or "store" in c.cmdline()
+                for c in children} == {True} and len(children) == 2
+        traces = []
+        for i in range(5):
+            r = httpx.post(f"{url}/v1/completions", json={
+                "model": "SmolLM2-135M-Instruct", "prompt": f"bye {i}", "max_tokens": 3},
+                timeout=60)
+            assert r.status_code == 200, r.text
+            traces.append(r.headers["x-tailscope-trace-id"])
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert "Traceback" not in text and "restarting" not in text, text[-3000:]
+    assert wait_for(lambda: not any(psutil.pid_exists(c.pid) and c.status()
+                                    != psutil.STATUS_ZOMBIE for c in children), 15)
+    out = subprocess.run(
+        [sys.executable, "-m", "tailscope.cli", "store", "--dsn", dsn, "query",
+         "SELECT count() FROM tailscope.requests WHERE trace_id IN {t:Array(String)}",
+         "--param", f"t={json.dumps(traces)}"], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "TAILSCOPE_GATEWAY_URL": "http://127.0.0.1:9"})
+    assert out.returncode == 0 and out.stdout.splitlines()[-1] == "5", out.stderr[-500:]
