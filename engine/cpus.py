@@ -74,6 +74,37 @@ def torch_threads(cpus: frozenset[int] | None) -> int:
     return int(os.environ.get("TAILSCOPE_THREADS") or 0) or len(cpus or ())
 
 
+def replica_threads(cpus: frozenset[int] | None, local_replicas: int) -> int:
+    """The torch threads a gateway gives one of its ``local_replicas``: ``torch_threads``
+    (``TAILSCOPE_THREADS``, else one per CPU of its set), else, with two or more local replicas
+    sharing the machine unpinned, the cores this process may use shared out among them (at
+    least one each), else 0 (torch's default, one per core: right for a replica alone).
+
+    Why: each replica's torch team defaults to every core, and its threads meet at a barrier
+    at the end of every parallel kernel, spinning while they wait; two replicas of two threads
+    on two cores kept preempting each other's teams. Served through the gateway here (2 cores,
+    ``--replicas 2``, 16 closed-loop streams, 2026-12-06): the tiny model 26.7 requests/s with
+    torch's default against 255.7 with one thread each, the bundled model 2.0 against 9.0 (one
+    replica of two threads: 8.2). vLLM's CPU backend shares cores out the same way
+    (``VLLM_CPU_OMP_THREADS_BIND``), as ``TAILSCOPE_REPLICA_CPUS=auto`` does with pinning."""
+    explicit = torch_threads(cpus)
+    if explicit or local_replicas < 2:
+        return explicit
+    return max(1, usable_cores() // local_replicas)
+
+
+def usable_cores() -> int:
+    """The physical cores among the CPUs this process may use: its affinity's CPUs (cgroups
+    and ``taskset`` narrow them) scaled by the machine's cores per logical CPU (two hyperthreads
+    of a core are one core to a matmul)."""
+    import psutil
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        (os.cpu_count() or 1)
+    logical, physical = psutil.cpu_count() or 1, psutil.cpu_count(logical=False) or 0
+    return max(1, cpus * physical // logical) if physical else cpus
+
+
 def format_cpus(cpus) -> str:
     """The shortest CPU list for a set (``0-3,6``): what ``parse_cpus`` reads."""
     out, run = [], []

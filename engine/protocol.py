@@ -100,6 +100,7 @@ class Health(msgspec.Struct, tag="health"):
     incarnation: str = ""
     rejected: int = 0  # messages it dropped because their signature did not verify
     engine_config: str = ""  # its EngineConfig, JSON (a remote replica must run the gateway's)
+    threads: int = 0  # its torch intra-op threads (0: not said, an older replica)
 
 
 class Heartbeat(msgspec.Struct, tag="beat"):

@@ -127,10 +127,13 @@ class Replica:
         warm_up(self.engine)
 
     def health(self, detail: str = "") -> Health:
+        import torch  # loaded with the engine already
+
         mc = self.engine.model.config
         return Health(self.id, True, mc.name, mc.revision, self.engine.kv.pool.num_blocks,
                       self.engine.max_model_len, detail, self.incarnation, self.rejected,
-                      json.dumps(self.engine.config.as_dict(), sort_keys=True))
+                      json.dumps(self.engine.config.as_dict(), sort_keys=True),
+                      torch.get_num_threads())
 
     def handle(self, frame: bytes) -> None:
         data = verify(self.key, frame)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from engine.config import EngineConfig
-from engine.cpus import format_cpus, torch_threads
+from engine.cpus import format_cpus, replica_threads
 from engine.protocol import (
     AbortRequest,
     AddRequest,
@@ -124,20 +124,29 @@ def prepare(model: str, engine: EngineConfig, ids: list[str], tokenizer: str | N
     done: dict[int, str] = {}
     for i, rid in enumerate(ids):
         mine = cpus[i] if cpus else None
-        threads = torch_threads(mine)
+        threads = replica_threads(mine, len(ids))
         if threads in done:
             log.info("replica %s: prepared by %s (same model, engine and threads)", rid,
                      done[threads])
             continue
         rc = subprocess.run([*replica_command(model, engine, rid, tokenizer, mine),
-                             "--prepare-only"], env={**os.environ, "PYTHONUNBUFFERED": "1"}
-                            ).returncode
+                             "--prepare-only"], env=replica_env(threads)).returncode
         if rc:
             log.error("replica %s: preparing failed (%s)", rid, f"exit status {rc}" if rc > 0
                       else f"killed by signal {-rc}")
             return rc if rc > 0 else 1
         done[threads] = rid
     return 0
+
+
+def replica_env(threads: int) -> dict[str, str]:
+    """A local replica's environment: this process's, its output unbuffered, and its torch
+    threads (``engine.cpus.replica_threads``; 0: torch's default) where the gateway chose
+    them."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if threads:
+        env["TAILSCOPE_THREADS"] = str(threads)
+    return env
 
 
 class ReplicaPool:
@@ -166,6 +175,7 @@ class ReplicaPool:
         self.max_inflight = max_inflight or 4 * engine.max_num_seqs
         self.transport = ZmqTransport(key, outbox_bind)
         self.replicas = [Replica(rid) for rid in local_ids(instance, num_replicas)]
+        self.local = num_replicas  # they share this machine's cores (replica_threads)
         if cpus is not None and len(cpus) != num_replicas:
             raise ValueError(f"{len(cpus)} CPU sets for {num_replicas} replicas")
         self.cpus = dict(zip((r.id for r in self.replicas), cpus or (), strict=False))
@@ -193,7 +203,7 @@ class ReplicaPool:
                                 self.cpus.get(r.id)),
                "--inbox", self.transport.inbox_addr(r.id),
                "--outbox", self.transport.outbox_addr, "--parent-pid", str(os.getpid())]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = replica_env(replica_threads(self.cpus.get(r.id), self.local))
         if self.transport.key:  # its messages are signed like every other replica's
             env["TAILSCOPE_REPLICA_KEY"] = self.transport.key.decode()
         # its own process group: a terminal's Ctrl-C (SIGINT to the foreground group) reaches
@@ -255,6 +265,8 @@ class ReplicaPool:
                 "rejected_by_replica": getattr(r.health, "rejected", 0) if r.health else 0,
                 # the CPUs it was started on (TAILSCOPE_REPLICA_CPUS); None: not pinned
                 "cpus": format_cpus(self.cpus[r.id]) if r.id in self.cpus else None,
+                # its torch intra-op threads, as it reports them (None: not ready yet)
+                "threads": r.health.threads if r.health and r.health.threads else None,
             }
         return out
 

@@ -10,6 +10,7 @@ import httpx
 import psutil
 import pytest
 
+from engine import cpus as C
 from engine.cpus import format_cpus, parse_cpus, replica_cpus, split_cpus
 from tests.gateway.conftest import start_server, stop_server
 
@@ -46,6 +47,45 @@ def test_auto_splits_the_cpus_in_consecutive_groups():
     assert replica_cpus("auto", 1) == [set(mine)]
 
 
+def test_local_replicas_share_the_cores_out_unless_told(monkeypatch):
+    """engine.cpus.replica_threads: TAILSCOPE_THREADS wins, then one per CPU of a replica's
+    set, then cores // replicas for two or more unpinned replicas (at least one), else 0
+    (torch's default) for a replica alone."""
+    monkeypatch.delenv("TAILSCOPE_THREADS", raising=False)
+    monkeypatch.setattr(C, "usable_cores", lambda: 8)
+    assert [C.replica_threads(None, n) for n in (1, 2, 3, 8, 16)] == [0, 4, 2, 1, 1]
+    assert C.replica_threads(frozenset({0, 1, 2}), 4) == 3  # pinned: one per CPU of its set
+    monkeypatch.setenv("TAILSCOPE_THREADS", "5")
+    assert C.replica_threads(None, 2) == C.replica_threads(frozenset({0}), 2) == 5
+    monkeypatch.undo()
+    cores = C.usable_cores()
+    assert 1 <= cores <= len(os.sched_getaffinity(0))
+
+
+def test_two_unpinned_replicas_each_get_their_share_of_the_cores(bundled_path, monkeypatch):
+    """Two replicas of torch's default threads on this machine's cores served the tiny model
+    at a tenth of the rate of one thread each (engine.cpus.replica_threads): the gateway now
+    gives each its share, which the replica reports and /debug/replicas shows."""
+    monkeypatch.delenv("TAILSCOPE_THREADS", raising=False)
+    monkeypatch.delenv("TAILSCOPE_REPLICA_CPUS", raising=False)
+    share = max(1, C.usable_cores() // 2)
+    server = start_server("--model", "tiny:49152", "--tokenizer", str(bundled_path),
+                          "--replicas", "2", env={"TAILSCOPE_STORE_DSN": "none"})
+    try:
+        desc = httpx.get(f"{server.url}/debug/replicas", timeout=10).json()
+        assert {rid: (d["threads"], d["cpus"]) for rid, d in desc.items()} == \
+            {"r0": (share, None), "r1": (share, None)}
+        for child in psutil.Process(server.proc.pid).children(recursive=True):
+            if "engine.replica" in child.cmdline():
+                assert child.environ()["TAILSCOPE_THREADS"] == str(share)
+        r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+            "model": "SmolLM2-135M-Instruct", "prompt": "Hello", "max_tokens": 4,
+            "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        stop_server(server)
+
+
 def test_the_gateway_refuses_a_cpu_list_it_cannot_use(bundled_path):
     out = subprocess.run([sys.executable, "-m", "tailscope.cli", "serve", "--model", "tiny:49152",
                           "--tokenizer", str(bundled_path), "--port", "1"],
@@ -78,6 +118,7 @@ def test_each_replica_runs_on_its_cpus_with_a_thread_per_cpu(bundled_path):
         # /debug/replicas says where each runs
         desc = httpx.get(f"{server.url}/debug/replicas", timeout=10).json()
         assert (desc["r0"]["cpus"], desc["r1"]["cpus"]) == (str(cpu), "0")
+        assert (desc["r0"]["threads"], desc["r1"]["threads"]) == (1, 1)  # one per CPU
         # and they serve
         r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
             "model": "SmolLM2-135M-Instruct", "prompt": "Hello", "max_tokens": 4,
