@@ -206,11 +206,15 @@ class ReplicaPool:
         env = replica_env(replica_threads(self.cpus.get(r.id), self.local))
         if self.transport.key:  # its messages are signed like every other replica's
             env["TAILSCOPE_REPLICA_KEY"] = self.transport.key.decode()
-        # its own process group: a terminal's Ctrl-C (SIGINT to the foreground group) reaches
-        # the gateway alone, which stops its replicas itself; in the gateway's group each
-        # replica died of the SIGINT mid-shutdown (a KeyboardInterrupt traceback) and the
-        # supervisor started it again while the gateway was stopping
-        proc = subprocess.Popen(cmd, env=env, process_group=0)
+        # a session of its own: a terminal's Ctrl-C (SIGINT to the foreground process group)
+        # reaches the gateway alone, which stops its replicas itself (in the gateway's group
+        # each replica died of the SIGINT mid-shutdown, with a KeyboardInterrupt traceback, and
+        # the supervisor started it again while the gateway was stopping). Not merely a process
+        # group of its own: in the terminal's session, that is a background job, which
+        # `stty tostop` stops at its first log line; outside it, the terminal is not its
+        # controlling one and its writes pass. It stops by itself if the gateway dies
+        # (--parent-pid).
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         self.transport.connect(r.id)
         return proc
 

@@ -122,7 +122,9 @@ class StoreProcess:
              "--port", str(self.port), "--parent-pid", str(os.getpid()),
              "--inbox", str(self.inbox)],
             env={**os.environ, "TAILSCOPE_STORE_KEY": self.key, "PYTHONUNBUFFERED": "1"},
-            process_group=0)  # not stopped by a terminal's Ctrl-C: the gateway drains into it
+            # a session of its own, as a replica (gateway.replicas: a terminal's Ctrl-C is the
+            # gateway's alone, which drains into the child before it stops it)
+            start_new_session=True)
 
     def _healthy(self) -> bool:
         try:

@@ -94,37 +94,70 @@ def test_a_clean_stop_drains_into_the_child_then_stops_it(bundled_path, tmp_path
     assert out.returncode == 0 and out.stdout.splitlines()[-1] == "1", out.stderr[-500:]
 
 
-def test_ctrl_c_stops_the_gateway_its_replica_and_its_store_child_cleanly(bundled_path,
-                                                                          tmp_path):
-    """A terminal's Ctrl-C sends SIGINT to its whole foreground process group. The replica and
-    the store child got it too: the replica died mid-shutdown with a KeyboardInterrupt
-    traceback and the supervisor started it again while the gateway stopped, and the gateway
-    ended on a traceback of its own. Now only the gateway takes it: every record of the queue
-    is drained into the store, the children stop, and the gateway exits 130 with no
-    traceback."""
+# Run a command as a terminal's foreground job: a session of its own with the pty on stdin,
+# stdout and stderr as its controlling terminal, and ``stty tostop`` (a background job that
+# writes to the terminal is stopped) turned on.
+AS_FOREGROUND_JOB = """
+import fcntl, os, sys, termios
+os.setsid()
+fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+attrs = termios.tcgetattr(0)
+attrs[3] |= termios.TOSTOP
+termios.tcsetattr(0, termios.TCSANOW, attrs)
+os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
+"""
+
+
+def test_ctrl_c_at_a_terminal_stops_the_gateway_its_replica_and_its_store_child_cleanly(
+        bundled_path, tmp_path):
+    """A terminal's Ctrl-C signals its whole foreground process group. The replica and the
+    store child were in it: the replica died mid-shutdown with a KeyboardInterrupt traceback
+    and the supervisor started it again while the gateway stopped, and the gateway ended on a
+    traceback of its own. They now run in sessions of their own (not in a process group of
+    the gateway's session, where ``stty tostop`` would stop them at their first log line: this
+    terminal has it on). Ctrl-C typed at a pty: every record still queued is drained into
+    the store, both children stop, and the gateway exits 130 with no traceback."""
+    import pty
+
     from tracing.client import free_port
 
     dsn, port = f"chdb://{tmp_path}/store", free_port()
-    log = tmp_path / "serve.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(  # its own session: the group a terminal would signal
-            [sys.executable, "-m", "tailscope.cli", "serve", "--model", "tiny:49152",
-             "--tokenizer", str(bundled_path), "--port", str(port)],
-            env={**os.environ, "TAILSCOPE_STORE_DSN": dsn, "TAILSCOPE_KV_CACHE_MB": "64",
-                 "TAILSCOPE_STORE_FLUSH_S": "60",  # every record still queued at the signal
-                 "TAILSCOPE_INSTANCE_ID": ""},
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", AS_FOREGROUND_JOB, "-m", "tailscope.cli", "serve", "--model",
+         "tiny:49152", "--tokenizer", str(bundled_path), "--port", str(port)],
+        env={**os.environ, "TAILSCOPE_STORE_DSN": dsn, "TAILSCOPE_KV_CACHE_MB": "64",
+             "TAILSCOPE_STORE_FLUSH_S": "60",  # every record still queued at the signal
+             "TAILSCOPE_INSTANCE_ID": ""},
+        stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+    os.close(slave)
+    output = bytearray()
+
+    def drain() -> None:  # the terminal's screen: read, or the writers block on a full pty
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # every writer closed the slave
+                return
+            if not data:
+                return
+            output.extend(data)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
     url = f"http://127.0.0.1:{port}"
     try:
         def ready() -> bool:
+            assert proc.poll() is None, output.decode(errors="replace")[-2000:]
             try:
                 return httpx.get(f"{url}/ready", timeout=2).json().get("all_ready", False)
             except (httpx.HTTPError, ValueError):
                 return False
-        assert wait_for(ready, 240), log.read_text()[-2000:]
+        assert wait_for(ready, 240), output.decode(errors="replace")[-2000:]
         children = psutil.Process(proc.pid).children(recursive=True)
-        assert {"engine.replica" in c.cmdline() or "store" in c.cmdline()
-                for c in children} == {True} and len(children) == 2
+        assert sorted("replica" if "engine.replica" in c.cmdline() else "store"
+                      if "store" in c.cmdline() else c.name() for c in children) == \
+            ["replica", "store"]
         traces = []
         for i in range(5):
             r = httpx.post(f"{url}/v1/completions", json={
@@ -132,16 +165,19 @@ def test_ctrl_c_stops_the_gateway_its_replica_and_its_store_child_cleanly(bundle
                 timeout=60)
             assert r.status_code == 200, r.text
             traces.append(r.headers["x-tailscope-trace-id"])
-        os.killpg(proc.pid, signal.SIGINT)
+        os.write(master, b"\x03")  # Ctrl-C, typed
         assert proc.wait(60) == 130
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    text = log.read_text()
-    assert "Traceback" not in text and "restarting" not in text, text[-3000:]
     assert wait_for(lambda: not any(psutil.pid_exists(c.pid) and c.status()
                                     != psutil.STATUS_ZOMBIE for c in children), 15)
+    reader.join(5)
+    os.close(master)
+    text = output.decode(errors="replace")
+    assert "Traceback" not in text and "restarting" not in text, text[-3000:]
+    assert "Application shutdown complete" in text  # the terminal showed the gateway's log
     out = subprocess.run(
         [sys.executable, "-m", "tailscope.cli", "store", "--dsn", dsn, "query",
          "SELECT count() FROM tailscope.requests WHERE trace_id IN {t:Array(String)}",
