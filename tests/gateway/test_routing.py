@@ -35,9 +35,9 @@ def traced_post(server, body: dict, timeout: float = 60) -> tuple[httpx.Response
     return r, record(server.url, trace_id)
 
 
-def long_stream(http: httpx.Client, server, max_tokens: int = 1000):
+def long_stream(http: httpx.Client, server, max_tokens: int = 1000, **fields):
     body = {"model": server.model, "prompt": "Once upon a time", "max_tokens": max_tokens,
-            "stream": True, "ignore_eos": True}
+            "stream": True, "ignore_eos": True, **fields}
     return http.stream("POST", f"{server.url}/v1/completions", json=body)
 
 
@@ -46,9 +46,10 @@ def test_least_work_then_prefix_locality(two_replicas):
     shared = " ".join(f"w{i}" for i in range(150))  # ~490 tokens: 30 full 16-token blocks
     r, rec = traced_post(s, {"prompt": shared, "max_tokens": 1})
     assert r.status_code == 200 and rec["replica"] == "r0"  # both idle: lowest id
-    # r0 gets <= 155 tokens of work: less than the ~480 prefix tokens it could skip (and it
-    # finishes well within the queue timeout, so the request queued behind it is served)
-    with httpx.Client(timeout=60) as http, long_stream(http, s, max_tokens=150) as busy:
+    # r0 gets <= 400 tokens of work: less than the ~480 prefix tokens it could skip (and it
+    # finishes well within the queue timeout, ~0.3 s here, so the request queued behind it is
+    # served)
+    with httpx.Client(timeout=60) as http, long_stream(http, s, max_tokens=400) as busy:
         lines = busy.iter_lines()
         next(lines)
         assert replicas(s.url)["r0"]["inflight"] == 1
@@ -63,9 +64,25 @@ def test_least_work_then_prefix_locality(two_replicas):
         assert rec["prefix_hit_tokens"] >= 128 and "prefix hit" in rec["route_reason"]
 
 
-def test_queue_timeout_is_504_and_timed_out(two_replicas):
-    s = two_replicas
-    with httpx.Client(timeout=60) as http, long_stream(http, s) as a, long_stream(http, s) as b:
+@pytest.fixture(scope="module")
+def short_timeout(bundled_path):
+    """Two tiny replicas, one running sequence each, a 0.3 s queue timeout."""
+    server = start_server("--model", "tiny:49152", "--tokenizer", str(bundled_path),
+                          "--replicas", "2", "--queue-timeout", "0.3",
+                          env={"TAILSCOPE_MAX_NUM_SEQS": "1"})
+    yield server
+    stop_server(server)
+
+
+def test_queue_timeout_is_504_and_timed_out(short_timeout):
+    """Both replicas run a 1,000-token stream with 20 logprobs a token (~1.1 s here, nearly
+    four times the queue timeout); one more request waits its 0.3 s in a replica's queue and
+    is answered 504. (With a 3 s timeout and plain 1,000-token streams this held only while two
+    replicas of two threads each stalled each other on two cores; one thread each, such a
+    stream ends in ~0.7 s.)"""
+    s = short_timeout
+    with httpx.Client(timeout=60) as http, \
+            long_stream(http, s, logprobs=20) as a, long_stream(http, s, logprobs=20) as b:
         la, lb = a.iter_lines(), b.iter_lines()
         next(la), next(lb)
         info = replicas(s.url)
@@ -73,10 +90,12 @@ def test_queue_timeout_is_504_and_timed_out(two_replicas):
         t0 = time.monotonic()
         r, rec = traced_post(s, {"prompt": "Hi", "max_tokens": 3})
         waited = time.monotonic() - t0
+        info = replicas(s.url)  # the streams still held both slots: the wait was for them
+        assert info["r0"]["inflight"] == 1 and info["r1"]["inflight"] == 1
     assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
-    assert 2.9 < waited < 15
+    assert 0.28 < waited < 10
     assert rec["final_state"] == "TIMED_OUT" and rec["finish_reason"] == "timeout"
-    assert rec["http_status"] == 504 and rec["engine_queue_ms"] >= 2900
+    assert rec["http_status"] == 504 and rec["engine_queue_ms"] >= 280
     assert rec["generated_tokens"] == 0
 
 
