@@ -87,11 +87,15 @@ def test_queue_timeout_is_504_and_timed_out(short_timeout):
         next(la), next(lb)
         info = replicas(s.url)
         assert info["r0"]["inflight"] == 1 and info["r1"]["inflight"] == 1
+        trace_id = secrets.token_hex(16)
         t0 = time.monotonic()
-        r, rec = traced_post(s, {"prompt": "Hi", "max_tokens": 3})
+        r = httpx.post(f"{s.url}/v1/completions", timeout=60, json={
+            "model": s.model, "prompt": "Hi", "max_tokens": 3},
+            headers={"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"})
         waited = time.monotonic() - t0
         info = replicas(s.url)  # the streams still held both slots: the wait was for them
         assert info["r0"]["inflight"] == 1 and info["r1"]["inflight"] == 1
+    rec = record(s.url, trace_id)
     assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
     assert 0.28 < waited < 10
     assert rec["final_state"] == "TIMED_OUT" and rec["finish_reason"] == "timeout"
