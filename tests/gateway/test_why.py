@@ -41,28 +41,40 @@ def server(tmp_path_factory, bundled_path):
 
 
 def victim(server, noisy: bool, burst: int = 3) -> str:
-    """Streams the victim; with ``noisy``, globex sends ``burst`` long prompts once it decodes."""
+    """Streams the victim; with ``noisy``, globex sends ``burst`` long prompts once it decodes.
+    The burst's client (and its connections) exist before the victim starts: the victim's 120
+    tokens take ~100-150 ms here, and a fresh ``httpx.post`` per prompt (a client and its TLS
+    context each, three threads taking turns with the GIL) once sent them after it had ended,
+    so no slow gap had a neighbour."""
     long_prompt = " ".join(f"word{i}" for i in range(90))  # 260 tokens: 9 chunks
     threads = []
-    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=120, headers={
-            "Authorization": "Bearer sk-victim"}, json={
-            "model": MODEL, "prompt": "Count slowly:", "max_tokens": 120, "ignore_eos": True,
-            "stream": True}) as r:
-        trace_id = r.headers["x-tailscope-trace-id"]
-        lines = r.iter_lines()
-        next(line for line in lines if line.startswith("data: {"))  # it is decoding now
-        if noisy:
-            for _ in range(burst):
-                t = threading.Thread(target=httpx.post, args=(f"{server.url}/v1/completions",),
-                                     kwargs={"timeout": 120, "json": {
-                                         "model": MODEL, "prompt": long_prompt, "max_tokens": 2},
-                                         "headers": {"Authorization": "Bearer sk-globex"}})
+    with httpx.Client(timeout=120, headers={"Authorization": "Bearer sk-globex"},
+                      limits=httpx.Limits(max_keepalive_connections=burst)) as globex:
+        if noisy:  # its connections opened ahead (a request the gateway answers at once)
+            warm = [threading.Thread(target=globex.get, args=(f"{server.url}/health",))
+                    for _ in range(burst)]
+            for t in warm:
                 t.start()
-                threads.append(t)
-        for _ in lines:
-            pass
-    for t in threads:
-        t.join()
+            for t in warm:
+                t.join()
+        with httpx.stream("POST", f"{server.url}/v1/completions", timeout=120, headers={
+                "Authorization": "Bearer sk-victim"}, json={
+                "model": MODEL, "prompt": "Count slowly:", "max_tokens": 120, "ignore_eos": True,
+                "stream": True}) as r:
+            trace_id = r.headers["x-tailscope-trace-id"]
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))  # it is decoding now
+            if noisy:
+                for _ in range(burst):
+                    t = threading.Thread(target=globex.post, args=(
+                        f"{server.url}/v1/completions",), kwargs={"json": {
+                            "model": MODEL, "prompt": long_prompt, "max_tokens": 2}})
+                    t.start()
+                    threads.append(t)
+            for _ in lines:
+                pass
+        for t in threads:
+            t.join()
     return trace_id
 
 
