@@ -15,6 +15,13 @@ from engine.cpus import format_cpus, parse_cpus, replica_cpus, split_cpus
 from tests.gateway.conftest import start_server, stop_server
 
 
+def serves(url: str) -> None:
+    r = httpx.post(f"{url}/v1/completions", timeout=60, json={
+        "model": "SmolLM2-135M-Instruct", "prompt": "Hello", "max_tokens": 4,
+        "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
 def test_cpu_lists_parse_and_print_as_taskset_writes_them():
     assert parse_cpus("3") == {3}
     assert parse_cpus("0-3,6") == {0, 1, 2, 3, 6}
@@ -78,10 +85,7 @@ def test_two_unpinned_replicas_each_get_their_share_of_the_cores(bundled_path, m
         for child in psutil.Process(server.proc.pid).children(recursive=True):
             if "engine.replica" in child.cmdline():
                 assert child.environ()["TAILSCOPE_THREADS"] == str(share)
-        r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
-            "model": "SmolLM2-135M-Instruct", "prompt": "Hello", "max_tokens": 4,
-            "temperature": 0, "ignore_eos": True})
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        serves(server.url)
     finally:
         stop_server(server)
 
@@ -120,9 +124,6 @@ def test_each_replica_runs_on_its_cpus_with_a_thread_per_cpu(bundled_path):
         assert (desc["r0"]["cpus"], desc["r1"]["cpus"]) == (str(cpu), "0")
         assert (desc["r0"]["threads"], desc["r1"]["threads"]) == (1, 1)  # one per CPU
         # and they serve
-        r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
-            "model": "SmolLM2-135M-Instruct", "prompt": "Hello", "max_tokens": 4,
-            "temperature": 0, "ignore_eos": True})
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        serves(server.url)
     finally:
         stop_server(server)
