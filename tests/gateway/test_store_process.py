@@ -171,8 +171,12 @@ def test_ctrl_c_at_a_terminal_stops_the_gateway_its_replica_and_its_store_child_
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert wait_for(lambda: not any(psutil.pid_exists(c.pid) and c.status()
-                                    != psutil.STATUS_ZOMBIE for c in children), 15)
+    def gone(c: psutil.Process) -> bool:
+        try:
+            return c.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:  # reaped (between a check and the next, too)
+            return True
+    assert wait_for(lambda: all(gone(c) for c in children), 15)
     reader.join(5)
     os.close(master)
     text = output.decode(errors="replace")
