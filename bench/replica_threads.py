@@ -40,9 +40,8 @@ def settings(spec: str) -> dict[str, dict[str, str]]:
 
 
 def main() -> int:
-    from bench.trace_overhead import MODELS, closed_loop
+    from bench.trace_overhead import MODELS, closed_loop, model_args
     from engine.cpus import replica_threads, usable_cores
-    from engine.loader.paths import resolve_model_path
     from tracing.client import GatewayProcess
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -57,8 +56,7 @@ def main() -> int:
     if args.quick:
         args.rounds, args.seconds = 2, 3.0
     envs = settings(args.threads)
-    model_args = [str(resolve_model_path(a)) if a == "bundled" else a
-                  for a in MODELS[args.model][0]] + ["--replicas", str(args.replicas)]
+    serve_args = model_args(args.model) + ["--replicas", str(args.replicas)]
     print(f"{args.model} model, {args.replicas} local replicas, {usable_cores()} usable cores; "
           f"the default gives each {replica_threads(None, args.replicas) or 'torch default'} "
           "thread(s)", flush=True)
@@ -66,7 +64,7 @@ def main() -> int:
     rps: dict[str, list[float]] = {name: [] for name in envs}
     try:
         for name, env in envs.items():
-            gateways[name] = GatewayProcess(model_args, cwd=ROOT, quiet=True,
+            gateways[name] = GatewayProcess(serve_args, cwd=ROOT, quiet=True,
                                             ready_timeout_s=600, env={
                                                 "TAILSCOPE_KV_CACHE_MB": "64",
                                                 "TAILSCOPE_STORE_DSN": "none", **env}).start()

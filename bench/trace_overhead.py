@@ -89,13 +89,18 @@ MODELS = {"tiny": (["--model", "tiny:49152", "--tokenizer", "bundled"], 150),
           "bundled": ([], 12)}
 
 
+def model_args(model: str) -> list[str]:
+    """``tailscope serve``'s arguments for ``model`` (a ``MODELS`` key), paths resolved."""
+    from engine.loader.paths import resolve_model_path
+
+    return [str(resolve_model_path(a)) if a == "bundled" else a for a in MODELS[model][0]]
+
+
 def start_gateway(store: str | None, child: bool = False, model: str = "tiny",
                   flush_s: float | None = None) -> tuple[subprocess.Popen, str]:
-    from engine.loader.paths import resolve_model_path
     from tracing.client import GatewayProcess
 
-    args = [str(resolve_model_path(a)) if a == "bundled" else a for a in MODELS[model][0]]
-    gw = GatewayProcess(args, cwd=ROOT, quiet=True,
+    gw = GatewayProcess(model_args(model), cwd=ROOT, quiet=True,
                         env={"TAILSCOPE_KV_CACHE_MB": "64", "TAILSCOPE_STORE_DSN": store or "none",
                              "TAILSCOPE_STORE_FLUSH_S": str(flush_s or FLUSH_S),
                              "TAILSCOPE_STORE_PROCESS": "1" if child else "0"},
