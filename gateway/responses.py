@@ -29,7 +29,9 @@ image, file and audio input, and ``include`` entries other than
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 import threading
 import time
 import uuid
@@ -181,9 +183,9 @@ def to_chat(req: ResponsesRequest, history: list[dict] | None = None) -> dict:
         raise Unsupported("truncation", "truncation: auto is not supported (a prompt over the "
                           "context is a 400)")
     if req.stream_options and (set(req.stream_options) - {"include_obfuscation"} or
-                               req.stream_options.get("include_obfuscation")):
-        raise Unsupported("stream_options", "stream_options takes include_obfuscation: false "
-                          "only")
+                               not isinstance(req.stream_options["include_obfuscation"], bool)):
+        raise Unsupported("stream_options", "stream_options takes include_obfuscation (true or "
+                          "false) only")
     include = set(req.include or ())
     if include - {LOGPROBS_INCLUDE}:
         raise Unsupported("include", f"include takes {LOGPROBS_INCLUDE!r} only")
@@ -468,6 +470,27 @@ class ResponseEvents:
                     "failed", self.output, self.usage, error=err))]
 
 
-def sse(kind: str, payload: dict) -> bytes:
-    return f"event: {kind}\ndata: ".encode() + json.dumps(
-        payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+def sse(kind: str, payload: dict, obfuscate: bool = False) -> bytes:
+    """One Responses event; with ``obfuscate`` a delta event is padded (``obfuscated``)."""
+    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+    if obfuscate and kind.endswith(".delta"):
+        data = obfuscated(data)
+    return f"event: {kind}\ndata: ".encode() + data + b"\n\n"
+
+
+# A streamed chunk's length tells an eavesdropper on an encrypted link how long its token is,
+# and a run of them the text (the token-length side channel). With stream_options'
+# include_obfuscation, OpenAI adds random characters in an ``obfuscation`` field to normalize
+# the sizes; here the field pads each chunk's JSON to a multiple of this many bytes, so every
+# chunk of a few tokens' text is the same size on the wire. Written here (a few lines) because
+# no library does it: it is a payload convention, not an encoding.
+OBFUSCATION_BLOCK = 64
+_OBFUSCATION_FIELD = b',"obfuscation":""'
+
+
+def obfuscated(data: bytes) -> bytes:
+    """A JSON object's bytes with an ``obfuscation`` field of random URL-safe characters
+    appended, its length making the whole a multiple of ``OBFUSCATION_BLOCK`` bytes."""
+    pad = -(len(data) + len(_OBFUSCATION_FIELD)) % OBFUSCATION_BLOCK
+    noise = base64.urlsafe_b64encode(os.urandom(pad))[:pad]
+    return data[:-1] + b',"obfuscation":"' + noise + b'"}'

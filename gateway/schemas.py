@@ -11,7 +11,9 @@ it (``unknown_parameter``), never silently dropped: a client that sends ``reason
 ``audio`` learns at once that it has no effect here. Known OpenAI fields that the engine cannot
 honour (``suffix``, ``best_of`` other than ``n``) are 400s naming them too
 (``unsupported_parameter``). Fields that change nothing in the
-answer are accepted: ``user``, ``metadata`` and ``store`` (every request is recorded anyway).
+answer are accepted: ``user``, ``metadata``, ``store`` (every request is recorded anyway),
+``safety_identifier``, ``prompt_cache_key`` and ``service_tier`` ``auto`` / ``default`` (the
+one tier there is).
 Requests for an external backend's model are not parsed here: their bodies go to the upstream as
 sent (``gateway.upstream``).
 """
@@ -37,6 +39,10 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
     # vLLM's extra: every chunk carries the usage so far (with include_usage only)
     continuous_usage_stats: bool = False
+    # OpenAI's: random padding in an ``obfuscation`` field of each streamed chunk
+    # (``gateway.responses.obfuscated``). OpenAI pads unless told false; this gateway only when
+    # told true (a client that says false, to save bandwidth, gets what it asked for)
+    include_obfuscation: bool = False
 
 
 class Unsupported(ValueError):
@@ -62,9 +68,15 @@ class SamplingFields(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    # accepted, changing nothing in the answer (every request is recorded anyway); OpenAI's
+    # safety_identifier and prompt_cache_key replace user (the router already keys the prefix
+    # cache's locality on the prompt's own leading blocks, ``gateway.router``); one service tier
     user: str | None = None
-    metadata: dict[str, str] | None = None  # accepted: changes nothing in the answer
-    store: bool | None = None  # accepted: every request is recorded anyway
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    service_tier: Literal["auto", "default"] | None = None
     # engine extras (vLLM names)
     top_k: int = Field(-1, ge=-1, le=INT32_MAX)  # and at most the vocabulary (serving.py)
     min_p: float = 0.0
@@ -261,7 +273,7 @@ class ResponsesRequest(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     stream: bool = False
-    stream_options: dict[str, Any] | None = None  # include_obfuscation: false only
+    stream_options: dict[str, Any] | None = None  # include_obfuscation only
     tools: list[dict[str, Any]] | None = None  # function tools: {type, name, parameters, ...}
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None

@@ -49,6 +49,7 @@ from gateway.responses import (
     ResponseStore,
     Shell,
     input_items,
+    obfuscated,
     param_name,
     response_object,
     sse,
@@ -706,6 +707,7 @@ class Service:
         """The chat stream ``chunks`` as Responses events; closing this closes it (its own
         ending aborts what runs and writes the record). The final response goes to ``keep``."""
         events = ResponseEvents(shell)
+        obfuscate = bool((shell.req.stream_options or {}).get("include_obfuscation"))
         for kind, payload in events.start():
             yield sse(kind, payload)
         failed, buf = False, b""
@@ -720,7 +722,7 @@ class Service:
                         data = json.loads(line[6:])
                         failed = failed or "error" in data
                         for kind, payload in events.chunk(data):
-                            yield sse(kind, payload)
+                            yield sse(kind, payload, obfuscate)
         if not failed:
             final = events.end()
             keep(final[-1][1]["response"])  # kept before the client hears it ended
@@ -1257,6 +1259,7 @@ class Service:
                       ) -> AsyncIterator[str | bytes]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = include_usage and req.stream_options.continuous_usage_stats
+        obfuscate = bool(req.stream_options and req.stream_options.include_obfuscation)
         model = self.config.served_model_name
         chunk_obj = obj + (".chunk" if chat else "")
 
@@ -1285,7 +1288,8 @@ class Service:
                 body["token_ids"] = c.new_ids()
             if include_usage:  # continuous: the request's usage so far (every choice)
                 payload["usage"] = self.usage(prompt_tokens, choices) if continuous else None
-            return b"data: " + _encode_json(payload) + b"\n\n"
+            data = _encode_json(payload)
+            return b"data: " + (obfuscated(data) if obfuscate else data) + b"\n\n"
 
         complete = False
         try:

@@ -89,8 +89,13 @@ def test_the_openai_sdk_scores_with_echo(client):
     ({"best_of": 3}, 400, "unsupported_parameter", "best_of"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400,  # chat only
      "unknown_parameter", "tools"),
+    ({"service_tier": "flex"}, 400, None, "service_tier"),  # one tier: auto / default
+    ({"stream_options": {"include_obfuscation": True}}, 400, "unsupported_parameter",
+     "stream_options"),  # streams only
     # accepted: they change nothing in the answer
     ({"metadata": {"k": "v"}, "store": False, "user": "u"}, 200, None, None),
+    ({"safety_identifier": "u-1", "prompt_cache_key": "k", "service_tier": "auto"}, 200, None,
+     None),
 ])
 def test_the_unknown_field_rule(client, body, status, code, param):
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2,
@@ -99,6 +104,88 @@ def test_the_unknown_field_rule(client, body, status, code, param):
     if status == 400:
         err = r.json()["error"]
         assert err["param"] == param and err["code"] == code, err
+
+
+def _sse_data(r) -> list[bytes]:
+    """The raw JSON of each ``data:`` event of a streamed answer (not ``[DONE]``)."""
+    return [frame[6:] for frame in r.read().split(b"\n\n") if frame.startswith(b"data: {")]
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions"])
+def test_include_obfuscation_pads_every_chunk_and_changes_nothing_else(client, endpoint):
+    """OpenAI's ``stream_options.include_obfuscation``: with true, every chunk of a choice
+    carries random characters in ``obfuscation`` that make its JSON a multiple of
+    ``OBFUSCATION_BLOCK`` bytes (a token's length no longer shows on the wire); the text,
+    finish and usage are the same as without; false (and unset) adds nothing."""
+    from gateway.responses import OBFUSCATION_BLOCK
+
+    prompt = {"messages": [{"role": "user", "content": "Count to five"}]} \
+        if endpoint.endswith("chat/completions") else {"prompt": "Count to five:"}
+    body = {"model": MODEL, **prompt, "max_tokens": 8, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+    runs = {}
+    for flag in (True, False, None):
+        opts = {"include_usage": True} | ({} if flag is None else {"include_obfuscation": flag})
+        with client.stream("POST", endpoint, json={**body, "stream_options": opts}) as r:
+            assert r.status_code == 200
+            runs[flag] = _sse_data(r)
+    padded = [json.loads(d) for d in runs[True]]
+    choice_chunks = [(raw, c) for raw, c in zip(runs[True], padded, strict=True) if c["choices"]]
+    assert len(choice_chunks) >= 8
+    for raw, c in choice_chunks:
+        assert len(raw) % OBFUSCATION_BLOCK == 0, raw
+        assert set(c["obfuscation"]) <= set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+                                            "0123456789-_")
+    assert "obfuscation" not in padded[-1]  # the usage chunk carries no delta
+
+    def text(chunks):
+        return "".join(c["choices"][0]["delta"].get("content") or ""
+                       if "delta" in c["choices"][0] else c["choices"][0]["text"]
+                       for c in chunks if c["choices"])
+
+    for flag in (False, None):
+        plain = [json.loads(d) for d in runs[flag]]
+        assert not any("obfuscation" in c for c in plain)
+        assert text(plain) == text(padded) and len(text(plain)) > 0
+        assert plain[-1]["usage"] == padded[-1]["usage"]
+        assert [c["choices"][0]["finish_reason"] for c in plain if c["choices"]] == \
+            [c["choices"][0]["finish_reason"] for c in padded if c["choices"]]
+
+
+def test_include_obfuscation_on_the_responses_api_and_through_the_sdk(client):
+    """The Responses API pads its delta events the same way; the OpenAI SDK takes the padded
+    chunks (chat and Responses) as it takes any."""
+    from gateway.responses import OBFUSCATION_BLOCK
+
+    body = {"model": MODEL, "input": "Count to five", "max_output_tokens": 6, "stream": True,
+            "temperature": 0}
+    with client.stream("POST", "/v1/responses",
+                       json={**body, "stream_options": {"include_obfuscation": True}}) as r:
+        assert r.status_code == 200
+        events = [frame.split(b"\ndata: ", 1) for frame in r.read().split(b"\n\n") if frame]
+    deltas = [data for kind, data in events if kind.endswith(b".delta")]
+    assert len(deltas) >= 6
+    assert all(len(d) % OBFUSCATION_BLOCK == 0 and "obfuscation" in json.loads(d)
+               for d in deltas)
+    assert not any("obfuscation" in json.loads(d) for kind, d in events
+                   if not kind.endswith(b".delta"))
+    sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client)
+    streamed = sdk.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count to five"}], max_tokens=6,
+        temperature=0, stream=True, stream_options={"include_obfuscation": True})
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    whole = sdk.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count to five"}], max_tokens=6,
+        temperature=0)
+    assert text == whole.choices[0].message.content and text
+    final = [e for e in sdk.responses.create(
+        model=MODEL, input="Count to five", max_output_tokens=6, temperature=0, stream=True,
+        stream_options={"include_obfuscation": True}) if e.type.startswith("response.incomplete")
+        or e.type == "response.completed"][0].response
+    assert final.output_text == json.loads(
+        [d for kind, d in events if kind in (b"event: response.completed",
+                                             b"event: response.incomplete")][0]
+    )["response"]["output"][0]["content"][0]["text"]
 
 
 def test_message_fields_follow_the_rule_too(client):
