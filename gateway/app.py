@@ -117,6 +117,41 @@ class GatewayConfig:
     freeze_gc: bool = False  # gc.freeze() once started (``tailscope serve`` sets it)
     # with freeze_gc: the collector's generation-0 threshold (0: Python's own, 700)
     gc_threshold: int = 20000
+    # browser clients (TAILSCOPE_CORS_ORIGINS): the origins allowed to call the API paths
+    # ("*": any); empty: no CORS headers (a browser page of another origin cannot read answers)
+    cors_origins: tuple[str, ...] = ()
+
+
+# Headers a browser page may read from an answer (the trace id is how a user finds their
+# request in the drill-down)
+CORS_EXPOSED = ("x-tailscope-trace-id", "x-tailscope-trace-ids", "x-tailscope-replica",
+                "x-request-id", "retry-after")
+
+
+class ApiCORS:
+    """CORS (Starlette's ``CORSMiddleware``) for what a browser client calls: the OpenAI API
+    (``/v1/...``), ``/tokenize``, ``/detokenize``, ``/tokenizer_info``, ``/health`` and
+    ``/ready``. Never ``/debug/*`` nor ``/metrics``: in open local mode those answer loopback
+    clients without a key, and a browser's request to ``localhost`` comes from loopback, so
+    with CORS there any web page the user visits could read the records (prompts, outputs)
+    through the user's browser. Credentials (cookies) are not allowed: a client sends its API
+    key in ``Authorization``, which a page must hold itself."""
+
+    PATHS = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", "/health", "/ready")
+
+    def __init__(self, app, origins: tuple[str, ...]) -> None:
+        from starlette.middleware.cors import CORSMiddleware
+
+        self.app = app
+        self.cors = CORSMiddleware(app, allow_origins=list(origins), allow_methods=["*"],
+                                   allow_headers=["*"], expose_headers=list(CORS_EXPOSED),
+                                   allow_credentials=False, max_age=600)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(self.PATHS):
+            await self.cors(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
 
 
 def resolved_config(config: GatewayConfig) -> dict:
@@ -300,6 +335,8 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_middleware(TraceMiddleware, max_body_bytes=config.max_body_bytes,
                        on_record=on_record, traced_paths=API_PATHS)
+    if config.cors_origins:  # outermost: a preflight is answered before tracing and auth
+        app.add_middleware(ApiCORS, origins=config.cors_origins)
 
     def require_admin(request: Request) -> None:
         """/debug/*: the admin key or an admin tenant's key. Open local mode without an admin

@@ -100,6 +100,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cors_origins(setting: str) -> tuple[str, ...]:
+    """TAILSCOPE_CORS_ORIGINS as origins: "*", or each a scheme and host (and port), as a
+    browser sends its ``Origin`` header; anything else (a path, no scheme) is refused, since
+    it would never match and CORS would silently stay off."""
+    out = tuple(o.strip().rstrip("/") for o in setting.split(",") if o.strip())
+    for o in out:
+        scheme, sep, rest = o.partition("://")
+        if o != "*" and (not sep or scheme not in ("http", "https") or not rest
+                         or "/" in rest):
+            raise ValueError(f"TAILSCOPE_CORS_ORIGINS: {o!r} is not an origin (\"*\" or "
+                             "scheme://host[:port], e.g. http://localhost:3000)")
+    return out
+
+
 def instance_id(setting: str, port: int) -> str:
     """``TAILSCOPE_INSTANCE_ID``: "auto" is this host's name and the gateway's port, unique
     among gateways on one network; anything else is taken as given."""
@@ -228,7 +242,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                remote_replicas=remote,
                                replica_outbox=s.replica_outbox or None,
                                replica_key=s.replica_key or None,
-                               replica_cpus=s.replica_cpus)
+                               replica_cpus=s.replica_cpus,
+                               cors_origins=cors_origins(s.cors_origins))
         if args.prepare_only:
             return prepare_replicas(config)
         app = create_app(config)

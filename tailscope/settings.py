@@ -94,6 +94,9 @@ class Settings:
     # TAILSCOPE_GC_THRESHOLD: the gateway's generation-0 collection threshold (0: Python's 700)
     gc_threshold: int = 20000
     key_id_secret: str = ""  # TAILSCOPE_KEY_ID_SECRET: keys the api_key_id hash
+    # TAILSCOPE_CORS_ORIGINS: origins (comma-separated, or "*") whose browser pages may call the
+    # API paths; empty: none (README "Security and limits")
+    cors_origins: str = ""
 
     @classmethod
     def from_env(cls) -> Settings:

@@ -23,13 +23,16 @@ from tests.gateway.conftest import LOAD, start_server, stop_server
 from tests.gateway.test_faults import replicas, wait_for
 from tracing.client import sse_json
 
+APP_ORIGIN = "http://app.example:3000"  # a browser page allowed by TAILSCOPE_CORS_ORIGINS
+
 
 @pytest.fixture(scope="module")
 def hard_server(bundled_path):
     """Open local mode (no keys, no admin key), listening on every interface."""
     server = start_server("--model", "tiny:49152", "--tokenizer", str(bundled_path),
                           "--host", "0.0.0.0",
-                          env={"TAILSCOPE_QUERY_MAX_EXECUTION_S": "20"})
+                          env={"TAILSCOPE_QUERY_MAX_EXECUTION_S": "20",
+                               "TAILSCOPE_CORS_ORIGINS": f"{APP_ORIGIN}, http://other.example"})
     yield server
     stop_server(server)
 
@@ -440,3 +443,49 @@ def test_the_store_and_spool_are_private_to_the_gateway_user(hard_server):
     store = Path(dsn[len("chdb://"):])
     for path in (store, Path(f"{store}-spool")):
         assert (path.stat().st_mode & 0o077) == 0, (path, oct(path.stat().st_mode))
+
+
+def test_cors_lets_an_allowed_page_call_the_api_but_never_read_the_debug_endpoints(hard_server):
+    """TAILSCOPE_CORS_ORIGINS: a browser page of an allowed origin gets its preflight granted
+    and may read the API's answers and the trace id header; another origin is refused. Even
+    for an allowed origin, /debug/* and /metrics grant nothing: in open local mode they answer
+    loopback clients, and a browser on the gateway's host is one."""
+    url = hard_server.url
+    preflight = {"Origin": APP_ORIGIN, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    ok = httpx.options(f"{url}/v1/chat/completions", headers=preflight, timeout=10)
+    assert ok.status_code == 200, ok.text
+    assert ok.headers["access-control-allow-origin"] == APP_ORIGIN
+    assert "authorization" in ok.headers["access-control-allow-headers"].lower()
+    assert "access-control-allow-credentials" not in ok.headers
+    r = post(hard_server, {"prompt": "Hi", "max_tokens": 2}, headers={"Origin": APP_ORIGIN})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == APP_ORIGIN
+    exposed = r.headers["access-control-expose-headers"].lower()
+    assert "x-tailscope-trace-id" in exposed and r.headers["x-tailscope-trace-id"]
+    bad = post(hard_server, {"prompt": "Hi", "max_tokens": 2, "bogus": 1},
+               headers={"Origin": APP_ORIGIN})  # an error answer is readable too
+    assert bad.status_code == 400 and bad.headers["access-control-allow-origin"] == APP_ORIGIN
+    other = httpx.options(f"{url}/v1/chat/completions",
+                          headers={**preflight, "Origin": "http://evil.example"}, timeout=10)
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    plain = post(hard_server, {"prompt": "Hi", "max_tokens": 2},
+                 headers={"Origin": "http://evil.example"})
+    assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers
+    trace_id = r.headers["x-tailscope-trace-id"]
+    for method, path in (("OPTIONS", "/debug/query"), ("GET", f"/debug/requests/{trace_id}"),
+                         ("GET", "/debug/config"), ("GET", "/metrics")):
+        got = httpx.request(method, f"{url}{path}", headers=preflight, timeout=10)
+        assert "access-control-allow-origin" not in got.headers, (path, got.headers)
+    assert httpx.get(f"{url}/debug/config", timeout=10).status_code == 200  # loopback: served
+
+
+def test_cors_origins_that_could_never_match_are_refused_at_start():
+    from tailscope.cli import cors_origins
+
+    assert cors_origins("") == ()
+    assert cors_origins(" http://a.example:3000/ ,https://b.example") == (
+        "http://a.example:3000", "https://b.example")
+    assert cors_origins("*") == ("*",)
+    for bad in ("localhost:3000", "http://a.example/app", "ftp://a.example", "http://"):
+        with pytest.raises(ValueError, match="TAILSCOPE_CORS_ORIGINS"):
+            cors_origins(bad)
