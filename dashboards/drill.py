@@ -131,8 +131,14 @@ def requests_page(src, now: dt.datetime) -> None:
     instance = c2.text_input("Gateway instance (blank: all)", key="rq_i")
     replica = c3.text_input("Replica (blank: all)", key="rq_r")
     tenant = c4.text_input("Tenant (blank: all)", key="rq_t")
+    c5, c6 = st.columns(2)
+    end_user = c5.text_input("End user (the request's user / safety_identifier)", key="rq_u")
+    tagged = c6.text_input("Metadata key=value (blank: all)", key="rq_md")
     filters = {k: v for k, v in (("instance", instance), ("replica", replica),
-                                 ("tenant", tenant)) if v}
+                                 ("tenant", tenant), ("end_user", end_user)) if v}
+    if "=" in tagged:
+        key, _, value = tagged.partition("=")
+        filters[Q.METADATA + key.strip()] = value.strip()
     slow = Q.slowest(src, start, end, metric=metric, limit=50, filters=filters)
     st.dataframe(slow, hide_index=True)
     options = list(slow["trace_id"]) if not slow.empty else []
@@ -152,7 +158,9 @@ def trace_view(src, trace_id: str) -> None:
         return
     st.caption(f"{rec['final_state']} · {rec['finish_reason']} · HTTP {rec['http_status']} · "
                f"replica {rec['replica'] or '-'} · tenant {rec['tenant']} · priority "
-               f"{rec.get('priority', 0)} · lane {rec.get('lane') or 'standard'}")
+               f"{rec.get('priority', 0)} · lane {rec.get('lane') or 'standard'}"
+               + (f" · end user {rec['end_user']}" if rec.get("end_user") else "")
+               + (f" · metadata {rec['metadata']}" if rec.get("metadata") else ""))
     if rec.get("degraded"):
         st.warning(f"admitted DEGRADED: {rec['degraded']}")
     stages = pd.DataFrame([{"stage": Q.STAGE_NAMES[c], "ms": float(rec[c] or 0.0)}

@@ -198,7 +198,8 @@ def to_chat(req: ResponsesRequest, history: list[dict] | None = None) -> dict:
     optional = {"max_completion_tokens": req.max_output_tokens, "temperature": req.temperature,
                 "top_p": req.top_p, "tools": tools, "tool_choice": choice,
                 "parallel_tool_calls": req.parallel_tool_calls,
-                "response_format": _format(req), "user": req.user, "metadata": req.metadata}
+                "response_format": _format(req), "user": req.user, "metadata": req.metadata,
+                "safety_identifier": req.safety_identifier}
     body.update({k: v for k, v in optional.items() if v is not None})
     if LOGPROBS_INCLUDE in include:
         body["logprobs"], body["top_logprobs"] = True, req.top_logprobs or 0

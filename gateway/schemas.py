@@ -22,7 +22,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from engine.text.chat_template import conflict
 
@@ -31,6 +38,26 @@ INT32_MAX = (1 << 31) - 1
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+
+def _check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
+    """OpenAI's bounds on ``metadata``: at most 16 pairs, keys of at most 64 characters,
+    values of at most 512 (it is stored on the record, ``RequestRecord.metadata``)."""
+    if value is not None:
+        if len(value) > 16:
+            raise ValueError(f"at most 16 key-value pairs, got {len(value)}")
+        for k, v in value.items():
+            if len(k) > 64:
+                raise ValueError(f"key {k[:64]!r}... is longer than 64 characters")
+            if len(v) > 512:
+                raise ValueError(f"the value of {k!r} is longer than 512 characters")
+    return value
+
+
+# OpenAI's metadata, bounded as OpenAI bounds it; who the request is for (user,
+# safety_identifier), at most 256 characters: both go on the record
+Metadata = Annotated[dict[str, str] | None, AfterValidator(_check_metadata)]
+EndUser = Annotated[str | None, Field(None, max_length=256)]
 
 
 class StreamOptions(BaseModel):
@@ -68,13 +95,14 @@ class SamplingFields(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    # accepted, changing nothing in the answer (every request is recorded anyway); OpenAI's
-    # safety_identifier and prompt_cache_key replace user (the router already keys the prefix
-    # cache's locality on the prompt's own leading blocks, ``gateway.router``); one service tier
-    user: str | None = None
-    metadata: dict[str, str] | None = None
+    # accepted, changing nothing in the answer: every request is recorded anyway, and its
+    # record holds user (or OpenAI's safety_identifier, which replaces it) as end_user and
+    # metadata; prompt_cache_key (the router already keys the prefix cache's locality on the
+    # prompt's own leading blocks, ``gateway.router``); one service tier
+    user: EndUser = None
+    metadata: Metadata = None
     store: bool | None = None
-    safety_identifier: str | None = None
+    safety_identifier: EndUser = None
     prompt_cache_key: str | None = None
     service_tier: Literal["auto", "default"] | None = None
     # engine extras (vLLM names)
@@ -282,9 +310,9 @@ class ResponsesRequest(BaseModel):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     # accepted, changing nothing in the answer (every request is recorded anyway)
     store: bool | None = None
-    metadata: dict[str, str] | None = None
-    user: str | None = None
-    safety_identifier: str | None = None
+    metadata: Metadata = None
+    user: EndUser = None
+    safety_identifier: EndUser = None
     prompt_cache_key: str | None = None
     service_tier: Literal["auto", "default"] | None = None
     # refused unless unset (``gateway.responses.to_chat``)

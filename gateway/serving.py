@@ -166,6 +166,16 @@ class Part:
 _encode_json = msgspec.json.Encoder().encode
 
 
+def tag_record(record, end_user: str | None, metadata: dict[str, str] | None) -> None:
+    """The record's ``end_user`` (the request's safety_identifier, else its user) and
+    ``metadata`` (a JSON object; "" without); a backend's request may send anything there,
+    so each is cut to the bundled path's bounds (256 characters, 16 pairs)."""
+    record.end_user = (end_user or "")[:256]
+    if metadata:
+        pairs = dict(list(metadata.items())[:16])
+        record.metadata = _encode_json(pairs).decode()
+
+
 def _unsupported(exc: Unsupported) -> APIError:
     return APIError(400, str(exc), "invalid_request_error", exc.param,
                     code="unsupported_parameter")
@@ -299,6 +309,11 @@ class Service:
             data = {**self.config.sampling_defaults, **data, **self.config.sampling_overrides}
         r = trace.record
         r.gateway_version, r.config_id = self.versions["gateway"], self.versions["config_id"]
+        end_user, metadata = data.get("safety_identifier") or data.get("user"), \
+            data.get("metadata")  # as sent (the backend validates them): kept when well-typed
+        tag_record(r, end_user if isinstance(end_user, str) else None,
+                   metadata if isinstance(metadata, dict) and all(
+                       isinstance(v, str) for v in metadata.values()) else None)
         trace.mark("ADMITTED")
         settled = False
 
@@ -377,6 +392,8 @@ class Service:
         if self.config.sampling_defaults or self.config.sampling_overrides:
             data = {**self.config.sampling_defaults, **data, **self.config.sampling_overrides}
         parsed = self.validated(model, data)
+        tag_record(request.state.trace.record, parsed.safety_identifier or parsed.user,
+                   parsed.metadata)
         try:
             parsed.unsupported()
         except Unsupported as exc:
@@ -1043,6 +1060,7 @@ class Service:
         for part in parts:
             self._fill_static(part.trace, part.params)
             r = part.trace.record
+            tag_record(r, req.safety_identifier or req.user, req.metadata)
             r.prompt_tokens, r.stream, r.n, r.response_id = \
                 len(part.prompt), req.stream, req.n, rid
             if capture:  # what replay rebuilds

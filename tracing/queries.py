@@ -37,7 +37,10 @@ METRICS = ("ttft_ms", "tpot_ms", "e2e_ms", "itl_ms", "tail_ms", "ingress_ms", "t
            "route_ms", "engine_queue_ms", "prefill_ms", "decode_ms", "preempted_ms")
 DIMENSIONS = ("replica", "instance", "model", "model_revision", "engine_version", "config_id",
               "tenant", "final_state", "finish_reason", "endpoint", "prompt_bucket",
-              "neighbour_tenant", "priority", "lane")
+              "neighbour_tenant", "priority", "lane", "end_user")
+# a filter on "metadata.<key>" matches the requests whose OpenAI metadata has that value there
+METADATA = "metadata."
+
 # The stages that add up to each end-to-end metric, in path order (from the timing owner).
 # "streaming" is the rest: for e2e, the time between the engine's tokens and the client's
 # flushes (and the tail).
@@ -81,10 +84,15 @@ def _dim(dim: str | None) -> str | None:
 
 
 def _filters(filters: dict[str, str] | None, params: dict) -> str:
-    """Equality filters on dimensions, bound as parameters: ' AND dim = {f_dim:String}'."""
+    """Equality filters on dimensions, bound as parameters: ' AND dim = {f_dim:String}'; a
+    ``metadata.<key>`` filter compares that key of the request's metadata (its key bound too)."""
     out = ""
     for i, (dim, value) in enumerate(sorted((filters or {}).items())):
-        out += f" AND {_dim(dim)} = {{f{i}:String}}"
+        if dim.startswith(METADATA) and len(dim) > len(METADATA):
+            out += f" AND JSONExtractString(metadata, {{fk{i}:String}}) = {{f{i}:String}}"
+            params[f"fk{i}"] = dim[len(METADATA):]
+        else:
+            out += f" AND {_dim(dim)} = {{f{i}:String}}"
         params[f"f{i}"] = str(value)
     return out
 
@@ -287,9 +295,9 @@ def slowest(source, start, end, metric: str = "e2e_ms", limit: int = 50,
     m = _metric(metric)
     params = {"start": _us(start), "end": _us(end), "limit": int(limit)}
     order = "arrayMax(itl_ms)" if m == "itl_ms" else m
-    sql = (f"SELECT trace_id, arrival_ts, instance, replica, tenant, final_state, finish_reason, "
-           f"prompt_tokens, emitted_tokens, ttft_ms, tpot_ms, e2e_ms, engine_queue_ms, "
-           f"prefill_ms, decode_ms FROM tailscope.requests WHERE {_WINDOW}"
+    sql = (f"SELECT trace_id, arrival_ts, instance, replica, tenant, end_user, final_state, "
+           f"finish_reason, prompt_tokens, emitted_tokens, ttft_ms, tpot_ms, e2e_ms, "
+           f"engine_queue_ms, prefill_ms, decode_ms FROM tailscope.requests WHERE {_WINDOW}"
            f"{_filters(filters, params)} ORDER BY {order} DESC LIMIT {{limit:UInt32}}")
     return frame(source, sql, params)
 

@@ -51,6 +51,11 @@ class RequestRecord:
     api_key_id: str = ""
     endpoint: str = ""  # /v1/chat/completions, ...
     bench_run: str = ""  # the x-tailscope-bench-run header: joins the record to a bench run
+    # who the client says the request is for (OpenAI's safety_identifier, else its older user
+    # field), and the request's OpenAI metadata (at most 16 string pairs) as a JSON object ("":
+    # none): what a client tags its requests with, to find them again
+    end_user: str = ""
+    metadata: str = ""
     arrival_ts_us: int = 0
     # how it ended
     final_state: str = ""  # FINISHED, CANCELLED, TIMED_OUT, FAILED, REJECTED

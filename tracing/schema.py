@@ -392,6 +392,11 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
     (19, "merge_selector_base 50 on requests, request_events and engine_steps", [
         f"ALTER TABLE {DATABASE}.{table} MODIFY SETTING merge_selector_base = 50"
         for table in ("requests", "request_events", "engine_steps")]),
+    (20, "requests.end_user, metadata (OpenAI's safety_identifier / user and metadata)", [
+        f"ALTER TABLE {DATABASE}.requests ADD COLUMN IF NOT EXISTS end_user String "
+        "AFTER bench_run",
+        f"ALTER TABLE {DATABASE}.requests ADD COLUMN IF NOT EXISTS metadata String "
+        "AFTER end_user"]),
 ]
 
 __all__ = ["DATABASE", "TABLES", "MIGRATIONS", "ConfigRow", "EngineStepRow", "EventRow",

@@ -369,3 +369,57 @@ def test_priority_is_refused_under_fcfs_and_recorded_under_the_priority_policy(
         assert prio.sink.find(r.headers["x-tailscope-trace-id"]).priority == -3
         out = prio.post("/v1/completions", json={**body, "priority": 10**7})
         assert out.status_code == 400 and out.json()["error"]["param"] == "priority"
+
+
+def test_end_user_and_metadata_go_on_the_record_and_find_it_in_the_store(client, store):
+    """OpenAI's ``safety_identifier`` (else ``user``) and ``metadata`` are recorded
+    (``end_user``, ``metadata`` as a JSON object) on chat, completions and Responses requests;
+    written to the store, the query library finds the requests by either; metadata past
+    OpenAI's bounds is a 400 naming it."""
+    import datetime as dt
+    import secrets
+
+    from tracing import queries as Q
+    from tracing.store import records_to_arrow
+
+    team = secrets.token_hex(4)  # this run's requests only, in the session's store
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    sent = [
+        ("/v1/chat/completions", {**chat, "safety_identifier": "sid-1", "user": "u-old",
+                                  "metadata": {"team": team, "run": "a"}}, "sid-1"),
+        ("/v1/chat/completions", {**chat, "user": "u-2", "metadata": {"team": team}}, "u-2"),
+        ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "user": "u-3",
+                             "metadata": {"team": team, "run": "b"}}, "u-3"),
+        ("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 2,
+                           "safety_identifier": "sid-4", "metadata": {"team": team}}, "sid-4"),
+        ("/v1/chat/completions", chat, ""),
+    ]
+    records = []
+    for path, body, end_user in sent:
+        r = client.post(path, json=body)
+        assert r.status_code == 200, r.text
+        rec = client.sink.find(r.headers["x-tailscope-trace-id"])
+        assert rec.end_user == end_user
+        assert (json.loads(rec.metadata) if rec.metadata else None) == body.get("metadata")
+        records.append(rec)
+    requests, events = records_to_arrow(records)
+    store.insert("requests", requests)
+    store.insert("request_events", events)
+    start = dt.datetime.now(dt.UTC) - dt.timedelta(hours=1)
+    end = dt.datetime.now(dt.UTC) + dt.timedelta(minutes=1)
+
+    def found(**filters) -> set[str]:
+        return set(Q.slowest(store, start, end, limit=100, filters=filters)["trace_id"])
+
+    ids = [rec.trace_id for rec in records]
+    assert found(**{"metadata.team": team}) == set(ids[:4])
+    assert found(**{"metadata.team": team, "metadata.run": "b"}) == {ids[2]}
+    assert found(**{"metadata.team": team, "end_user": "sid-4"}) == {ids[3]}
+    by_user = Q.percentiles(store, start, end, by="end_user", filters={"metadata.team": team})
+    assert sorted(by_user["end_user"]) == ["sid-1", "sid-4", "u-2", "u-3"]
+    too_many = client.post("/v1/chat/completions", json={
+        **chat, "metadata": {f"k{i}": "v" for i in range(17)}})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "metadata"
+    long_value = client.post("/v1/responses", json={
+        "model": MODEL, "input": "Hi", "metadata": {"k": "v" * 513}})
+    assert long_value.status_code == 400 and long_value.json()["error"]["param"] == "metadata"

@@ -258,7 +258,7 @@ def test_fields_reach_the_upstream_unchanged_and_its_fields_come_back(gateway):
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}}}}]
     sent = {"tools": tools, "tool_choice": "auto", "vendor_knob": [1, {"a": None}],
-            "logit_bias": {"5": 1}}
+            "logit_bias": {"5": 1}, "user": "u-9", "metadata": {"team": "search"}}
     r = post(gateway, "echo", **sent)
     assert r.status_code == 200, r.text
     body = r.json()
@@ -267,6 +267,8 @@ def test_fields_reach_the_upstream_unchanged_and_its_fields_come_back(gateway):
     assert body["vendor_field"] == {"x": 1} and body["id"] == "cmpl-echo"
     rec = record(gateway.url, r.headers["x-tailscope-trace-id"])["record"]
     assert (rec["prompt_tokens"], rec["emitted_tokens"]) == (3, 7)
+    # sent on as they came, and recorded as on the bundled path
+    assert rec["end_user"] == "u-9" and json.loads(rec["metadata"]) == {"team": "search"}
     for _ in range(3):
         assert post(gateway, "echo").status_code == 200
         assert post(gateway, "echo", stream=True).status_code == 200
