@@ -31,7 +31,7 @@ def settings(spec: str) -> dict[str, dict[str, str]]:
 
     out: dict[str, dict[str, str]] = {"default": {}}
     for item in filter(None, (x.strip() for x in spec.split(","))):
-        n = usable_cores() if item == "all" else int(item)
+        n = usable_cores() if item == "all" else int(item) if item.isdigit() else 0
         if n < 1:
             raise SystemExit(f"--threads: {item!r} is not a thread count or 'all'")
         out[f"{n} thread{'s' if n > 1 else ''} each" + (" (all cores)" if item == "all" else "")

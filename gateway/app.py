@@ -38,7 +38,7 @@ from gateway.replicas import ReplicaPool
 from gateway.schemas import TokenizerInfoResponse
 from gateway.serving import Service
 from gateway.store_api import StoreProcess, open_store, step_row
-from gateway.tenants import TenantRegistry
+from gateway.tenants import TenantRegistry, rate_limit_headers
 from gateway.trace import TraceMiddleware
 from gateway.upstream import UpstreamConfig, UpstreamPool
 from tracing.record import RequestRecord
@@ -453,13 +453,21 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
         if trace is not None:  # /tokenize and /detokenize have no record
             trace.record.tenant, trace.record.api_key_id = tenant.name, key_id
             trace.record.ttl_days = tenant.ttl_days or config.store_ttl_days
-        registry.admit_request(tenant)
         try:
-            return await handler(request, tenant)
-        except BaseException:
+            registry.admit_request(tenant)
+        except APIError as exc:  # a 429 says where the tenant's buckets stand too
+            exc.headers.update(rate_limit_headers(tenant))
+            raise
+        try:
+            response = await handler(request, tenant)
+        except BaseException as exc:
             if not getattr(request.state, "settled_by_run", False):
                 registry.finish(tenant)
+            if isinstance(exc, APIError):
+                exc.headers.update(rate_limit_headers(tenant))
             raise
+        response.headers.update(rate_limit_headers(tenant))
+        return response
 
     async def chat_completions(request: Request) -> Response:
         return await gated(request, service.chat)

@@ -80,6 +80,37 @@ class TokenBucket:
         self._refill()
         self.level = min(self.capacity, self.level + amount)
 
+    def state(self) -> tuple[int, float]:
+        """(whole units left now, seconds until the bucket is full again)."""
+        self._refill()
+        return int(self.level), (self.capacity - self.level) * 60.0 / self.capacity
+
+
+def _duration(seconds: float) -> str:
+    """A reset time as OpenAI's rate-limit headers write it: ``250ms``, ``1.5s``, ``6m0s``."""
+    if seconds < 1:
+        return f"{math.ceil(seconds * 1000)}ms"
+    minutes, rest = divmod(seconds, 60)
+    rest = f"{math.ceil(rest * 1000) / 1000:g}s"
+    return f"{int(minutes)}m{rest}" if minutes else rest
+
+
+def rate_limit_headers(tenant: Tenant) -> dict[str, str]:
+    """OpenAI's ``x-ratelimit-*`` headers for a tenant's token buckets (none without): the
+    limit per minute, what is left now and when the bucket is full again, for requests and for
+    tokens (a request holds its prompt + max_tokens until it ends, as admission charged it;
+    the unused part comes back then). Clients that pace themselves by them (LiteLLM's router,
+    OpenAI's cookbook throttler) read them off every answer, a 429 included."""
+    out = {}
+    for kind, limit, bucket in (("requests", tenant.requests_per_minute, tenant.request_bucket),
+                                ("tokens", tenant.tokens_per_minute, tenant.token_bucket)):
+        if bucket is not None:
+            left, reset = bucket.state()
+            out[f"x-ratelimit-limit-{kind}"] = f"{limit:g}"
+            out[f"x-ratelimit-remaining-{kind}"] = str(left)
+            out[f"x-ratelimit-reset-{kind}"] = _duration(reset)
+    return out
+
 
 @dataclass
 class Tenant:

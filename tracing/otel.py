@@ -18,6 +18,7 @@ is the span the collector receives.
 
 from __future__ import annotations
 
+import json
 import threading
 
 from opentelemetry import trace
@@ -126,6 +127,10 @@ class OtelSink:
                 attrs[key] = value
         if r.error_type:
             attrs["error.type"] = r.error_type
+        if r.end_user:  # OpenTelemetry's user.id (Langfuse, for one, files the trace under it)
+            attrs["user.id"] = r.end_user
+        if r.metadata:  # the request's OpenAI metadata, a string attribute per key
+            attrs.update({f"tailscope.metadata.{k}": v for k, v in json.loads(r.metadata).items()})
         span = self.tracer.start_span(f"{operation} {r.model}".strip(), context=parent,
                                       kind=SpanKind.SERVER, attributes=attrs, start_time=start)
         if r.final_state in ("FAILED", "TIMED_OUT") or r.http_status >= 500:

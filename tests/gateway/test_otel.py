@@ -70,7 +70,8 @@ def test_request_span_with_stage_children_matches_the_record(otel_setup):
     r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
                    headers={"traceparent": f"00-{trace_id}-{caller_span}-01"},
                    json={"model": server.model, "max_tokens": 6, "ignore_eos": True,
-                         "temperature": 0.5, "seed": 3,
+                         "temperature": 0.5, "seed": 3, "safety_identifier": "u-7",
+                         "metadata": {"team": "search", "run": "a"},
                          "messages": [{"role": "user", "content": "Hi"}]})
     assert r.status_code == 200
     our_span = r.headers["traceparent"].split("-")[2]
@@ -93,6 +94,8 @@ def test_request_span_with_stage_children_matches_the_record(otel_setup):
     assert a["gen_ai.response.finish_reasons"] == ["length"]
     assert a["tailscope.replica"] == "r0" and a["tailscope.config_id"] == rec["config_id"]
     assert a["gen_ai.response.id"] == r.json()["id"] == rec["response_id"]
+    assert a["user.id"] == "u-7" == rec["end_user"]
+    assert (a["tailscope.metadata.team"], a["tailscope.metadata.run"]) == ("search", "a")
     assert (root.end_time_unix_nano - root.start_time_unix_nano) / 1e6 == \
         pytest.approx(rec["e2e_ms"], abs=0.01)
     for name in ("queue", "prefill", "decode"):

@@ -51,13 +51,28 @@ def test_missing_and_wrong_keys_get_401(keyed_server):
 
 
 def test_rate_limit_429_with_retry_after_and_other_tenant_unaffected(keyed_server):
-    assert post(keyed_server, "sk-slow").status_code == 200
-    assert post(keyed_server, "sk-slow").status_code == 200
+    first, second = post(keyed_server, "sk-slow"), post(keyed_server, "sk-slow")
+    assert first.status_code == second.status_code == 200
+    # OpenAI's x-ratelimit-* headers: the limit, what is left, when it is full again
+    assert first.headers["x-ratelimit-limit-requests"] == "2"
+    assert (first.headers["x-ratelimit-remaining-requests"],
+            second.headers["x-ratelimit-remaining-requests"]) == ("1", "0")
+    assert "x-ratelimit-limit-tokens" not in first.headers  # no tokens/min limit
     over = post(keyed_server, "sk-slow")
     assert over.status_code == 429
     assert int(over.headers["Retry-After"]) >= 1
     assert over.json()["error"]["code"] == "rate_limit_exceeded"
-    assert post(keyed_server, "sk-fast").status_code == 200
+    assert over.headers["x-ratelimit-remaining-requests"] == "0"
+    reset = over.headers["x-ratelimit-reset-requests"]  # two requests' worth: up to a minute
+    minutes, _, seconds = reset.removesuffix("s").rpartition("m")
+    assert 30 <= 60 * int(minutes or 0) + float(seconds) <= 60, reset
+    fast = post(keyed_server, "sk-fast")
+    assert fast.status_code == 200 and fast.headers["x-ratelimit-limit-tokens"] == "200"
+    assert 0 <= int(fast.headers["x-ratelimit-remaining-tokens"]) < 200
+    assert fast.headers["x-ratelimit-limit-requests"] == "1000"
+    unlimited = post(keyed_server, "sk-small")
+    assert unlimited.status_code == 200
+    assert not [h for h in unlimited.headers if h.startswith("x-ratelimit")]
 
 
 def test_tenant_token_limits(keyed_server):
