@@ -38,13 +38,17 @@ DRILL_URL = "http://localhost:8501"
 # Filters every request panel applies: the time range and the variables ('All' = every value).
 REQ_FILTER = ("$__timeFilter(arrival_ts) AND instance IN (${instance:singlequote}) AND replica "
               "IN (${replica:singlequote}) AND model IN (${model:singlequote}) AND config_id IN "
-              "(${config_id:singlequote}) AND tenant IN (${tenant:singlequote})")
+              "(${config_id:singlequote}) AND tenant IN (${tenant:singlequote}) AND "
+              "('${end_user:percentencode}' = '' OR "
+              "encodeURLComponent(end_user) = '${end_user:percentencode}')")
 STEP_FILTER = ("$__timeFilter(ts) AND instance IN (${instance:singlequote}) AND replica IN "
                "(${replica:singlequote})")
-# The SLO text boxes take anything a viewer types. Grafana's ``sqlstring`` format doubles quotes
-# but leaves backslashes, which ClickHouse reads as escapes, so it cannot fence a value in;
+# The SLO and end-user text boxes take anything a viewer types. Grafana's ``sqlstring`` format
+# doubles quotes but leaves backslashes, which ClickHouse reads as escapes, so it cannot fence a
+# value in;
 # ``percentencode`` leaves nothing but [A-Za-z0-9._~%-] inside the quotes, and the number is
-# parsed from there (text that is not a number reads as 0).
+# parsed from there (text that is not a number reads as 0); the end user typed is compared
+# with the column encoded the same way (ClickHouse's encodeURLComponent: the same bytes).
 TTFT_SLO = "toFloat64OrZero('${ttft_slo:percentencode}')"
 TPOT_SLO = "toFloat64OrZero('${tpot_slo:percentencode}')"
 
@@ -171,6 +175,9 @@ def build() -> dict:
          .with_variable(_variable("model", "model"))
          .with_variable(_variable("config_id", "config_id"))
          .with_variable(_variable("tenant", "tenant"))
+         # end users are too many to list: typed (the request's user / safety_identifier)
+         .with_variable(dash.TextBoxVariable("end_user").label("End user (blank: all)")
+                        .default_value(""))
          .with_variable(_slo("ttft_slo", "TTFT SLO (ms)", "500"))
          .with_variable(_slo("tpot_slo", "TPOT SLO (ms)", "50")))
     for p in PANELS:
