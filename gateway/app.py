@@ -125,7 +125,8 @@ class GatewayConfig:
 # Headers a browser page may read from an answer (the trace id is how a user finds their
 # request in the drill-down)
 CORS_EXPOSED = ("x-tailscope-trace-id", "x-tailscope-trace-ids", "x-tailscope-replica",
-                "x-request-id", "retry-after")
+                "x-request-id", "retry-after", *(f"x-ratelimit-{what}-{kind}" for what in (
+                    "limit", "remaining", "reset") for kind in ("requests", "tokens")))
 
 
 class ApiCORS:
