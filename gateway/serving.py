@@ -1060,7 +1060,6 @@ class Service:
         for part in parts:
             self._fill_static(part.trace, part.params)
             r = part.trace.record
-            tag_record(r, req.safety_identifier or req.user, req.metadata)
             r.prompt_tokens, r.stream, r.n, r.response_id = \
                 len(part.prompt), req.stream, req.n, rid
             if capture:  # what replay rebuilds

@@ -68,14 +68,15 @@ class RequestTrace:
 
     def sibling(self, prompt_index: int) -> RequestTrace:
         """The trace of prompt ``prompt_index`` of this request's batch: the same arrival,
-        marks so far, request id, caller's span, bench run and tenant (its key, its rows'
-        TTL), its own trace and span ids; the middleware ends it with this one and emits its
-        record."""
+        marks so far, request id, caller's span, bench run, tenant (its key, its rows' TTL),
+        end user and metadata, its own trace and span ids; the middleware ends it with this one
+        and emits its record."""
         r = self.record
         t = RequestTrace(r.request_id, secrets.token_hex(16), secrets.token_hex(8),
                          r.parent_span_id, r.endpoint)
         t.arrival_ns, t.arrival_wall_us = self.arrival_ns, self.arrival_wall_us
-        for name in ("arrival_ts_us", "bench_run", "tenant", "api_key_id", "ttl_days"):
+        for name in ("arrival_ts_us", "bench_run", "tenant", "api_key_id", "ttl_days",
+                     "end_user", "metadata"):
             setattr(t.record, name, getattr(r, name))
         t.record.prompt_index = prompt_index
         t.marks = dict(self.marks)

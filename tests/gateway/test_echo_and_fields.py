@@ -402,6 +402,13 @@ def test_end_user_and_metadata_go_on_the_record_and_find_it_in_the_store(client,
         assert rec.end_user == end_user
         assert (json.loads(rec.metadata) if rec.metadata else None) == body.get("metadata")
         records.append(rec)
+    batch = client.post("/v1/completions", json={  # a record per prompt, each tagged
+        "model": MODEL, "prompt": ["Hi", "Yo"], "max_tokens": 2, "user": "u-5",
+        "metadata": {"team": team}})
+    assert batch.status_code == 200, batch.text
+    tagged = [client.sink.find(t) for t in batch.headers["x-tailscope-trace-ids"].split(",")]
+    assert len(tagged) == 2 and all(
+        rec.end_user == "u-5" and json.loads(rec.metadata) == {"team": team} for rec in tagged)
     requests, events = records_to_arrow(records)
     store.insert("requests", requests)
     store.insert("request_events", events)
