@@ -121,14 +121,18 @@ def test_a_victim_alone_names_no_neighbour(server):
 
 def test_the_record_names_the_neighbour_and_compare_windows_ranks_it_first(server):
     """The victim alone, then with globex's burst: its record names globex as the neighbour
-    tenant (none alone), and the window comparison by neighbour tenant puts globex first."""
+    tenant (none alone), and the window comparison by neighbour tenant compares globex's
+    requests with the base window as a whole, stage by stage, adding up to the records' own
+    difference.
+
+    Whether the burst made this victim slower is not asserted: on the tiny model its 1,560
+    prefill tokens add ~0-80 ms to a 150-320 ms stream, within what one lone run varies by on
+    2 cores (CI saw a lone run the slower, twice); what is asserted is the arithmetic the
+    comparison does on whatever the two runs measured."""
     source = Q.GatewaySource(server.url, admin_key="sk-victim")
     t0 = time.time()
     alone = victim(server, noisy=False)
     t1 = time.time()
-    # six prompts (not three): their chunks share about 50 of the victim's 120 steps and double
-    # its decode time (150 -> 300 ms here); with three, the ~70 ms they added was within what a
-    # lone run varies by on 2 cores, and a CI run once saw the lone run the slower
     noisy = victim(server, noisy=True, burst=6)
     t2 = time.time()
     assert wait_for(lambda: Q.records_found(source, [alone, noisy]) == 2, 10)
@@ -139,8 +143,15 @@ def test_the_record_names_the_neighbour_and_compare_windows_ranks_it_first(serve
     assert recs[noisy]["neighbour_prefill_tokens"] > 0
     cmp = Q.compare_windows(source, (t0, t1), (t1, t2), metric="e2e_ms", by="neighbour_tenant",
                             filters={"tenant": "victim"})
-    assert cmp.iloc[0]["neighbour_tenant"] == "globex", cmp
-    assert cmp["weighted_ms"].sum() > 0, cmp  # the burst made the victim slower
+    assert set(cmp["neighbour_tenant"]) == {"globex"}, cmp  # the one value the suspect had
+    assert (cmp["weight"] == 1.0).all(), cmp
+    stages = cmp.set_index("column")
+    for column in Q.STAGES["e2e_ms"]:  # each stage: the noisy record's against the lone one's
+        assert stages.loc[column, "base_ms"] == pytest.approx(recs[alone][column], abs=1e-3)
+        assert stages.loc[column, "suspect_ms"] == pytest.approx(recs[noisy][column], abs=1e-3)
+    assert cmp["weighted_ms"].sum() == pytest.approx(
+        recs[noisy]["e2e_ms"] - recs[alone]["e2e_ms"], abs=1e-3), cmp
+    assert list(cmp["weighted_ms"]) == sorted(cmp["weighted_ms"], reverse=True), cmp
 
 
 # ---- why it waited, over HTTP ----------------------------------------------------------------
