@@ -81,7 +81,10 @@ def victim(server, noisy: bool, burst: int = 3) -> str:
 def why(server, trace_id: str, top: int = 5):
     source = Q.GatewaySource(server.url, admin_key="sk-victim")
     assert wait_for(lambda: Q.records_found(source, [trace_id]) == 1, 10)
-    time.sleep(1.0)  # the steps are flushed by the same writer, in their own batches
+    # the steps are flushed by the same writer in their own batches, maybe after the record:
+    # wait until every gap between the victim's 120 tokens has its steps (a fixed second once
+    # let a loaded CI run read the early steps only, so no gap it saw had the burst in it)
+    assert wait_for(lambda: len(Q.why(source, trace_id, top=1000)[0]) == 119, 15)
     return Q.why(source, trace_id, top=top)
 
 
