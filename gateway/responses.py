@@ -354,6 +354,8 @@ def response_object(shell: Shell, chat: dict) -> dict:
                            "annotations": [], "logprobs": _logprobs(choice.get("logprobs"))}]})
     output += [_call_item(c) for c in message.get("tool_calls") or []]
     status, incomplete = _status(choice.get("finish_reason"))
+    if incomplete and output:  # the item the token budget cut (the ones before it are whole)
+        output[-1]["status"] = "incomplete"
     return shell.response(status, output, _usage(chat.get("usage")), incomplete)
 
 
@@ -441,6 +443,7 @@ class ResponseEvents:
 
     def end(self) -> list[tuple[str, dict]]:
         events = []
+        status, incomplete = _status(self.finish)
         for index, item in enumerate(self.output):
             if item["type"] == "message":
                 part = item["content"][0]
@@ -454,10 +457,10 @@ class ResponseEvents:
                 events.append(self._event("response.function_call_arguments.done",
                                           item_id=item["id"], output_index=index,
                                           name=item["name"], arguments=item["arguments"]))
-            item["status"] = "completed"
+            cut = incomplete is not None and index == len(self.output) - 1
+            item["status"] = "incomplete" if cut else "completed"
             events.append(self._event("response.output_item.done", output_index=index,
                                       item=item))
-        status, incomplete = _status(self.finish)
         kind = "response.completed" if status == "completed" else "response.incomplete"
         events.append(self._event(kind, response=self.shell.response(
             status, self.output, self.usage, incomplete)))

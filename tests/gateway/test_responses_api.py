@@ -71,6 +71,7 @@ def test_a_response_is_the_chat_answer_of_the_same_request(sdk, client):
         assert out.incomplete_details.reason == "max_output_tokens"
     else:
         assert out.status == "completed"
+    assert item.status == out.status  # the item the budget cut is incomplete too
     # the record: an ordinary chat record, on its own endpoint
     rec = next(r for r in client.sink.records if r.endpoint == "/v1/responses")
     assert rec.final_state == "FINISHED" and rec.generated_tokens == u["completion_tokens"]
@@ -108,6 +109,8 @@ def test_a_stream_is_the_typed_events_adding_up_to_the_response(sdk):
     assert text == whole.output_text != ""
     done = events[-1].response
     assert done.output_text == text and done.usage.output_tokens == whole.usage.output_tokens
+    assert events[-2].item.status == done.output[0].status == whole.output[0].status
+    assert whole.status == "incomplete" or whole.output[0].status == "completed"
     assert done.id == events[0].response.id and events[0].response.status == "in_progress"
 
 
