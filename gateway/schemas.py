@@ -153,11 +153,13 @@ class SamplingFields(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    # "function": OpenAI's deprecated form of a tool result (its name, no call id)
+    role: Literal["system", "user", "assistant", "developer", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None  # passed to the chat template (the bundled one does not show it)
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls (gateway.tools)
     tool_call_id: str | None = None  # a tool message: the call it answers
+    function_call: dict[str, Any] | None = None  # the deprecated form of one call
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -199,15 +201,24 @@ class ChatTemplateFields(BaseModel):
             raise Unsupported(*bad)
 
 
-class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
+class ToolFields(BaseModel):
+    """What a conversation's tools are (chat completions, and ``/tokenize`` to count the same
+    prompt): ``gateway.tools.conversation`` renders them with the messages."""
+
+    tools: list[dict[str, Any]] | None = None  # gateway.tools
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # OpenAI's deprecated forms of tools and tool_choice (one call, answered as function_call)
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: Count | None = None
     response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None  # gateway.tools
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
 
     def unsupported(self) -> None:
         super().unsupported()
@@ -217,8 +228,9 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
             raise Unsupported("top_logprobs", "top_logprobs needs logprobs: true")
 
 
-class TokenizeRequest(ChatTemplateFields):
-    """vLLM's ``POST /tokenize``: a prompt, or chat messages rendered by the chat template."""
+class TokenizeRequest(ChatTemplateFields, ToolFields):
+    """vLLM's ``POST /tokenize``: a prompt, or chat messages rendered by the chat template (with
+    their tools, as a chat completion renders them)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -73,10 +73,10 @@ from gateway.tools import (
     ToolError,
     ToolSpec,
     ToolStream,
-    check_message,
+    conversation,
     cut_short,
+    legacy_delta,
     parse,
-    render_messages,
 )
 from gateway.trace import RequestTrace
 from gateway.upstream import NoBackendLeft, UpstreamPool
@@ -592,8 +592,10 @@ class Service:
                 check_content(req.messages)
             except Unsupported as exc:
                 raise _unsupported(exc) from None
-            messages = [{"role": m.role, "content": m.text(),
-                         **({"name": m.name} if m.name else {})} for m in req.messages]
+            try:  # the prompt a chat completion of these messages and tools would have
+                messages, _ = conversation(req)
+            except ToolError as exc:
+                raise bad_request(str(exc), exc.param) from None
             try:
                 text = self.tokenizer.apply_chat_template(
                     messages, req.add_generation_prompt, req.continue_final_message,
@@ -627,13 +629,7 @@ class Service:
         trace.mark("ADMITTED")
         response_format, grammar_param = req.response_format, "response_format"
         try:
-            spec = ToolSpec.parse(req.tools, req.tool_choice, req.parallel_tool_calls)
-            for i, m in enumerate(req.messages):
-                check_message(m, i)
-            messages = render_messages(
-                [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {}),
-                  "tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id}
-                 for m in req.messages], spec)
+            messages, spec = conversation(req)
         except ToolError as exc:
             raise bad_request(str(exc), exc.param) from None
         if spec is not None and spec.forced:  # the call is enforced by the grammar engine
@@ -1137,10 +1133,12 @@ class Service:
         calls = parse(text, c.tools) or []
         if not calls and c.tools.forced and c.finish_reason == "length":
             calls = cut_short(text)
+        if calls and c.tools.legacy:  # the deprecated shape holds one call
+            calls = calls[:1]
         if calls:
             c.calls, c.called = calls, [x.name for x in calls]
             if c.finish_reason == "stop":
-                c.finish_reason = "tool_calls"
+                c.finish_reason = "function_call" if c.tools.legacy else "tool_calls"
         return calls
 
     @staticmethod
@@ -1202,10 +1200,13 @@ class Service:
             lp = self.logprobs_body(head_lps + self.new_logprobs(c), chat, c) \
                 if c.logprobs is not None else None
             if c.calls or (chat and c.tools is not None and c.tools.forced):
-                body_choices.append({"index": c.index, "message": {
-                    "role": "assistant", "content": None,
-                    "tool_calls": [x.body() for x in c.calls]}, "logprobs": lp,
-                    "finish_reason": c.finish_reason})
+                message = {"role": "assistant", "content": None}
+                if not c.tools.legacy:
+                    message["tool_calls"] = [x.body() for x in c.calls]
+                elif c.calls:  # the deprecated shape: the one call, no id
+                    message["function_call"] = c.calls[0].body()["function"]
+                body_choices.append({"index": c.index, "message": message, "logprobs": lp,
+                                     "finish_reason": c.finish_reason})
             elif chat:
                 body_choices.append({"index": c.index, "message": {
                     "role": "assistant", "content": texts[c.index]}, "logprobs": lp,
@@ -1288,7 +1289,10 @@ class Service:
                 delta: dict = {}
                 if first:
                     delta["role"] = "assistant"
-                if tool_calls:
+                if tool_calls and c.tools is not None and c.tools.legacy:
+                    if (call := legacy_delta(tool_calls)) is not None:
+                        delta["function_call"] = call
+                elif tool_calls:
                     delta["tool_calls"] = tool_calls
                 elif text is not None:
                     delta["content"] = text

@@ -25,6 +25,7 @@ generated; under ``auto`` the answer is held until it is known to be a call or t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import uuid
@@ -57,6 +58,8 @@ class ToolSpec:
     mode: str  # none | auto | required | named
     name: str | None = None  # the named function
     parallel: bool = True
+    # asked with OpenAI's deprecated ``functions``: one call, answered as ``function_call``
+    legacy: bool = False
 
     @property
     def forced(self) -> bool:
@@ -192,6 +195,87 @@ def check_message(m, i: int) -> None:
             _arguments(fn.get("arguments"))
     if m.tool_call_id is not None and m.role != "tool":
         raise ToolError(f"messages.{i}.tool_call_id", "only tool messages carry tool_call_id")
+
+
+# ---- OpenAI's deprecated function calling ------------------------------------------------------
+# ``functions`` / ``function_call`` on the request, ``function_call`` on an assistant message and
+# the ``function`` role are the same calls as ``tools`` in an older shape (one call a turn, no
+# call ids), which clients written before tools still send: they are taken as tools and
+# answered in their own shape (``message.function_call``, ``finish_reason: function_call``).
+def _legacy_tools(functions: list | None, function_call) -> tuple[list | None, Any]:
+    """``functions`` and ``function_call`` as ``tools`` and ``tool_choice``."""
+    tools = None
+    if functions is not None:
+        for i, f in enumerate(functions):
+            if not isinstance(f, dict):
+                raise ToolError(f"functions.{i}", 'each function is {"name": ..., '
+                                '"description": ..., "parameters": {...}}')
+        tools = [{"type": "function", "function": f} for f in functions]
+    if function_call is None or function_call in ("none", "auto"):
+        return tools, function_call
+    name = function_call.get("name") if isinstance(function_call, dict) else None
+    if not isinstance(name, str) or set(function_call) != {"name"}:
+        raise ToolError("function_call", 'function_call is "none", "auto" or {"name": ...}')
+    return tools, {"type": "function", "function": {"name": name}}
+
+
+def _legacy_param(param: str) -> str:
+    """A ``tools`` error's param in the names the request used (``functions.N.name``)."""
+    param = re.sub(r"^tools\.(\d+)\.function\b", r"functions.\1", param)
+    return {"tools": "functions", "tool_choice": "function_call"}.get(param, param)
+
+
+def _message(m, i: int) -> dict:
+    """One message as ``render_messages`` takes it: a deprecated ``function_call`` as a turn's
+    one tool call, a ``function`` message as a tool result (named by the function)."""
+    calls, role, call_id = m.tool_calls, m.role, m.tool_call_id
+    if m.function_call is not None:
+        fc = m.function_call
+        if m.role != "assistant" or calls is not None:
+            raise ToolError(f"messages.{i}.function_call", "only an assistant message without "
+                            "tool_calls carries function_call")
+        if not isinstance(fc.get("name"), str) or not isinstance(fc.get("arguments", ""), str):
+            raise ToolError(f"messages.{i}.function_call", 'function_call is {"name": ..., '
+                            '"arguments": "<JSON>"}')
+        _arguments(fc.get("arguments"))
+        calls = [{"id": "", "type": "function", "function": {
+            "name": fc["name"], "arguments": fc.get("arguments") or "{}"}}]
+    if role == "function":
+        if not m.name:
+            raise ToolError(f"messages.{i}.name", "a function message names its function")
+        role, call_id = "tool", m.name
+    return {"role": role, "content": m.text(), **({"name": m.name} if m.name else {}),
+            "tool_calls": calls, "tool_call_id": call_id}
+
+
+def conversation(req) -> tuple[list[dict], ToolSpec | None]:
+    """A chat request's (or ``/tokenize``'s) messages, checked and rendered with its tools for
+    the chat template, and the tools' spec (None: no tools). ``ToolError`` names the field."""
+    tools, choice, legacy = req.tools, req.tool_choice, False
+    if req.functions is not None or req.function_call is not None:
+        if req.tools is not None or req.tool_choice is not None:
+            raise ToolError("functions", "send tools and tool_choice, or the deprecated "
+                            "functions and function_call, not both")
+        tools, choice = _legacy_tools(req.functions, req.function_call)
+        legacy = True
+    try:
+        spec = ToolSpec.parse(tools, choice, False if legacy else req.parallel_tool_calls)
+    except ToolError as exc:
+        if legacy:
+            raise ToolError(_legacy_param(exc.param), str(exc)) from None
+        raise
+    if spec is not None and legacy:
+        spec = dataclasses.replace(spec, legacy=True)
+    for i, m in enumerate(req.messages):
+        check_message(m, i)
+    return render_messages([_message(m, i) for i, m in enumerate(req.messages)], spec), spec
+
+
+def legacy_delta(tool_calls: list[dict]) -> dict | None:
+    """A stream's ``tool_calls`` delta as the deprecated ``function_call`` delta (the first
+    call's: a legacy request makes one)."""
+    first = [d["function"] for d in tool_calls if d.get("index") == 0]
+    return first[0] if first else None
 
 
 # ---- reading the model's calls ----------------------------------------------------------------

@@ -132,6 +132,84 @@ def test_malformed_tool_requests_are_400s_naming_the_field(client, body, param):
     assert r.json()["error"]["param"] == param, r.json()
 
 
+LEGACY_WEATHER = WEATHER["function"]  # OpenAI's deprecated ``functions`` entry
+
+
+def test_deprecated_functions_are_answered_as_function_call_streamed_or_not(client):
+    """``functions`` / ``function_call`` (what clients written before tools send): the same
+    forced call, answered in their shape, one call, ``finish_reason: function_call``."""
+    sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client)
+    out = sdk.chat.completions.create(model=MODEL, messages=ASK, functions=[LEGACY_WEATHER],
+                                      function_call={"name": "get_weather"}, max_tokens=200,
+                                      temperature=0)
+    choice = out.choices[0]
+    assert choice.finish_reason == "function_call" and choice.message.tool_calls is None
+    assert choice.message.content is None and choice.message.function_call.name == "get_weather"
+    assert valid("get_weather", choice.message.function_call.arguments)
+    with client.stream("POST", "/v1/chat/completions", json={
+            "model": MODEL, "messages": ASK, "functions": [LEGACY_WEATHER], "max_tokens": 200,
+            "function_call": {"name": "get_weather"}, "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+        trace_id = r.headers["x-tailscope-trace-id"]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert not any("tool_calls" in d or d.get("content") for d in deltas)
+    calls = [d["function_call"] for d in deltas if "function_call" in d]
+    assert calls[0]["name"] == "get_weather" and all("name" not in x for x in calls[1:])
+    assert "".join(x["arguments"] for x in calls) == choice.message.function_call.arguments
+    assert chunks[-1]["choices"][0]["finish_reason"] == "function_call"
+    rec = client.sink.find(trace_id)
+    assert rec.tool_calls == ["get_weather"] and rec.finish_reason == "function_call"
+
+
+def test_a_deprecated_function_turn_is_the_prompt_its_tool_form_is(client):
+    """An assistant ``function_call`` and a ``function`` message render as a tool call and
+    its result (named by the function); ``/tokenize`` counts what the chat request costs."""
+    legacy = [*ASK, {"role": "assistant", "content": None, "function_call": {
+        "name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}},
+        {"role": "function", "name": "get_weather", "content": "sunny, 21 C"}]
+    tools = [*ASK, {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}]},
+        {"role": "tool", "tool_call_id": "get_weather", "content": "sunny, 21 C"}]
+
+    def tokens(body):
+        r = client.post("/tokenize", json={"model": MODEL, **body})
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    old = tokens({"messages": legacy, "functions": [LEGACY_WEATHER]})
+    assert old == tokens({"messages": tools, "tools": [WEATHER]})
+    plain = tokens({"messages": tools})  # no tools: no preamble, the turns still rendered
+    assert len(plain) < len(old) and len(plain) > len(tokens({"messages": ASK})) + 20
+    r = client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": legacy, "functions": [LEGACY_WEATHER], "max_tokens": 4,
+        "function_call": "none"})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] is not None
+    r = client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": tools, "tools": [WEATHER], "max_tokens": 1})
+    assert r.json()["usage"]["prompt_tokens"] == len(old)  # what /tokenize counted
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"functions": [LEGACY_WEATHER], "tools": [WEATHER]}, "functions"),
+    ({"functions": [LEGACY_WEATHER], "function_call": {"name": "nope"}}, "function_call"),
+    ({"functions": [LEGACY_WEATHER], "function_call": "required"}, "function_call"),
+    ({"functions": [{"name": "bad name"}]}, "functions.0.name"),
+    ({"functions": ["get_weather"]}, "functions.0"),
+    ({"messages": [*ASK, {"role": "function", "content": "x"}]}, "messages.1.name"),
+    ({"messages": [{"role": "user", "content": "x", "function_call": {
+        "name": "get_weather", "arguments": "{}"}}]}, "messages.0.function_call"),
+])
+def test_malformed_deprecated_function_requests_are_400s_naming_the_field(client, body, param):
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK,
+                                                  "max_tokens": 5, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+
+
 def test_tools_on_completions_are_an_unknown_parameter(client):
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "tools": [WEATHER]})
     assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_parameter"
