@@ -219,11 +219,16 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields, ToolFields):
     logprobs: bool = False
     top_logprobs: Count | None = None
     response_format: dict[str, Any] | None = None
+    # OpenAI's output kinds: ["text"] (its default) is what the engine writes
+    modalities: list[str] | None = None
 
     def unsupported(self) -> None:
         super().unsupported()
         self.check_template_fields()
         check_content(self.messages)
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise Unsupported("modalities", f"modalities {self.modalities!r}: the bundled "
+                              'engine answers in text only (["text"])')
         if self.top_logprobs and not self.logprobs:  # OpenAI's rule: it would return nothing
             raise Unsupported("top_logprobs", "top_logprobs needs logprobs: true")
 

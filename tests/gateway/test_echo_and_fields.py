@@ -106,6 +106,20 @@ def test_the_unknown_field_rule(client, body, status, code, param):
         assert err["param"] == param and err["code"] == code, err
 
 
+@pytest.mark.parametrize("modalities,status", [(["text"], 200), (["text", "audio"], 400),
+                                                ([], 400)])
+def test_chat_modalities_text_is_accepted_and_audio_refused(client, modalities, status):
+    r = client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+        "modalities": modalities})
+    assert r.status_code == status, r.text
+    if status == 400:
+        err = r.json()["error"]
+        assert err["param"] == "modalities" and err["code"] == "unsupported_parameter", err
+    else:
+        assert r.json()["choices"][0]["message"]["content"]
+
+
 def _sse_data(r) -> list[bytes]:
     """The raw JSON of each ``data:`` event of a streamed answer (not ``[DONE]``)."""
     return [frame[6:] for frame in r.read().split(b"\n\n") if frame.startswith(b"data: {")]
