@@ -710,7 +710,8 @@ def cmd_size(args: argparse.Namespace) -> int:
 def cmd_replay(args: argparse.Namespace) -> int:
     """Run a recorded request again and report whether it came out the same (tracing.replay).
 
-    The record comes from ``--source`` (a gateway), else the running gateway, else the store.
+    The record comes from ``--source`` (a gateway), else ``--url`` when that gateway has it,
+    else the running gateway, else the store.
     It runs on ``--url``, or on a gateway started with ``--engine-config FILE``, or (neither)
     on the source gateway when it runs the recorded config_id, else on one started with the
     recorded config (the store's ``configs`` table)."""
@@ -726,12 +727,20 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print("error: --n must be in [1, 64] and --background in [0, 16]", file=sys.stderr)
         return 2
     s = Settings.from_env()
+    record = None
     if args.source:
         kind, source = "gateway", args.source.rstrip("/")
-    else:
+    elif args.url:  # the gateway it is to run on most often holds the record too
+        kind, source = "gateway", args.url.rstrip("/")
+        try:
+            record = R.fetch_record(source, args.trace_id, s.admin_key or None)
+        except (LookupError, httpx.HTTPError):
+            record = None
+    if record is None and not args.source:
         kind, source = _store_target(argparse.Namespace(url=None, dsn=args.dsn), s)
     try:
-        record = R.fetch_record(source, args.trace_id, s.admin_key or None)
+        if record is None:
+            record = R.fetch_record(source, args.trace_id, s.admin_key or None)
         R.replay_params(record)  # refuse now, before starting anything
     except (LookupError, R.ReplayRefused) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -1071,8 +1080,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--engine-config", metavar="FILE",
                     help="run it on a gateway started with this config (try another config)")
     rp.add_argument("--source", metavar="URL",
-                    help="the gateway holding the record (default: the running one, else the "
-                         "store)")
+                    help="the gateway holding the record (default: --url when it holds it, else "
+                         "the running one, else the store)")
     rp.add_argument("--dsn", help="store DSN to read the record from (default "
                                   "TAILSCOPE_STORE_DSN)")
     rp.add_argument("--n", type=int, default=1,

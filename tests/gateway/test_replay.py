@@ -169,10 +169,12 @@ def test_replay_under_another_dtype_reports_the_first_divergence(replay_server, 
     assert d["recorded_token"] == recorded_ids[d["position"]]
     assert d["replay_token"] != d["recorded_token"] and d["replay_logprob"] is not None
     assert rep["replayed_on_config_id"] != rep["config_id"]
-    # the same command on the recorded gateway (its config_id matches): identical, exit 0
+    # on the recorded gateway (its config_id matches): identical, exit 0; the record is read
+    # from the --url gateway it runs on (no --source, no gateway at TAILSCOPE_GATEWAY_URL)
     same = subprocess.run(
-        [sys.executable, "-m", "tailscope.cli", "replay", trace, "--source", replay_server.url,
-         "--api-key", "sk-alpha"], env={**_env(), "TAILSCOPE_ADMIN_KEY": ADMIN},
+        [sys.executable, "-m", "tailscope.cli", "replay", trace, "--url", replay_server.url,
+         "--api-key", "sk-alpha"], env={**_env(), "TAILSCOPE_ADMIN_KEY": ADMIN,
+                                        "TAILSCOPE_GATEWAY_URL": "http://127.0.0.1:9"},
         capture_output=True, text=True, timeout=600)
     assert same.returncode == 0, same.stdout + same.stderr
     assert "IDENTICAL" in same.stdout and "first divergence" not in same.stdout
