@@ -131,14 +131,15 @@ CORS_EXPOSED = ("x-tailscope-trace-id", "x-tailscope-trace-ids", "x-tailscope-re
 
 class ApiCORS:
     """CORS (Starlette's ``CORSMiddleware``) for what a browser client calls: the OpenAI API
-    (``/v1/...``), ``/tokenize``, ``/detokenize``, ``/tokenizer_info``, ``/health`` and
-    ``/ready``. Never ``/debug/*`` nor ``/metrics``: in open local mode those answer loopback
-    clients without a key, and a browser's request to ``localhost`` comes from loopback, so
-    with CORS there any web page the user visits could read the records (prompts, outputs)
-    through the user's browser. Credentials (cookies) are not allowed: a client sends its API
+    (``/v1/...``), ``/tokenize``, ``/detokenize``, ``/tokenizer_info``, ``/health``,
+    ``/ready`` and ``/version``. Never ``/debug/*`` nor ``/metrics``: in open local mode those
+    answer loopback clients without a key, and a browser's request to ``localhost`` comes from
+    loopback, so with CORS there any web page the user visits could read the records (prompts,
+    outputs) through the user's browser. Credentials (cookies) are not allowed: a client sends its API
     key in ``Authorization``, which a page must hold itself."""
 
-    PATHS = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", "/health", "/ready")
+    PATHS = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", "/health", "/ready",
+             "/version")
 
     def __init__(self, app, origins: tuple[str, ...]) -> None:
         from starlette.middleware.cors import CORSMiddleware
@@ -365,6 +366,12 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
+
+    @app.get("/version")
+    async def version() -> dict:
+        """vLLM's ``/version`` (``{"version": ...}``), naming the server too: a gateway that
+        fronts this one as a backend records it as ``tailscope <version>``."""
+        return {"version": gateway_version, "server": "tailscope", "engine": engine_version}
 
     @app.get("/ready")
     async def ready() -> JSONResponse:

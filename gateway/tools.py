@@ -256,6 +256,9 @@ def conversation(req) -> tuple[list[dict], ToolSpec | None]:
         if req.tools is not None or req.tool_choice is not None:
             raise ToolError("functions", "send tools and tool_choice, or the deprecated "
                             "functions and function_call, not both")
+        if req.parallel_tool_calls is not None:  # the deprecated shape holds one call
+            raise ToolError("parallel_tool_calls", "parallel_tool_calls goes with tools; "
+                            "functions make one call a turn")
         tools, choice = _legacy_tools(req.functions, req.function_call)
         legacy = True
     try:

@@ -315,8 +315,9 @@ class UpstreamPool:
 
     async def _discover(self, up: Upstream, timeout: httpx.Timeout) -> None:
         """The served model's revision (``/v1/models``: vLLM and SGLang name the weights in
-        ``root``; else the id) and the server's version (vLLM ``/version``, llama.cpp
-        ``/props``' ``build_info``, SGLang ``/get_server_info``), cached for the records."""
+        ``root``; else the id) and the server's version (vLLM ``/version``, or another
+        Tailscope's, which names its ``server``; llama.cpp ``/props``' ``build_info``, SGLang
+        ``/get_server_info``), cached for the records."""
         c = up.config
         want = c.upstream_model or c.model
         try:
@@ -331,11 +332,14 @@ class UpstreamPool:
                                   ("/get_server_info", "version", "sglang")):
             try:
                 resp = await up.client.get(f"{c.root}{path}", timeout=timeout)
-                found = resp.json().get(key) if resp.status_code == 200 else None
+                body = resp.json() if resp.status_code == 200 else {}
+                found = body.get(key)
+                server = body.get("server")  # another Tailscope names itself there
             except (httpx.HTTPError, ValueError, AttributeError):
                 continue
             if isinstance(found, str | int | float) and str(found):
-                up.version = f"{engine} {found}"[:100]
+                named = server if isinstance(server, str) and server else engine
+                up.version = f"{named} {found}"[:100]
                 return
 
     def serves(self, model: str) -> bool:

@@ -197,6 +197,7 @@ def test_a_deprecated_function_turn_is_the_prompt_its_tool_form_is(client):
     ({"functions": [LEGACY_WEATHER], "tools": [WEATHER]}, "functions"),
     ({"functions": [LEGACY_WEATHER], "function_call": {"name": "nope"}}, "function_call"),
     ({"functions": [LEGACY_WEATHER], "function_call": "required"}, "function_call"),
+    ({"functions": [LEGACY_WEATHER], "parallel_tool_calls": True}, "parallel_tool_calls"),
     ({"functions": [{"name": "bad name"}]}, "functions.0.name"),
     ({"functions": ["get_weather"]}, "functions.0"),
     ({"messages": [*ASK, {"role": "function", "content": "x"}]}, "messages.1.name"),

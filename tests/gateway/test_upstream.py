@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from gateway import __version__ as gateway_version
 from tests.gateway.conftest import start_server, stop_server
 from tests.gateway.test_faults import wait_for
 from tracing.client import free_port
@@ -412,6 +413,11 @@ def test_probes_find_revision_version_and_eject_a_dead_backend_with_no_traffic(g
     rec = record(gateway.url, r.headers["x-tailscope-trace-id"])["record"]
     assert rec["model_revision"] == "scripted/echo-weights@rev1"
     assert rec["engine_version"] == "vllm fault-1.0"
+    # another Tailscope behind this one names itself in its /version
+    own = httpx.get(f"{gateway.url}/version").json()
+    assert own["server"] == "tailscope" and own["version"] == gateway_version
+    assert wait_for(lambda: info()["up"]["version"] == f"tailscope {gateway_version}", 10), \
+        info()["up"]
     # nothing listens behind "dead": its probes eject it before any request finds it
     assert wait_for(lambda: info()["dead"]["state"] == "ejected", 10), info()["dead"]
     dead = info()["dead"]
