@@ -135,8 +135,8 @@ class ApiCORS:
     ``/ready`` and ``/version``. Never ``/debug/*`` nor ``/metrics``: in open local mode those
     answer loopback clients without a key, and a browser's request to ``localhost`` comes from
     loopback, so with CORS there any web page the user visits could read the records (prompts,
-    outputs) through the user's browser. Credentials (cookies) are not allowed: a client sends its API
-    key in ``Authorization``, which a page must hold itself."""
+    outputs) through the user's browser. Credentials (cookies) are not allowed: a client sends
+    its API key in ``Authorization``, which a page must hold itself."""
 
     PATHS = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", "/health", "/ready",
              "/version")
