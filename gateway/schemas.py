@@ -106,7 +106,9 @@ class SamplingFields(BaseModel):
     prompt_cache_key: str | None = None
     service_tier: Literal["auto", "default"] | None = None
     # engine extras (vLLM names)
-    top_k: int = Field(-1, ge=-1, le=INT32_MAX)  # and at most the vocabulary (serving.py)
+    # and at most the vocabulary (serving.py); 0 is off as -1 is (vLLM's rule today, so a
+    # client tuned for vLLM that sends top_k: 0 gets what it meant)
+    top_k: int = Field(-1, ge=-1, le=INT32_MAX)
     min_p: float = 0.0
     typical_p: float = 1.0
     repetition_penalty: float = 1.0

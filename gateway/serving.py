@@ -432,8 +432,8 @@ class Service:
         max_tokens = self.max_tokens(prompt_len, max_tokens)
         vocab = self.tokenizer.vocab_size
         if req.top_k > vocab:
-            raise bad_request(f"top_k must be -1 (disabled) or at most the vocabulary size "
-                              f"{vocab}, got {req.top_k}", "top_k")
+            raise bad_request(f"top_k must be -1 or 0 (disabled) or at most the vocabulary "
+                              f"size {vocab}, got {req.top_k}", "top_k")
         bias = {}
         for k, v in (req.logit_bias or {}).items():
             if not _TOKEN_ID.fullmatch(k):  # ASCII digits only: int() also takes '²', ' 1_0'
@@ -450,7 +450,7 @@ class Service:
                 grammar_param = "structured_outputs"
             params = SamplingParams(
                 max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                top_k=req.top_k, min_p=req.min_p, typical_p=req.typical_p,
+                top_k=req.top_k or -1, min_p=req.min_p, typical_p=req.typical_p,
                 repetition_penalty=req.repetition_penalty,
                 frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
                 logit_bias=bias, seed=req.seed, ignore_eos=req.ignore_eos,

@@ -444,3 +444,16 @@ def test_end_user_and_metadata_go_on_the_record_and_find_it_in_the_store(client,
     long_value = client.post("/v1/responses", json={
         "model": MODEL, "input": "Hi", "metadata": {"k": "v" * 513}})
     assert long_value.status_code == 400 and long_value.json()["error"]["param"] == "metadata"
+
+
+def test_top_k_zero_is_off_as_vllm_takes_it(client):
+    """vLLM takes ``top_k: 0`` as off (as -1): the same seeded sample as -1, recorded as -1."""
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.0,
+            "seed": 11}
+    outs = {}
+    for k in (0, -1, 1):
+        r = client.post("/v1/completions", json={**body, "top_k": k})
+        assert r.status_code == 200, r.text
+        outs[k] = r.json()["choices"][0]["text"]
+        assert client.sink.find(r.headers["x-tailscope-trace-id"]).top_k == (k or -1)
+    assert outs[0] == outs[-1] != outs[1]  # top_k 1 is greedy: another sample here
