@@ -163,6 +163,12 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None  # a tool message: the call it answers
     function_call: dict[str, Any] | None = None  # the deprecated form of one call
 
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":  # OpenAI's rule: only an
+            raise ValueError(f"a {self.role} message needs content")  # assistant's calls
+        return self
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p["text"] for p in self.content)  # text parts only: check_content

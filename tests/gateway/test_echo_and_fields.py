@@ -457,3 +457,18 @@ def test_top_k_zero_is_off_as_vllm_takes_it(client):
         outs[k] = r.json()["choices"][0]["text"]
         assert client.sink.find(r.headers["x-tailscope-trace-id"]).top_k == (k or -1)
     assert outs[0] == outs[-1] != outs[1]  # top_k 1 is greedy: another sample here
+
+
+@pytest.mark.parametrize("message", [{"role": "user"}, {"role": "system", "content": None},
+                                     {"role": "tool", "tool_call_id": "call_1"}])
+def test_a_message_without_content_is_a_400_unless_an_assistant_turn(client, message):
+    r = client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [message, {"role": "user", "content": "Hi"}],
+        "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages.0" and "needs content" in err["message"], err
+    ok = client.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant"},
+        {"role": "user", "content": "Hi"}]})
+    assert ok.status_code == 200, ok.text
