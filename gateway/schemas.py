@@ -165,8 +165,10 @@ class ChatMessage(BaseModel):
 
     @model_validator(mode="after")
     def _has_content(self) -> ChatMessage:
-        if self.content is None and self.role != "assistant":  # OpenAI's rule: only an
-            raise ValueError(f"a {self.role} message needs content")  # assistant's calls
+        # OpenAI's rule: an assistant turn (its calls) and a deprecated function result may
+        # have none
+        if self.content is None and self.role not in ("assistant", "function"):
+            raise ValueError(f"a {self.role} message needs content")
         return self
 
     def text(self) -> str:
