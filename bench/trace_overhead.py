@@ -315,6 +315,12 @@ def throughput(seconds: float, concurrency: int, rounds: int, model: str = "tiny
                     "rps": rps, "tps": tps, "gw_cpu": d["gateway"] + d["store"],
                     "rep_cpu": d["replica"], "own_ms": d["writer"] + d["store_engine"] + d["store"],
                     "gc_ms": (gc_after - gc_before) * 1000 / n, "loop_ms": d["event_loop"]})
+            # progress on stderr as each round ends (a round takes ~3 x (seconds + flush_s +
+            # 1) s: a long run stopped early still leaves its rounds behind)
+            print(f"round {r + 1}/{rounds}: " + "; ".join(
+                f"{m} {per_round[m][-1]['rps']:.1f} req/s, gateway CPU "
+                f"{per_round[m][-1]['gw_cpu']:.3f} ms, replica {per_round[m][-1]['rep_cpu']:.3f}"
+                f" ms a request" for m in MODES), file=sys.stderr, flush=True)
     finally:
         for proc, _, peak in gateways.values():
             peak.stop()
