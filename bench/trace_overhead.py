@@ -5,6 +5,7 @@ writer's ingest rate into embedded ClickHouse (chDB).
                                    [--records 100000] [--quick] [--detail-sample 0.1]
                                    [--skip-ingest | --skip-gateway] [--model tiny|bundled]
                                    [--flush-s 5] [--merge-flushes 300]
+                                   [--switch-blocks 30] [--switch-window 4]
 
 1. Three gateways on the tiny model (vocabulary of the bundled tokenizer; ``--model bundled``: the
    bundled SmolLM2, where the engine, not the gateway, is the bottleneck), one replica each, alive
@@ -63,6 +64,17 @@ writer's ingest rate into embedded ClickHouse (chDB).
    stopped, alternating for ``--rounds`` rounds, each keeping its cheapest. A gateway run
    above starts on a fresh store and lasts seconds, so it holds almost none of these merges; a
    long-running gateway's store pays them on every flush.
+6. Capture switched within one gateway (before part 1's three; ``--switch-blocks 0``: not
+   run): one gateway with the default store child, started through ``bench.capture_switch``
+   (signals turn its capture off and on), under a steady closed-loop load of ``--concurrency``
+   streams; ``2 * --switch-blocks + 1`` windows of ``--switch-window`` s, capture on and off in
+   turn, an "on" window ending once the writer has inserted its records and step rows. Each
+   "off" window is compared with the two "on" windows around it (a linear drift cancels): the
+   throughput loss and the gateway's (+ store child's) extra CPU a request, as the mean and a
+   95 % interval over the comparisons, with the CPU split by where it went; the replica's
+   difference beside them (capture does not change its work: it should read ~0). Part 1's
+   gateways are separate processes, each with an offset of its own of a few per cent; within
+   one process that offset is gone.
 No pass/fail here.
 """
 
@@ -97,13 +109,14 @@ def model_args(model: str) -> list[str]:
 
 
 def start_gateway(store: str | None, child: bool = False, model: str = "tiny",
-                  flush_s: float | None = None) -> tuple[subprocess.Popen, str]:
+                  flush_s: float | None = None, module: str = "tailscope.cli",
+                  env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     from tracing.client import GatewayProcess
 
-    gw = GatewayProcess(model_args(model), cwd=ROOT, quiet=True,
+    gw = GatewayProcess(model_args(model), cwd=ROOT, quiet=True, module=module,
                         env={"TAILSCOPE_KV_CACHE_MB": "64", "TAILSCOPE_STORE_DSN": store or "none",
                              "TAILSCOPE_STORE_FLUSH_S": str(flush_s or FLUSH_S),
-                             "TAILSCOPE_STORE_PROCESS": "1" if child else "0"},
+                             "TAILSCOPE_STORE_PROCESS": "1" if child else "0", **(env or {})},
                         ready_timeout_s=180).start()
     return gw.proc, gw.url
 
@@ -267,6 +280,9 @@ class Paired(NamedTuple):
     loop: tuple[float, float, float]
 
 
+PARTS = {"store": "the store child", "writer": "the gateway's writer threads",
+         "store_engine": "its other threads", "event_loop": "its event loop",
+         "replica": "the replica (work unchanged: drift)"}
 FLUSH_S = 5.0  # the gateways' TAILSCOPE_STORE_FLUSH_S here (the product default; --flush-s)
 MODES = {"on": "capture on (store in the gateway)", "child": "capture on (store child)",
          "off": "capture off"}
@@ -343,6 +359,136 @@ def throughput(seconds: float, concurrency: int, rounds: int, model: str = "tiny
                         against_off(m, "rep_cpu"), against_off(m, "loop_ms"))
               for m in ("on", "child")}
     return medians, paired
+
+
+class Switched(NamedTuple):
+    """``switched``'s figures: per state the requests/s over all its windows, and per block
+    (an "off" window against the two "on" windows around it) the throughput loss with capture
+    on (% of off's) and the extra CPU a request costs the gateway with its store child (ms),
+    each as (mean, low, high) of a 95 % interval over the blocks (mean +- 1.96 standard
+    errors)."""
+
+    on_rps: float
+    off_rps: float
+    loss: tuple[float, float, float]
+    gw_ms: tuple[float, float, float]
+    base_ms: float  # the CPU a request costs with capture off: gateway + store child + replica
+    blocks: int
+    parts: dict[str, float]  # capture's extra CPU ms a request, mean: the store child, the
+    # gateway's writer threads, its embedded store engine's, its event loop; the replica's
+
+
+def _mean_ci(values: list[float]) -> tuple[float, float, float]:
+    m = statistics.fmean(values)
+    half = 1.96 * statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 0.0
+    return m, m - half, m + half
+
+
+def switched(blocks: int, window_s: float, concurrency: int, model: str = "tiny") -> Switched:
+    """Capture's throughput cost inside one gateway (store child, the product's default), its
+    capture switched on and off under a steady closed-loop load (``bench.capture_switch``):
+    ``2 * blocks + 1`` windows of ``window_s`` s, "on" and "off" in turn, each "off" window
+    compared with the two "on" windows around it (a linear drift cancels). An "on" window ends
+    when the writer has inserted the window's records and step rows (a flush asked at the
+    switch), so all of capture's work for the window lies in it; a window shorter than the
+    flush interval (5 s) holds no other flush. A window's throughput: the requests completed
+    in it over its length; its CPU: the gateway's, its store child's and the replica's over
+    the window. Three gateways side by side (``throughput``) differ by their processes' own
+    offsets too."""
+    import asyncio
+    import os
+    import signal
+
+    from bench import loadgen as L
+
+    marker = Path(tempfile.mkdtemp(prefix="tailscope-bench-")) / "flushed"
+    store = f"chdb://{marker.parent}/store"
+    proc, url = start_gateway(store, child=True, model=model, module="bench.capture_switch",
+                              env={"TAILSCOPE_BENCH_SWITCH_FILE": str(marker)})
+    items = L.workload(4096, L.Dist.parse("uniform:8:63"), L.Dist.parse("fixed:16"), seed=7)
+    windows: list[dict] = []
+
+    async def drive() -> None:
+        done: list[float] = []
+        stop = asyncio.Event()
+        target = L.Target(url)
+
+        async def worker(k: int) -> None:
+            i = k
+            while not stop.is_set():
+                s = await L.one_request(http, target, items[i % len(items)], time.monotonic())
+                if not s.ok:
+                    raise RuntimeError(f"a request failed: {s.status} {s.error}")
+                done.append(time.monotonic())
+                i += concurrency
+
+        async def flushed() -> None:  # the "on" window before ends with its flush
+            nonlocal flushes
+            flushes += 1
+            while not marker.exists() or marker.read_text() != str(flushes):
+                await asyncio.sleep(0.005)
+
+        def boundary(on: bool | None) -> None:  # one window ends and the next starts
+            now, cpu = time.monotonic(), cpu_seconds(proc.pid)
+            if windows:
+                windows[-1].update(end=now, cpu1=cpu)
+            if on is not None:
+                windows.append({"on": on, "start": now, "cpu0": cpu})
+
+        flushes = 0
+        async with L._client(concurrency) as http:
+            tasks = [asyncio.create_task(worker(k)) for k in range(concurrency)]
+            await asyncio.sleep(3.0)  # warm-up, capture on
+            os.kill(proc.pid, signal.SIGUSR1)  # the warm-up's records out of the way
+            await flushed()
+            for on in (i % 2 == 0 for i in range(2 * blocks + 1)):  # on, off, ..., off, on
+                os.kill(proc.pid, signal.SIGUSR2 if on else signal.SIGUSR1)
+                if not on:
+                    await flushed()
+                boundary(on)
+                await asyncio.sleep(window_s)
+            os.kill(proc.pid, signal.SIGUSR1)
+            await flushed()
+            boundary(None)
+            stop.set()
+            await asyncio.gather(*tasks)
+        for w in windows:
+            w["n"] = sum(w["start"] <= t < w["end"] for t in done)
+
+    try:
+        asyncio.run(drive())
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+    def per_request(ws: list[dict], kinds: tuple[str, ...]) -> float:  # CPU ms a request
+        return sum(w["cpu1"][k] - w["cpu0"][k] for w in ws for k in kinds) * 1000 / sum(
+            w["n"] for w in ws)
+
+    def rate(ws: list[dict]) -> float:
+        return sum(w["n"] for w in ws) / sum(w["end"] - w["start"] for w in ws)
+
+    # each "off" window against the two "on" windows around it: a linear drift cancels
+    losses, gw_ms, base = [], [], []
+    parts: dict[str, list[float]] = {k: [] for k in ("store", "writer", "store_engine",
+                                                     "event_loop", "replica")}
+    for b in range(blocks):
+        off, ons = windows[2 * b + 1], [windows[2 * b], windows[2 * b + 2]]
+        losses.append(100 * (1 - rate(ons) / rate([off])))
+        gw = ("gateway", "store")
+        gw_ms.append(per_request(ons, gw) - per_request([off], gw))
+        base.append(per_request([off], (*gw, "replica")))
+        for part in parts:
+            parts[part].append(per_request(ons, (part,)) - per_request([off], (part,)))
+        print(f"block {b + 1}/{blocks}: on {rate(ons):.1f} req/s, off {rate([off]):.1f} req/s "
+              f"({losses[-1]:+.1f} %); CPU a request: gateway + store {gw_ms[-1]:+.3f} ms ("
+              + ", ".join(f"{k} {v[-1]:+.3f}" for k, v in parts.items()) + ")",
+              file=sys.stderr, flush=True)
+
+    return Switched(rate([w for w in windows if w["on"]]),
+                    rate([w for w in windows if not w["on"]]), _mean_ci(losses),
+                    _mean_ci(gw_ms), statistics.median(base), blocks,
+                    {k: statistics.fmean(v) for k, v in parts.items()})
 
 
 def make_records(n: int) -> list:
@@ -635,6 +781,11 @@ def main() -> int:
     ap.add_argument("--merge-flushes", type=int, default=300,
                     help="part 5's flushes of a gateway's batch into a fresh store (--quick: "
                          "100)")
+    ap.add_argument("--switch-blocks", type=int, default=30,
+                    help="part 6's comparisons: capture switched within one gateway, each "
+                         "'off' window against the 'on' windows around it (0: none; --quick: 8)")
+    ap.add_argument("--switch-window", type=float, default=4.0,
+                    help="part 6's window, s (under the 5 s flush interval)")
     ap.add_argument("--model", choices=list(MODELS), default="tiny",
                     help="the gateways' model: tiny (the gateway's own cost dominates) or the "
                          "bundled SmolLM2 (the engine's does)")
@@ -645,7 +796,7 @@ def main() -> int:
     use_arrow_pool()
     if args.quick:
         args.seconds, args.rounds, args.records, args.merge_flushes = 5.0, 1, 20_000, 100
-        args.gateway_rounds = 2
+        args.gateway_rounds, args.switch_blocks = 2, 8
     if not args.skip_ingest:
         col, plain = conversion(10_000)
         print(f"conversion to Arrow (requests + request_events), 10,000 records: columnar "
@@ -691,6 +842,19 @@ def main() -> int:
               f"{merge_us['default']:.1f} us at ClickHouse's default (each against merges "
               "stopped: a figure near or below 0 is within the machine's drift)")
     if args.skip_gateway:
+        return 0
+    if args.switch_blocks:
+        sw = switched(args.switch_blocks, args.switch_window, args.concurrency, args.model)
+        print(f"capture switched within one gateway (store child; {sw.blocks} 'off' windows of "
+              f"{args.switch_window:g} s, each against the 'on' windows before and after it, "
+              f"an 'on' window ending when its records are inserted): on {sw.on_rps:.1f} req/s, "
+              f"off {sw.off_rps:.1f} req/s; throughput loss {sw.loss[0]:+.2f} % (95 % interval "
+              f"{sw.loss[1]:+.2f} to {sw.loss[2]:+.2f} %); the gateway's CPU with its store child "
+              f"{sw.gw_ms[0]:+.3f} ms a request ({sw.gw_ms[1]:+.3f} to {sw.gw_ms[2]:+.3f}) = "
+              f"{100 * sw.gw_ms[0] / sw.base_ms:+.2f} % of the {sw.base_ms:.2f} ms a request "
+              "costs with capture off (gateway + store child + replica); of it (means, ms a "
+              "request): " + ", ".join(f"{PARTS[k]} {v:+.3f}" for k, v in sw.parts.items()))
+    if not args.gateway_rounds:
         return 0
     tp, paired = throughput(args.seconds, args.concurrency, args.gateway_rounds, args.model,
                             args.flush_s)

@@ -68,9 +68,10 @@ class GatewayProcess:
     def __init__(self, args: list[str], env: dict[str, str] | None = None,
                  ready_timeout_s: float = 300.0, log: str | Path | None = None,
                  cwd: str | Path | None = None, quiet: bool = False,
-                 ready_field: str = "all_ready") -> None:
-        """``ready_field``: what of ``/ready`` must be true (``ready``: one replica is up)."""
-        self.args, self.cwd, self.log = list(args), cwd, log
+                 ready_field: str = "all_ready", module: str = "tailscope.cli") -> None:
+        """``ready_field``: what of ``/ready`` must be true (``ready``: one replica is up);
+        ``module``: what ``python -m`` runs (a bench's wrapper of the CLI)."""
+        self.args, self.cwd, self.log, self.module = list(args), cwd, log, module
         self.ready_field = ready_field
         self.env = {**os.environ, **(env or {})}
         self.ready_timeout_s = ready_timeout_s
@@ -84,7 +85,7 @@ class GatewayProcess:
 
         out = open(self.log, "ab") if self.log else (subprocess.DEVNULL if self.quiet else None)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tailscope.cli", "serve", *self.args, "--port",
+            [sys.executable, "-m", self.module, "serve", *self.args, "--port",
              str(self.port)], env=self.env, cwd=self.cwd, stdout=out,
             stderr=subprocess.STDOUT if out is not None else None)
         deadline = time.monotonic() + self.ready_timeout_s

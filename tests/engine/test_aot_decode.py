@@ -97,7 +97,9 @@ def test_an_engine_on_the_aot_step_gives_the_jit_engines_tokens_and_reuses_its_b
 def test_aot_logits_and_kv_writes_are_bitwise_the_jit_steps(cache):
     model = tiny()
     c = model.config
-    shape = (32, 16, c.num_kv_heads, c.head_dim)
+    # the engines' KV pool: the programs the test above built are loaded, not built again
+    n = EngineConfig(**CONFIG, compile_mode="aot").num_blocks_for(c)
+    shape = (n, 16, c.num_kv_heads, c.head_dim)
     kv_jit = [(torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16())
               for _ in range(c.num_layers)]
     kv_aot = [(k.clone(), v.clone()) for k, v in kv_jit]
@@ -107,15 +109,15 @@ def test_aot_logits_and_kv_writes_are_bitwise_the_jit_steps(cache):
         g = torch.Generator().manual_seed(b)
         ids = torch.randint(0, c.vocab_size, (b,), generator=g)
         pos = torch.randint(3, 40, (b,), generator=g)
-        slots = torch.randperm(32 * 16, generator=g)[:b]
-        tables = torch.randint(0, 32, (b, 3), generator=g)
+        slots = torch.randperm(n * 16, generator=g)[:b]
+        tables = torch.randint(0, n, (b, 3), generator=g)
         with torch.inference_mode():
             want = model._compiled_decode(ids, pos, slots, tables, pos + 1, kv_jit)
             got = compiled(ids, pos, slots, tables, pos + 1, kv_aot)
         assert got.shape == (b, c.vocab_size) and torch.equal(got, want), b
         assert all(torch.equal(x, y) for p, q in zip(kv_jit, kv_aot, strict=True)
                    for x, y in zip(p, q, strict=True)), b
-    assert compiled.covers(8, 32) and not compiled.covers(9, 2) and not compiled.covers(2, 33)
+    assert compiled.covers(8, n) and not compiled.covers(9, 2) and not compiled.covers(2, n + 1)
 
 
 def test_a_replica_process_on_the_aot_step_never_imports_dynamo(cache):
