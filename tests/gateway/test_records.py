@@ -191,3 +191,38 @@ def test_metrics_count_requests_and_latencies(tiny_server):
     # the writer's Arrow buffers come from the system allocator, not pyarrow's default
     # mimalloc and its huge pages (tracing.store.use_arrow_pool)
     assert metric(text, "tailscope:arrow_allocated_bytes", pool="system") >= 0
+
+
+def test_a_step_row_copies_every_step_stats_field_and_names_its_members():
+    """``step_row`` names its fields one by one (it runs on the event loop for every engine
+    step): every field the engine_steps row shares with StepStats is copied, with a value of
+    its own here so that a field left out (its default) or crossed with another shows."""
+    import dataclasses
+
+    import msgspec
+
+    from engine.observer import StepMember, StepStats
+    from engine.protocol import StepReport
+    from gateway.store_api import _STEP_FIELDS, step_row
+    from tracing.schema import EngineStepRow
+
+    shared = [f for f in msgspec.structs.fields(StepStats) if f.name in _STEP_FIELDS]
+    assert {f.name for f in shared} == set(_STEP_FIELDS) and len(_STEP_FIELDS) >= 15
+    values = {f.name: (100 + i) * (1.5 if f.type is float else 1)
+              for i, f in enumerate(shared)}
+    members = (StepMember("e1", 7, 0), StepMember("e2", 0, 1))
+    stats = StepStats(**values, wall_ns=1_700_000_000_123_456_789, members=members)
+    msg = StepReport(replica="r0", deltas=[], stats=stats, running=3, waiting=4)
+    row = step_row("gw/r0", 2, msg, 9, {"e1": "t1", "e2": "t2"}.get, "gw")
+    for name, value in values.items():
+        assert getattr(row, name) == value, name
+    assert (row.replica, row.incarnation, row.ts_us, row.running, row.waiting, row.ttl_days,
+            row.instance) == ("gw/r0", 2, 1_700_000_000_123_456, 3, 4, 9, "gw")
+    assert (row.member_traces, row.member_prefill, row.member_decode) == (
+        ["t1", "t2"], [7, 0], [0, 1])
+    # every column of the row is one of those: none is left to its default unnoticed
+    named = set(values) | {"replica", "incarnation", "ts_us", "running", "waiting",
+                           "ttl_days", "instance", "member_traces", "member_prefill",
+                           "member_decode"}
+    assert {f.name for f in dataclasses.fields(EngineStepRow)} == named
+    assert step_row("r0", 0, msg, 30).member_traces == ["e1", "e2"]  # no trace_of: engine ids
