@@ -5,7 +5,7 @@ writer's ingest rate into embedded ClickHouse (chDB).
                                    [--records 100000] [--quick] [--detail-sample 0.1]
                                    [--skip-ingest | --skip-gateway] [--model tiny|bundled]
                                    [--flush-s 5] [--merge-flushes 300]
-                                   [--switch-blocks 30] [--switch-window 4]
+                                   [--switch-blocks 30] [--switch-window 5]
 
 1. Three gateways on the tiny model (vocabulary of the bundled tokenizer; ``--model bundled``: the
    bundled SmolLM2, where the engine, not the gateway, is the bottleneck), one replica each, alive
@@ -390,8 +390,10 @@ def switched(blocks: int, window_s: float, concurrency: int, model: str = "tiny"
     ``2 * blocks + 1`` windows of ``window_s`` s, "on" and "off" in turn, each "off" window
     compared with the two "on" windows around it (a linear drift cancels). An "on" window ends
     when the writer has inserted the window's records and step rows (a flush asked at the
-    switch), so all of capture's work for the window lies in it; a window shorter than the
-    flush interval (5 s) holds no other flush. A window's throughput: the requests completed
+    switch), so all of capture's work for the window lies in it. The gateway's flush interval
+    is set past the window, so that flush is the window's only insert: one batch a window, as
+    the product's interval of ``FLUSH_S`` (5 s, the default window) makes one every 5 s under
+    load (a 4 s window inserts a quarter more often). A window's throughput: the requests completed
     in it over its length; its CPU: the gateway's, its store child's and the replica's over
     the window. Three gateways side by side (``throughput``) differ by their processes' own
     offsets too."""
@@ -404,6 +406,7 @@ def switched(blocks: int, window_s: float, concurrency: int, model: str = "tiny"
     marker = Path(tempfile.mkdtemp(prefix="tailscope-bench-")) / "flushed"
     store = f"chdb://{marker.parent}/store"
     proc, url = start_gateway(store, child=True, model=model, module="bench.capture_switch",
+                              flush_s=window_s + 5,
                               env={"TAILSCOPE_BENCH_SWITCH_FILE": str(marker)})
     items = L.workload(4096, L.Dist.parse("uniform:8:63"), L.Dist.parse("fixed:16"), seed=7)
     windows: list[dict] = []
@@ -784,8 +787,9 @@ def main() -> int:
     ap.add_argument("--switch-blocks", type=int, default=30,
                     help="part 6's comparisons: capture switched within one gateway, each "
                          "'off' window against the 'on' windows around it (0: none; --quick: 8)")
-    ap.add_argument("--switch-window", type=float, default=4.0,
-                    help="part 6's window, s (under the 5 s flush interval)")
+    ap.add_argument("--switch-window", type=float, default=FLUSH_S,
+                    help="part 6's window, s: one insert each (default: the product's flush "
+                         "interval, 5 s)")
     ap.add_argument("--model", choices=list(MODELS), default="tiny",
                     help="the gateways' model: tiny (the gateway's own cost dominates) or the "
                          "bundled SmolLM2 (the engine's does)")
