@@ -365,8 +365,7 @@ class Switched(NamedTuple):
     """``switched``'s figures: per state the requests/s over all its windows, and per block
     (an "off" window against the two "on" windows around it) the throughput loss with capture
     on (% of off's) and the extra CPU a request costs the gateway with its store child (ms),
-    each as (mean, low, high) of a 95 % interval over the blocks (mean +- 1.96 standard
-    errors)."""
+    each as (mean, low, high) of a 95 % interval over the blocks (``_mean_ci``)."""
 
     on_rps: float
     off_rps: float
@@ -379,8 +378,16 @@ class Switched(NamedTuple):
 
 
 def _mean_ci(values: list[float]) -> tuple[float, float, float]:
-    m = statistics.fmean(values)
-    half = 1.96 * statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 0.0
+    """The mean of a series of comparisons and a 95 % interval around it (mean +- 1.96
+    standard errors). Neighbouring comparisons of ``switched`` share an "on" window, so the
+    standard error counts their covariance too (lag 1, where it is positive; none further
+    apart shares anything): (c0 + 2 c1) / n, not c0 / n."""
+    n, m = len(values), statistics.fmean(values)
+    if n < 3:
+        return m, m, m
+    c0 = sum((v - m) ** 2 for v in values) / (n - 1)
+    c1 = sum((values[i] - m) * (values[i + 1] - m) for i in range(n - 1)) / (n - 1)
+    half = 1.96 * ((c0 + 2 * max(c1, 0.0)) / n) ** 0.5
     return m, m - half, m + half
 
 
