@@ -480,12 +480,11 @@ def switched(blocks: int, window_s: float, concurrency: int, model: str = "tiny"
 
     # each "off" window against the two "on" windows around it: a linear drift cancels
     losses, gw_ms, base = [], [], []
-    parts: dict[str, list[float]] = {k: [] for k in ("store", "writer", "store_engine",
-                                                     "event_loop", "replica")}
+    parts: dict[str, list[float]] = {k: [] for k in PARTS}
+    gw = ("gateway", "store")
     for b in range(blocks):
         off, ons = windows[2 * b + 1], [windows[2 * b], windows[2 * b + 2]]
         losses.append(100 * (1 - rate(ons) / rate([off])))
-        gw = ("gateway", "store")
         gw_ms.append(per_request(ons, gw) - per_request([off], gw))
         base.append(per_request([off], (*gw, "replica")))
         for part in parts:
