@@ -6,9 +6,6 @@ the receiver places them on its own timeline and never subtracts readings across
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-
 import msgspec
 
 from engine.observer import RequestStats, StepStats
@@ -49,6 +46,11 @@ class ResumeRequest(msgspec.Struct, tag="resume"):
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
+
+
+class Hello(msgspec.Struct, tag="hello"):
+    """A gateway's offer of a link session, on a signed link (``engine.link``): the replica
+    answers with a ``Health`` addressed to it."""
 
 
 class TokenDelta(msgspec.Struct):
@@ -111,7 +113,8 @@ class Heartbeat(msgspec.Struct, tag="beat"):
     steps: int = 0
 
 
-ToReplica = AddRequest | AbortRequest | StopRequest | PauseRequest | ResumeRequest | Shutdown
+ToReplica = (AddRequest | AbortRequest | StopRequest | PauseRequest | ResumeRequest | Shutdown
+             | Hello)
 FromReplica = StepReport | Health | Heartbeat
 
 _encoder = msgspec.msgpack.Encoder()
@@ -123,28 +126,12 @@ def encode(msg: ToReplica | FromReplica) -> bytes:
     return _encoder.encode(msg)
 
 
-# Signed frames (a replica on another host): HMAC-SHA256 of the message under a shared key,
-# then the message. Python's own hmac (no new dependency): every message is authenticated,
-# not encrypted (README "Scaling out" says how to add transport encryption).
-TAG_BYTES = 32
-
-
-def sign(key: bytes | None, data: bytes) -> bytes:
-    """``data`` framed for the wire: unchanged without a key."""
-    if not key:
-        return data
-    return hmac.new(key, data, hashlib.sha256).digest() + data
-
-
-def verify(key: bytes | None, frame: bytes) -> bytes | None:
-    """The message in ``frame``, or None when its signature does not verify under ``key``."""
-    if not key:
-        return frame
-    tag, data = frame[:TAG_BYTES], frame[TAG_BYTES:]
-    if len(tag) < TAG_BYTES or not hmac.compare_digest(
-            tag, hmac.new(key, data, hashlib.sha256).digest()):
-        return None
-    return data
+# The largest frame either end takes (ZeroMQ's MAXMSGSIZE: a bigger one is refused while its
+# header is read, before anything is allocated, and its connection dropped). The largest
+# legitimate messages are a step report carrying prompt logprobs (~320 bytes a prompt token at
+# 20 top logprobs: 2.6 MB for an 8k prompt) and an AddRequest (~5 bytes a prompt token plus a
+# 1 MiB body's worth of options); a replica splits a report that would pass it.
+MAX_MESSAGE_BYTES = 64 << 20
 
 
 def decode_to_replica(data: bytes) -> ToReplica:

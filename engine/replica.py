@@ -5,11 +5,14 @@
 
 It PULLs ``ToReplica`` messages and PUSHes ``FromReplica`` messages (ZeroMQ). The gateway starts
 its own replicas over ``ipc://``; a replica on another host binds a ``tcp://`` inbox and
-connects to the gateway's ``tcp://`` outbox, and then every message both ways is signed with
-the shared ``TAILSCOPE_REPLICA_KEY`` (``engine.protocol.sign``): one that does not verify is
-dropped and counted. The loop: apply every waiting message, run one engine step when there is
-work, report the step's token deltas and stats; when idle, block on the inbox. A ``Health``
-message is sent once the model is loaded and warmed up, then every ``HEALTH_EVERY_S``.
+connects to the gateway's ``tcp://`` outbox, and then every message both ways is sealed for its
+link (``engine.link``) with its own key (``TAILSCOPE_REPLICA_LINK_KEY``, from ``tailscope
+replica-key ID``; or derived from the fleet's ``TAILSCOPE_REPLICA_KEY``): one that does not
+verify, is not for its session or replays an earlier frame is dropped and counted. On a signed
+link it speaks once the gateway has said ``Hello``. The loop: apply every waiting message, run
+one engine step when there is work, report the step's token deltas and stats; when idle, block
+on the inbox. A ``Health`` message is sent once the model is loaded and warmed up (on a signed
+link: in answer to the gateway's ``Hello``), then every ``HEALTH_EVERY_S``.
 """
 
 from __future__ import annotations
@@ -28,13 +31,16 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.cpus import format_cpus, move_threads, parse_cpus, torch_threads
+from engine.link import ReplicaLink, link_key, unseal
 from engine.llm_engine import Engine, RequestOutput
 from engine.loader import load_model
 from engine.protocol import (
+    MAX_MESSAGE_BYTES,
     AbortRequest,
     AddRequest,
     Health,
     Heartbeat,
+    Hello,
     PauseRequest,
     ResumeRequest,
     Shutdown,
@@ -43,10 +49,9 @@ from engine.protocol import (
     TokenDelta,
     decode_to_replica,
     encode,
-    sign,
-    verify,
 )
 from engine.sampling_params import SamplingParams
+from tailscope.keys import check_key
 
 log = logging.getLogger("engine.replica")
 IDLE_POLL_MS = 100
@@ -110,13 +115,16 @@ class Replica:
                  parent_pid: int | None = None, key: bytes | None = None) -> None:
         self.id = replica_id
         self.parent_pid = parent_pid
-        self.key = key
-        self.rejected = 0  # inbox messages whose signature did not verify
+        # key: this replica's link key (None: an unsigned ipc:// link)
+        self.link = ReplicaLink(replica_id, key) if key else None
+        self.hello_from: bytes | None = None  # a gateway session to answer with a Health
+        self.rejected = 0  # inbox messages that did not verify or replayed an earlier one
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"
         self.last_health = 0.0
         self.engine = engine
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self.inbox.bind(inbox)
         self.outbox = self.ctx.socket(zmq.PUSH)
         self.outbox.connect(outbox)
@@ -135,19 +143,37 @@ class Replica:
                       json.dumps(self.engine.config.as_dict(), sort_keys=True),
                       torch.get_num_threads())
 
-    def handle(self, frame: bytes) -> None:
-        data = verify(self.key, frame)
-        if data is None:
-            self.rejected += 1
-            if self.rejected & (self.rejected - 1) == 0:  # 1st, 2nd, 4th, ...: not a flood
-                log.warning("replica %s: dropped a message that failed its signature check "
-                            "(%d so far): a sender without the replica key", self.id,
-                            self.rejected)
-            return
+    def _open(self, frame: bytes):
+        """The message in ``frame``; None when it must be dropped (``rejected`` counts those
+        that fail the link's checks)."""
+        data = frame
+        if self.link is not None:
+            sealed = unseal(frame, lambda rid: self.link.key if rid == self.id else None)
+            if sealed is None:
+                return self._reject()
+            data = sealed.data
         try:
             msg = decode_to_replica(data)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             log.error("replica %s: bad message: %s", self.id, exc)
+            return None
+        if self.link is not None:
+            if not self.link.accept(sealed, isinstance(msg, Hello)):
+                return self._reject()
+            if isinstance(msg, Hello):
+                self.hello_from = sealed.sender
+        return msg
+
+    def _reject(self) -> None:
+        self.rejected += 1
+        if self.rejected & (self.rejected - 1) == 0:  # 1st, 2nd, 4th, ...: not a flood
+            log.warning("replica %s: dropped a message that failed its signature or replay "
+                        "check (%d so far): a sender without its key, or a replay", self.id,
+                        self.rejected)
+
+    def handle(self, frame: bytes) -> None:
+        msg = self._open(frame)
+        if msg is None or isinstance(msg, Hello):
             return
         if control(self.engine, msg):
             pass
@@ -161,8 +187,15 @@ class Replica:
         elif isinstance(msg, Shutdown):
             self.running = False
 
-    def send(self, msg) -> None:
-        self.outbox.send(sign(self.key, encode(msg)))
+    def send(self, msg, to: bytes | None = None) -> None:
+        """Send to the gateway (on a signed link: the session ``to``, else the one it talks
+        to; nothing before a gateway said Hello)."""
+        for data in frames(msg, too_big=lambda rid: self.engine.abort(rid, error="too big")):
+            if self.link is not None:
+                data = self.link.seal(data, to)
+                if data is None:
+                    return
+            self.outbox.send(data)
         self.last_sent = time.monotonic()
         if isinstance(msg, Health):
             self.last_health = self.last_sent
@@ -186,6 +219,9 @@ class Replica:
                         self.handle(self.inbox.recv(zmq.NOBLOCK))
                     except zmq.Again:
                         break
+            if self.hello_from is not None:  # once for all the Hellos that waited
+                self.send(self.health(), to=self.hello_from)
+                self.hello_from = None
             if not self.running:
                 break
             steps_before = self.engine.step_count
@@ -195,6 +231,29 @@ class Replica:
         self.inbox.close(linger=0)
         self.outbox.close(linger=1000)
         self.ctx.term()
+
+
+def frames(msg, limit: int = MAX_MESSAGE_BYTES - 1024, too_big=lambda request_id: None
+           ) -> list[bytes]:
+    """``msg`` encoded in frames the gateway takes: a step report over ``limit`` is sent as
+    several, its deltas split between them (the step's stats with the first); one delta that
+    alone passes it (prompt logprobs of a prompt far past any context length) ends its
+    request with an error instead, and ``too_big(request_id)`` is called."""
+    data = encode(msg)
+    if len(data) <= limit or not isinstance(msg, StepReport):
+        return [data]
+    if len(msg.deltas) > 1:
+        half = len(msg.deltas) // 2
+        first = msgspec.structs.replace(msg, deltas=msg.deltas[:half])
+        rest = msgspec.structs.replace(msg, deltas=msg.deltas[half:], stats=None)
+        return frames(first, limit, too_big) + frames(rest, limit, too_big)
+    for d in msg.deltas:
+        too_big(d.request_id)
+    failed = [TokenDelta(d.request_id, [], "FAILED", finish_reason="error",
+                         error=f"its output ({len(data)} bytes in one step) passes the replica "
+                               f"link's {MAX_MESSAGE_BYTES} byte message limit")
+              for d in msg.deltas]
+    return [encode(msgspec.structs.replace(msg, deltas=failed))]
 
 
 def warm_up(engine: Engine) -> None:
@@ -209,6 +268,18 @@ def orphaned(parent_pid: int | None) -> bool:
     must be the one the spawner passed (``--parent-pid``), not ``getppid()`` read after the slow
     start (imports, model load, warm-up): a parent that died during the start would be missed."""
     return parent_pid is not None and os.getppid() != parent_pid
+
+
+def replica_key(replica_id: str) -> bytes | None:
+    """This replica's link key: ``TAILSCOPE_REPLICA_LINK_KEY`` as given, else derived from the
+    fleet's ``TAILSCOPE_REPLICA_KEY`` (which could speak for any replica); None: neither."""
+    own = os.environ.get("TAILSCOPE_REPLICA_LINK_KEY", "")
+    fleet = os.environ.get("TAILSCOPE_REPLICA_KEY", "")
+    check_key("TAILSCOPE_REPLICA_LINK_KEY", own)
+    check_key("TAILSCOPE_REPLICA_KEY", fleet)
+    if own:
+        return own.encode()
+    return link_key(fleet.encode(), replica_id) if fleet else None
 
 
 def _cpus_arg(spec: str) -> frozenset[int]:
@@ -255,10 +326,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.prepare_only and not (args.inbox and args.outbox):
         p.error("--inbox and --outbox are required (unless --prepare-only)")
-    key = os.environ.get("TAILSCOPE_REPLICA_KEY", "").encode() or None
+    try:
+        key = replica_key(args.id)
+    except ValueError as exc:
+        p.error(str(exc))
     if not key and any(a.startswith("tcp://") for a in (args.inbox or "", args.outbox or "")):
-        p.error("a tcp:// inbox or outbox needs TAILSCOPE_REPLICA_KEY (the key the gateway "
-                "has): every message is signed with it")
+        p.error("a tcp:// inbox or outbox needs TAILSCOPE_REPLICA_LINK_KEY (`tailscope "
+                "replica-key ID` prints it) or the fleet's TAILSCOPE_REPLICA_KEY: every "
+                "message is signed with it")
     parent_pid = None if args.parent_pid == 0 else (args.parent_pid or os.getppid())
     if orphaned(parent_pid):
         return 1

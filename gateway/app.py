@@ -41,6 +41,7 @@ from gateway.store_api import StoreProcess, open_store, step_row
 from gateway.tenants import TenantRegistry, rate_limit_headers
 from gateway.trace import TraceMiddleware
 from gateway.upstream import UpstreamConfig, UpstreamPool
+from tailscope.keys import check_key, redact_url
 from tracing.record import RequestRecord
 from tracing.retention import TailRetention
 from tracing.sinks import FanoutSink, JsonlSink, MemorySink, RecordSink
@@ -168,7 +169,8 @@ def resolved_config(config: GatewayConfig) -> dict:
     if config.remote_replicas:  # (absent otherwise, like backends)
         out["remote_replicas"] = sorted(rid for rid, _ in config.remote_replicas)
     if config.backends:  # (absent otherwise: config ids without backends stay as they were)
-        out["backends"] = [{k: v for k, v in dataclasses.asdict(b).items() if k != "api_key_env"}
+        out["backends"] = [{k: redact_url(v) if k == "url" else v
+                            for k, v in dataclasses.asdict(b).items() if k != "api_key_env"}
                            for b in config.backends]
     return out
 
@@ -201,6 +203,8 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
                backend: Backend | None = None) -> FastAPI:
     """The gateway; ``backend`` replaces the replica processes (tests pass an
     ``InProcessBackend``)."""
+    check_key("TAILSCOPE_ADMIN_KEY", config.admin_key)
+    check_key("TAILSCOPE_REPLICA_KEY", config.replica_key)
     skip_pandas_probe()  # ~40 MB of RSS (tracing.store)
     use_arrow_pool()  # the writer's conversions without huge-page faults (tracing.store)
     tok_path = tokenizer_path(config)

@@ -204,8 +204,9 @@ class ReplicaPool:
                "--inbox", self.transport.inbox_addr(r.id),
                "--outbox", self.transport.outbox_addr, "--parent-pid", str(os.getpid())]
         env = replica_env(replica_threads(self.cpus.get(r.id), self.local))
-        if self.transport.key:  # its messages are signed like every other replica's
-            env["TAILSCOPE_REPLICA_KEY"] = self.transport.key.decode()
+        env.pop("TAILSCOPE_REPLICA_KEY", None)  # the fleet key would let it speak for others
+        if (key := self.transport.link_key(r.id)) is not None:  # its own link's key only
+            env["TAILSCOPE_REPLICA_LINK_KEY"] = key.decode()
         # a session of its own: a terminal's Ctrl-C (SIGINT to the foreground process group)
         # reaches the gateway alone, which stops its replicas itself (in the gateway's group
         # each replica died of the SIGINT mid-shutdown, with a KeyboardInterrupt traceback, and
@@ -398,6 +399,8 @@ class ReplicaPool:
                 final = delta.finish_reason is not None
                 if replica is not None and final:
                     replica.ended[delta.state] += 1
+                if self.owner.get(delta.request_id) is not replica:
+                    continue  # not a request this replica holds (a late or forged delta)
                 self._account(delta)
                 if self.flow.deliver(delta):  # its reader holds the queue
                     self.release(delta.request_id)
@@ -430,6 +433,7 @@ class ReplicaPool:
             try:
                 self.transport.drain()  # a late tick must judge heartbeats that already came
                 now = time.monotonic()
+                self.transport.hello(now)
                 self.flow.tick(now)
                 self.supervisor.tick(now)
             except Exception:  # the watchdog must outlive any one bad tick

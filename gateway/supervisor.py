@@ -114,6 +114,9 @@ class Supervisor:
                 health, "incarnation", "") != getattr(r.health, "incarnation", ""):
             self.fail(r, time.monotonic(), "restarted (a new incarnation announced itself)")
         if r.state not in ("starting", "unreachable", "refused"):
+            if r.state == "ready" and r.health is not None and getattr(
+                    health, "incarnation", "") == getattr(r.health, "incarnation", ""):
+                r.health = health  # the same run's latest figures (its rejected count)
             return False
         r.health, r.state, r.ready_at = health, "ready", r.last_seen or time.monotonic()
         return True

@@ -24,11 +24,14 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from engine.protocol import decode_from_replica, encode, sign, verify
+from engine.link import NO_SESSION, GatewayLink, link_key, new_session, seal, unseal
+from engine.protocol import MAX_MESSAGE_BYTES, Health, Hello, decode_from_replica, encode
 
 log = logging.getLogger("tailscope.replicas")
 
 SEND_HWM = 100_000  # messages queued for one replica before a send is refused
+HELLO_EVERY_S = 0.5  # to a replica whose session is not known yet
+HELLO_KNOWN_EVERY_S = 5.0  # to one whose session is known (a restarted one answers the next)
 
 
 class SendRefused(RuntimeError):
@@ -41,11 +44,15 @@ class ZmqTransport:
             raise ValueError("a tcp:// replica outbox needs TAILSCOPE_REPLICA_KEY: every "
                              "message from another host must be signed")
         self.key = key
-        self.rejected = 0  # messages from the outbox whose signature did not verify
+        self.rejected = 0  # messages from the outbox that did not verify or were replays
+        self.session = new_session()  # this gateway's, on every signed link
+        self._links: dict[str, GatewayLink] = {}
+        self._hello_at: dict[str, float] = {}
         self.ctx = zmq.Context()
         self.dir = tempfile.mkdtemp(prefix="tailscope-")
         self.outbox_addr = f"ipc://{self.dir}/gateway.out"
         self.outbox = self.ctx.socket(zmq.PULL)
+        self.outbox.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self.outbox.bind(self.outbox_addr)
         if outbox_bind:
             self.outbox.bind(outbox_bind)
@@ -72,16 +79,32 @@ class ZmqTransport:
         restarts, ZeroMQ reconnects by itself)."""
         if replica_id in self._inboxes:
             return
+        if self.key:
+            if len(replica_id.encode()) > 255:
+                raise ValueError(f"replica id {replica_id[:40]!r}... is over 255 bytes")
+            self._links[replica_id] = GatewayLink(link_key(self.key, replica_id))
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         sock.connect(self.inbox_addr(replica_id))
         self._inboxes[replica_id] = sock
 
+    def link_key(self, replica_id: str) -> bytes | None:
+        """The key a replica's link is signed with (a local replica is given it)."""
+        link = self._links.get(replica_id)
+        return link.key if link is not None else None
+
+    def _frame(self, replica_id: str, data: bytes, hello: bool = False) -> bytes:
+        link = self._links.get(replica_id)
+        if link is None:  # no key: ipc:// in a private directory
+            return data
+        to = NO_SESSION if hello else (link.peer or NO_SESSION)
+        return seal(link.key, replica_id, self.session, to, link.next_seq(), data)
+
     def send(self, replica_id: str, data: bytes) -> None:
         """Queue an encoded message for a replica; ``SendRefused`` if it is not reading."""
         try:
-            self._inboxes[replica_id].send(sign(self.key, data), zmq.NOBLOCK)
+            self._inboxes[replica_id].send(self._frame(replica_id, data), zmq.NOBLOCK)
         except zmq.Again:
             raise SendRefused(f"replica {replica_id} is not accepting requests") from None
 
@@ -91,7 +114,16 @@ class ZmqTransport:
         sock = self._inboxes.get(replica_id)
         if sock is not None:
             with contextlib.suppress(zmq.Again, zmq.ZMQError):
-                sock.send(sign(self.key, encode(msg)), zmq.NOBLOCK)
+                sock.send(self._frame(replica_id, encode(msg), isinstance(msg, Hello)),
+                          zmq.NOBLOCK)
+
+    def hello(self, now: float) -> None:
+        """Offer a session on every signed link that is due one."""
+        for rid, link in self._links.items():
+            every = HELLO_KNOWN_EVERY_S if link.peer is not None else HELLO_EVERY_S
+            if now - self._hello_at.get(rid, -every) >= every:
+                self._hello_at[rid] = now
+                self.send_nowait(rid, Hello())
 
     def listen(self, on_message: Callable[[msgspec.Struct], None]) -> None:
         """Hand every decoded message from the outbox to ``on_message`` on the event loop."""
@@ -106,21 +138,38 @@ class ZmqTransport:
         sock = self.outbox
         while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             try:
-                data = verify(self.key, sock.recv(zmq.NOBLOCK))
+                frame = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            if data is None:
-                self.rejected += 1
-                if self.rejected & (self.rejected - 1) == 0:  # 1st, 2nd, 4th, ...
-                    log.warning("dropped a replica message that failed its signature check "
-                                "(%d so far): a sender without the replica key", self.rejected)
-                continue
             try:
-                msg = decode_from_replica(data)
-                if self._on_message is not None:
+                msg = self._open(frame)
+                if msg is None:
+                    self._reject()
+                elif self._on_message is not None:
                     self._on_message(msg)
             except Exception:  # one bad message must not stop the reader
                 log.exception("bad message from a replica")
+
+    def _open(self, frame: bytes) -> msgspec.Struct | None:
+        """The message in a frame from the outbox, or None: not signed by its replica's key,
+        not for this gateway's session, a replay, or speaking for another replica."""
+        if not self.key:
+            return decode_from_replica(frame)
+        sealed = unseal(frame, self.link_key)
+        if sealed is None or sealed.receiver != self.session:
+            return None
+        msg = decode_from_replica(sealed.data)  # authenticated: safe to decode
+        if msg.replica != sealed.replica_id:
+            return None
+        link = self._links[sealed.replica_id]
+        return msg if link.accept(sealed, isinstance(msg, Health)) else None
+
+    def _reject(self) -> None:
+        self.rejected += 1
+        if self.rejected & (self.rejected - 1) == 0:  # 1st, 2nd, 4th, ...
+            log.warning("dropped a replica message that failed its signature or replay check "
+                        "(%d so far): a sender without the replica's key, or a replay",
+                        self.rejected)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -56,6 +56,7 @@ from fastapi.responses import Response, StreamingResponse
 from engine.observer import RequestStats, TimelineEvent
 from gateway.errors import APIError
 from gateway.trace import RequestTrace
+from tailscope.keys import redact_url
 
 log = logging.getLogger("tailscope.upstream")
 # httpx logs every request at INFO: one line per proxied request would be the gateway's log
@@ -356,7 +357,7 @@ class UpstreamPool:
 
     def describe(self) -> dict[str, dict]:
         return {u.config.name: {
-            "kind": "external", "url": u.config.base, "model": u.config.model,
+            "kind": "external", "url": redact_url(u.config.base), "model": u.config.model,
             "state": u.state, "ready": u.state != "ejected", "inflight": u.inflight,
             "max_concurrency": u.config.max_concurrency, "requests": u.requests,
             "errors": u.errors, "failures_in_a_row": u.failures, "last_error": u.last_error,

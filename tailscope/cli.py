@@ -791,6 +791,24 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0 if rep["identical"] else 1
 
 
+def cmd_replica_key(args: argparse.Namespace) -> int:
+    """A replica's own link key, from the fleet key (``engine.link``): give that replica only
+    this, so it cannot speak for another."""
+    from engine.link import link_key
+    from tailscope.keys import check_key
+
+    fleet = os.environ.get("TAILSCOPE_REPLICA_KEY", "")
+    try:
+        if not fleet:
+            raise ValueError("TAILSCOPE_REPLICA_KEY (the gateway's fleet key) is not set")
+        check_key("TAILSCOPE_REPLICA_KEY", fleet)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(link_key(fleet.encode(), args.id).decode())
+    return 0
+
+
 def cmd_drill(args: argparse.Namespace) -> int:
     """Serve the Streamlit drill-down on a data source (default: the running gateway)."""
     from pathlib import Path
@@ -1091,6 +1109,10 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--api-key", help="the target gateway's API key, when it has tenants")
     rp.add_argument("--json", action="store_true", help="the report as JSON")
     rp.set_defaults(func=cmd_replay)
+    rk = sub.add_parser("replica-key", help="print a replica's own link key (set it as that "
+                        "replica's TAILSCOPE_REPLICA_LINK_KEY) from TAILSCOPE_REPLICA_KEY")
+    rk.add_argument("id", help="the replica's id, as the gateway names it (--remote-replica)")
+    rk.set_defaults(func=cmd_replica_key)
     dr = sub.add_parser("drill", help="serve the Streamlit p99 drill-down")
     dr.add_argument("--source", help="chdb:///path or http(s)://host:8123 DSN, or "
                                      "gateway:URL (default: the gateway at TAILSCOPE_GATEWAY_URL)")
