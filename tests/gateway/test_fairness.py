@@ -12,7 +12,7 @@ import httpx
 from tests.gateway.conftest import start_server, stop_server
 from tests.gateway.test_records import record
 
-ADMIN = "admin-secret"
+ADMIN = "admin-secret-0123456789"
 TENANTS = """
 [degraded_admission]
 queue_depth = 3

@@ -14,7 +14,7 @@ import pytest
 
 from tests.gateway.conftest import start_server, stop_server
 
-ADMIN = "admin-secret"
+ADMIN = "admin-secret-0123456789"
 TENANTS = """
 [[tenants]]
 name = "acme"

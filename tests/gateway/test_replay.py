@@ -18,7 +18,7 @@ from tailscope import engine_config
 from tests.gateway.conftest import start_server, stop_server
 from tracing import replay as R
 
-ADMIN = "sk-admin-replay"
+ADMIN = "sk-admin-replay-0123456789"
 TENANTS = """
 [[tenants]]
 name = "alpha"

@@ -18,7 +18,7 @@ import pytest
 from tests.gateway.conftest import LOAD, start_server, stop_server
 from tests.gateway.test_faults import wait_for
 
-ADMIN = "sk-admin-test"
+ADMIN = "sk-admin-test-0123456789"
 CONFIG = """
 [[tenants]]
 name = "alpha"
