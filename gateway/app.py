@@ -15,6 +15,7 @@ import hashlib
 import hmac
 import json
 import logging
+import socket
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -55,6 +56,7 @@ from tracing.store import (
 
 log = logging.getLogger("tailscope.gateway")
 LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
+own_hostname = socket.gethostname().lower()
 # traced: one record each (a completions batch: one per prompt)
 API_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 
@@ -355,6 +357,7 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
         if registry.open and not config.admin_key:
             host = request.client.host if request.client else ""
             if host in LOOPBACK:
+                check_host(request)
                 return
             raise APIError(403, "debug endpoints are served only to loopback clients when no "
                            "admin key is set (TAILSCOPE_ADMIN_KEY)", "permission_error",
@@ -366,6 +369,21 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
         if not tenant.admin:
             raise APIError(403, f"tenant {tenant.name!r} is not an admin",
                            "permission_error", code="forbidden")
+
+    def check_host(request: Request) -> None:
+        """A loopback client in open local mode may still be a web page: a hostname the page's
+        site re-pointed at 127.0.0.1 (DNS rebinding) makes it same-origin with this gateway.
+        Such a request names that hostname in Host, so only loopback names and this
+        gateway's own addresses are answered."""
+        host = (request.headers.get("host") or "").lower()
+        name = host[1:host.index("]")] if host.startswith("[") and "]" in host \
+            else host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+        server = request.scope.get("server") or ("",)
+        if name not in LOOPBACK and name not in (str(server[0]).lower(), own_hostname):
+            raise APIError(421, f"debug endpoints answer requests for this gateway's own "
+                           f"addresses or loopback names only, not Host {host[:100]!r} (a "
+                           "browser page on another site?)", "invalid_request_error",
+                           code="misdirected_request")
 
     @app.get("/health")
     async def health() -> dict:

@@ -255,6 +255,12 @@ def step_row(replica: str, incarnation: int, msg, ttl_days: int,
         member_decode=[m.decode_tokens for m in ms], ttl_days=ttl_days, instance=instance)
 
 
+def own_url(request: Request) -> str:
+    """This gateway, at the local address of the caller's connection."""
+    host, port = request.scope["server"]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def register(app: FastAPI, handle: StoreHandle | None, memory, require_admin,
              writer: RecordWriter | None = None, config_id: str = "",
              served_model: str = "") -> None:
@@ -376,7 +382,8 @@ def register(app: FastAPI, handle: StoreHandle | None, memory, require_admin,
     async def debug_replay(request: Request) -> dict:
         """Run a recorded request again on this gateway (``tracing.replay``):
         ``{"trace_id": ..., "n": 1, "background": 0}``. The replays go through this gateway's
-        own ``/v1/completions`` (at the address the call came to, with the caller's key), so
+        own ``/v1/completions`` (at the socket address the call came in on, never the Host
+        header's, which the caller writes; with the caller's key), so
         each gets a record of its own; the answer is the report (identical or not, the first
         divergence, texts and stage timings side by side, the replays' trace ids)."""
         from tracing import replay as R
@@ -406,11 +413,11 @@ def register(app: FastAPI, handle: StoreHandle | None, memory, require_admin,
             raise APIError(422, str(exc), param="trace_id", code="not_replayable") from None
         auth = request.headers.get("authorization") or ""
         key = auth[7:] if auth.lower().startswith("bearer ") else None
+        url = own_url(request)
         try:
-            report = await R.replay(str(request.base_url), record, served_model, copies,
-                                    background, key, key)
-        except httpx.HTTPError as exc:  # this gateway, as the caller reached it, did not answer
-            raise APIError(502, f"the replay could not reach {request.base_url}: {exc!r}",
+            report = await R.replay(url, record, served_model, copies, background, key, key)
+        except httpx.HTTPError as exc:  # this gateway did not answer on its own address
+            raise APIError(502, f"the replay could not reach {url}: {exc!r}",
                            "server_error", code="replay_failed") from None
         report["replayed_on_config_id"] = config_id
         return jsonable(report)

@@ -19,7 +19,7 @@ from engine.link import NO_SESSION, ReplicaLink, link_key, seal, unseal
 from engine.protocol import Health, Shutdown, encode
 from tests.gateway.conftest import free_port, start_server, stop_server
 from tests.gateway.test_faults import replicas, wait_for
-from tests.gateway.test_remote_replica import ENGINE, complete, metric, remote
+from tests.gateway.test_remote_replica import complete, metric, remote
 
 KEY = "fleet-key-for-the-link-tests-0123"
 
