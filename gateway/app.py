@@ -159,6 +159,10 @@ class ApiCORS:
             await self.app(scope, receive, send)
 
 
+# a backend's settings that change neither outputs nor timings (config ids stay as they were)
+NOT_CONFIG = ("api_key_env", "max_response_mb", "max_line_kb")
+
+
 def resolved_config(config: GatewayConfig) -> dict:
     """What decides the outputs and timings: model, engine settings and sampling policy."""
     engine = config.engine.as_dict()
@@ -172,7 +176,7 @@ def resolved_config(config: GatewayConfig) -> dict:
         out["remote_replicas"] = sorted(rid for rid, _ in config.remote_replicas)
     if config.backends:  # (absent otherwise: config ids without backends stay as they were)
         out["backends"] = [{k: redact_url(v) if k == "url" else v
-                            for k, v in dataclasses.asdict(b).items() if k != "api_key_env"}
+                            for k, v in dataclasses.asdict(b).items() if k not in NOT_CONFIG}
                            for b in config.backends]
     return out
 

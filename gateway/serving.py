@@ -35,6 +35,7 @@ from engine.observer import RequestStats
 from engine.protocol import TokenDelta
 from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutput
 from engine.text import TextStream
+from gateway import upstream_rules
 from gateway.backend import (
     Backend,
     DeadlineExceeded,
@@ -309,29 +310,30 @@ class Service:
             data = {**self.config.sampling_defaults, **data, **self.config.sampling_overrides}
         r = trace.record
         r.gateway_version, r.config_id = self.versions["gateway"], self.versions["config_id"]
-        end_user, metadata = data.get("safety_identifier") or data.get("user"), \
-            data.get("metadata")  # as sent (the backend validates them): kept when well-typed
-        tag_record(r, end_user if isinstance(end_user, str) else None,
-                   metadata if isinstance(metadata, dict) and all(
-                       isinstance(v, str) for v in metadata.values()) else None)
+        data, charge = upstream_rules.admit(data, tenant, self.registry, self.limits,
+                                            lambda text: len(self.tokenizer.encode(text, False)))
+        tag_record(r, data.get("safety_identifier") or data.get("user"), data.get("metadata"))
         trace.mark("ADMITTED")
         settled = False
 
-        def settle() -> None:  # the tenant's slot, once
+        def settle(used: int | None = None) -> None:  # the tenant's slot and tokens, once
             nonlocal settled
             if not settled:
                 settled = True
+                upstream_rules.settle(charge, used, tenant, self.registry)
                 self.registry.finish(tenant)
 
         request.state.settled_by_run = True
         mixed = model == self.config.served_model_name
         try:
+            timeout = self.config.request_timeout_s
             return await self.upstreams.proxy(
                 request, data, path, trace, settle,
                 keep_ids=self.config.record_token_ids and tenant.capture == "full",
-                fallback=mixed)
+                fallback=mixed, deadline=time.monotonic() + timeout if timeout else None)
         except NoBackendLeft as exc:  # a mixed pool: the bundled replicas take it
             request.state.settled_by_run = False  # the bundled path settles from here on
+            upstream_rules.settle(charge, 0, tenant, self.registry)  # it charges on its own
             trace.earlier_tries += 1
             r.replica = r.model_revision = r.engine_version = ""
             trace.marks.pop("UPSTREAM_HEADERS", None)

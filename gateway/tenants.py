@@ -76,6 +76,12 @@ class TokenBucket:
             return math.inf
         return (amount - self.level) * 60.0 / self.capacity
 
+    def charge(self, amount: float) -> None:
+        """Take ``amount`` whatever the level (use found after the fact: a backend's usage
+        past what admission charged); below zero, later takes wait until it refills."""
+        self._refill()
+        self.level -= amount
+
     def give_back(self, amount: float) -> None:
         self._refill()
         self.level = min(self.capacity, self.level + amount)
@@ -83,7 +89,7 @@ class TokenBucket:
     def state(self) -> tuple[int, float]:
         """(whole units left now, seconds until the bucket is full again)."""
         self._refill()
-        return int(self.level), (self.capacity - self.level) * 60.0 / self.capacity
+        return max(0, int(self.level)), (self.capacity - self.level) * 60.0 / self.capacity
 
 
 def _duration(seconds: float) -> str:

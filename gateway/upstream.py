@@ -92,6 +92,9 @@ class UpstreamConfig:
     # counts (and vLLM's per-request metrics, which come with the usage chunk); the usage chunk
     # is not passed on to a client that did not ask for it
     stream_usage: bool = True
+    # what the gateway reads from it: a whole (non-streamed or error) body, one SSE line
+    max_response_mb: float = 64.0
+    max_line_kb: int = 1024
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
@@ -103,11 +106,16 @@ class UpstreamConfig:
         for f in ("max_concurrency", "eject_after"):
             if getattr(self, f) < 1:
                 raise ValueError(f"backend {self.name}: {f} must be >= 1")
-        for f in ("connect_timeout_s", "first_byte_timeout_s", "idle_timeout_s", "eject_s"):
+        for f in ("connect_timeout_s", "first_byte_timeout_s", "idle_timeout_s", "eject_s",
+                  "max_response_mb", "max_line_kb"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"backend {self.name}: {f} must be > 0")
         if self.probe_interval_s < 0:
             raise ValueError(f"backend {self.name}: probe_interval_s must be >= 0")
+
+    @property
+    def max_response_bytes(self) -> int:
+        return int(self.max_response_mb * 2**20)
 
     @property
     def base(self) -> str:
@@ -386,22 +394,34 @@ class UpstreamPool:
 
     # ---- one request ------------------------------------------------------------------------
     async def proxy(self, request: Request, data: dict, path: str, trace: RequestTrace,
-                    settle, keep_ids: bool = True, fallback: bool = False) -> Response:
+                    settle, keep_ids: bool = True, fallback: bool = False,
+                    deadline: float | None = None) -> Response:
         """Send ``data`` to a backend of its model (once more elsewhere when nothing was
-        received); ``settle()`` (idempotent) is called when the exchange is over.
-        ``keep_ids``: the record may keep token ids the backend returns (the tenant's
+        received); ``settle(used)`` (idempotent) is called when the exchange is over, with
+        the tokens the upstream's usage says it used (0: nothing was produced; None: not
+        said). ``keep_ids``: the record may keep token ids the backend returns (the tenant's
         capture setting). ``fallback``: when no backend is left to retry on, raise
-        ``NoBackendLeft`` (unsettled) so the caller's bundled replicas can take it."""
+        ``NoBackendLeft`` (unsettled) so the caller's bundled replicas can take it.
+        ``deadline`` (monotonic seconds): the gateway's deadline, a 504 (or an SSE error
+        event once streaming) when it passes."""
         try:
-            return await self._proxy(request, data, path, trace, settle, keep_ids, fallback)
+            async with asyncio.timeout_at(_loop_time(deadline)):
+                return await self._proxy(request, data, path, trace, settle, keep_ids,
+                                         fallback, deadline)
         except NoBackendLeft:
             raise
+        except TimeoutError:
+            message = "the request passed the gateway's deadline before the backend answered"
+            _fail(trace, 504, "request_timeout", message)
+            settle(0)
+            raise APIError(504, message, "server_error", code="request_timeout") from None
         except BaseException:
-            settle()  # once: a no-op when the exchange already settled
+            settle(0)  # once: a no-op when the exchange already settled
             raise
 
     async def _proxy(self, request: Request, data: dict, path: str, trace: RequestTrace,
-                     settle, keep_ids: bool, fallback: bool) -> Response:
+                     settle, keep_ids: bool, fallback: bool, deadline: float | None
+                     ) -> Response:
         model = data["model"]
         stream = bool(data.get("stream"))
         r = trace.record
@@ -428,7 +448,7 @@ class UpstreamPool:
                 seen.strip_usage = True
             try:
                 return await self._attempt(up, request, body, path, stream, trace, settle,
-                                           seen)
+                                           seen, deadline)
             except UpstreamError as exc:
                 can_retry = exc.retry and any(
                     u.config.name not in tried and u.state != "ejected"
@@ -441,7 +461,7 @@ class UpstreamPool:
                 if fallback and exc.retry:
                     raise NoBackendLeft(up.config.name, exc.message) from None
                 _fail(trace, exc.status, exc.code, exc.message)
-                settle()
+                settle(0)
                 if exc.body is not None:  # the upstream's own error answer, as it sent it
                     return Response(exc.body, status_code=exc.status,
                                     media_type="application/json")
@@ -449,7 +469,8 @@ class UpstreamPool:
                                else "invalid_request_error", code=exc.code) from None
 
     async def _attempt(self, up: Upstream, request: Request, body: dict, path: str,
-                       stream: bool, trace: RequestTrace, settle, seen: _Stream) -> Response:
+                       stream: bool, trace: RequestTrace, settle, seen: _Stream,
+                       deadline: float | None) -> Response:
         c = up.config
         up.inflight += 1
         up.requests += 1
@@ -485,20 +506,23 @@ class UpstreamPool:
             if not stream:
                 raw = await self._read(resp, c)
                 try:
-                    answer = json.loads(raw)
-                except ValueError:
+                    answer = await _loads(raw)
+                    if not isinstance(answer, dict):
+                        raise ValueError("not an object")
+                    _note(seen, answer)
+                except ValueError as exc:
                     raise self._failure(up, 502, "upstream_protocol", f"backend {c.name} "
-                                        "answered 200 with a body that is not JSON") from None
+                                        f"answered 200 with a body that is not an OpenAI "
+                                        f"answer: {exc}") from None
                 up.succeeded()
-                _note(seen, answer)
                 if seen.strip_ids and _strip_ids(answer):
                     raw = json.dumps(answer, ensure_ascii=False).encode()
                 _finish(trace, seen)
-                settle()
+                settle(_used(seen))
                 return Response(raw, media_type="application/json")
             up.succeeded()  # headers and a 200: the upstream is up
             relayed = True
-            return StreamingResponse(self._relay(up, resp, trace, settle, seen),
+            return StreamingResponse(self._relay(up, resp, trace, settle, seen, deadline),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         finally:
@@ -529,7 +553,7 @@ class UpstreamPool:
     @staticmethod
     async def _read(resp: httpx.Response, c: UpstreamConfig) -> bytes:
         try:
-            return await asyncio.wait_for(resp.aread(), c.idle_timeout_s)
+            return await asyncio.wait_for(_read_bounded(resp, c), c.idle_timeout_s)
         except TimeoutError:
             raise UpstreamError(504, "upstream_timeout", f"backend {c.name} stalled sending "
                                 f"its response ({c.idle_timeout_s:g} s)", True) from None
@@ -545,37 +569,52 @@ class UpstreamPool:
         return UpstreamError(status, code, message, True)
 
     async def _relay(self, up: Upstream, resp: httpx.Response, trace: RequestTrace,
-                     settle, seen: _Stream) -> AsyncIterator[bytes]:
-        """The upstream's SSE lines to the client as they come; a stall, a break or a
-        malformed event becomes an SSE error event, and the record says which."""
+                     settle, seen: _Stream, deadline: float | None) -> AsyncIterator[bytes]:
+        """The upstream's SSE lines to the client as they come; a stall, a break, a line past
+        ``max_line_kb``, a malformed event or the gateway's deadline becomes an SSE error
+        event, and the record says which."""
         c = up.config
-        lines = resp.aiter_lines()
+        lines = _lines(resp, c.max_line_kb << 10)
         code, message, done, ended = "", "", False, False
         try:
             while True:
+                wait = c.idle_timeout_s
+                if deadline is not None:
+                    wait = min(wait, deadline - time.monotonic())
                 try:
-                    async with asyncio.timeout(c.idle_timeout_s):
+                    async with asyncio.timeout(max(0.0, wait)):
                         line = await anext(lines)
                 except StopAsyncIteration:
                     break
                 except TimeoutError:
-                    code = "upstream_timeout"
-                    message = f"backend {c.name} sent nothing for {c.idle_timeout_s:g} s"
+                    if deadline is not None and time.monotonic() >= deadline:
+                        code = "request_timeout"
+                        message = "the request passed the gateway's deadline"
+                    else:
+                        code = "upstream_timeout"
+                        message = f"backend {c.name} sent nothing for {c.idle_timeout_s:g} s"
                     break
                 except httpx.HTTPError as exc:
                     code = "upstream_closed"
                     message = f"backend {c.name} closed the stream: {type(exc).__name__}"
+                    break
+                except LineTooLong:
+                    code = "upstream_protocol"
+                    message = (f"backend {c.name} sent a line longer than {c.max_line_kb} KiB "
+                               "(max_line_kb)")
                     break
                 if line == "data: [DONE]":
                     done = True
                 elif line.startswith("data: "):
                     try:
                         chunk = json.loads(line[6:])
-                    except ValueError:
+                        flushed = _note(seen, chunk)
+                    except ValueError as exc:
                         code, message = "upstream_protocol", (f"backend {c.name} sent an event "
-                                                              "that is not JSON")
+                                                              f"that is not an OpenAI chunk: "
+                                                              f"{exc}")
                         break
-                    if _note(seen, chunk):
+                    if flushed:
                         trace.flush()
                     if isinstance(chunk, dict) and isinstance(chunk.get("error"), dict):
                         code = "upstream_error"  # relayed as it came; the record keeps it
@@ -595,21 +634,28 @@ class UpstreamPool:
                 code = "upstream_closed"
                 message = f"backend {c.name} ended the stream before it finished"
             if code:
-                up.failed(message)
+                if code != "request_timeout":  # the deadline is not the upstream's failure
+                    up.failed(message)
                 if code != "upstream_error":  # the upstream's own error event already went
                     yield _sse_error(message, code)
             ended = True
         finally:  # also when the client left: the upstream's stream is closed at once
             up.inflight -= 1
-            await resp.aclose()
-            if code:
-                _fail(trace, 504 if code == "upstream_timeout" else 502, code, message)
-            elif not ended:
-                trace.fail("CANCELLED", "cancelled", "client_disconnected",
-                           "the client went away before the stream ended")
-            else:
-                _finish(trace, seen)
-            settle()
+            used = None
+            try:
+                await resp.aclose()
+                if code:
+                    _fail(trace, 504 if code.endswith("timeout") else 502, code, message)
+                    used = 0 if not seen.content_chunks else _used(seen)
+                elif not ended:
+                    trace.fail("CANCELLED", "cancelled", "client_disconnected",
+                               "the client went away before the stream ended")
+                    used = _used(seen)
+                else:
+                    _finish(trace, seen)
+                    used = _used(seen)
+            finally:  # the tenant's slot, whatever happened above
+                settle(used)
 
 
 def _note(seen: _Stream, chunk) -> bool:
@@ -626,8 +672,11 @@ def _note(seen: _Stream, chunk) -> bool:
         seen.metrics, seen.timings_ns = chunk["metrics"], time.monotonic_ns()
     if _ids(chunk.get("prompt_token_ids")) is not None:  # vLLM: chat, top level
         seen.prompt_ids = chunk["prompt_token_ids"]
+    choices = chunk.get("choices")
+    if choices is not None and not isinstance(choices, list):
+        raise ValueError(f"choices is a {type(choices).__name__}, not a list")
     content = False
-    for choice in chunk.get("choices") or []:
+    for choice in choices or []:
         if not isinstance(choice, dict):
             continue
         if choice.get("index", 0) == 0:  # return_token_ids (completions: per choice)
@@ -637,7 +686,7 @@ def _note(seen: _Stream, chunk) -> bool:
                 seen.output_ids.extend(ids)
             seen.logprob_ids.extend(_logprob_ids(choice.get("logprobs")))
         if choice.get("finish_reason"):
-            seen.finish_reason = str(choice["finish_reason"])
+            seen.finish_reason = _finish_reason(choice["finish_reason"])
         delta = choice.get("delta") or choice.get("message") or {}
         if choice.get("text") or (isinstance(delta, dict) and any(
                 delta.get(k) for k in ("content", "tool_calls", "reasoning_content"))):
@@ -685,16 +734,39 @@ def _strip_ids(chunk) -> bool:
     return found
 
 
+# The finish reasons a record (and a metric label) may carry; an upstream's own word for
+# anything else is recorded as "other" (labels must stay a closed set)
+FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "function_call", "content_filter",
+                            "abort", "error", "timeout", "cancelled"})
+MAX_COUNT = 2**31 - 1  # a token count an upstream may report (the record's column is UInt32)
+
+
+def _finish_reason(value) -> str:
+    return value if isinstance(value, str) and value in FINISH_REASONS else "other"
+
+
+def _count(value) -> int:
+    """An upstream's token count if it is one (an int in [0, MAX_COUNT]), else 0."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT
+    return value if ok else 0
+
+
+def _used(seen: _Stream) -> int | None:
+    """Prompt + completion tokens by the upstream's usage; None when it said none."""
+    used = _count(seen.usage.get("prompt_tokens")) + _count(seen.usage.get("completion_tokens"))
+    return used or None
+
+
 def _finish(trace: RequestTrace, seen: _Stream) -> None:
     r = trace.record
-    r.response_id = seen.response_id
+    r.response_id = seen.response_id[:200]
     r.final_state, r.finish_reason = "FINISHED", seen.finish_reason or "stop"
     u, t = seen.usage, _upstream_timings(seen)
-    r.prompt_tokens = int(u.get("prompt_tokens") or (t.prompt_n + t.cache_n if t else 0)
-                          or len(seen.prompt_ids or ()))
-    r.generated_tokens = r.emitted_tokens = int(u.get("completion_tokens") or (
-        t.predicted_n if t else 0) or len(seen.output_ids or seen.logprob_ids)
-        or seen.content_chunks)
+    r.prompt_tokens = min(MAX_COUNT, _count(u.get("prompt_tokens")) or (
+        t.prompt_n + t.cache_n if t else 0) or len(seen.prompt_ids or ()))
+    r.generated_tokens = r.emitted_tokens = _count(u.get("completion_tokens")) or (
+        t.predicted_n if t else 0) or len(seen.output_ids or seen.logprob_ids) \
+        or seen.content_chunks
     if seen.keep_ids:
         r.input_token_ids = list(seen.prompt_ids or ())
         r.output_token_ids = seen.output_ids or seen.logprob_ids
@@ -739,7 +811,9 @@ def _upstream_timings(seen: _Stream) -> _Timings | None:
             return None
     except (KeyError, TypeError, ValueError, AttributeError):
         return None
-    ok = min(t.prompt_n, t.predicted_n, t.cache_n) >= 0 and min(t.prompt_ms, t.predicted_ms) >= 0
+    ok = (0 <= min(t.prompt_n, t.predicted_n, t.cache_n)
+          and max(t.prompt_n, t.predicted_n, t.cache_n) <= MAX_COUNT
+          and 0 <= min(t.prompt_ms, t.predicted_ms) and max(t.prompt_ms, t.predicted_ms) < 1e9)
     return t if ok else None
 
 
@@ -786,6 +860,55 @@ def _is_json(raw: bytes) -> bool:
         return True
     except ValueError:
         return False
+
+
+class LineTooLong(Exception):
+    """An SSE line from an upstream passed the backend's ``max_line_kb``."""
+
+
+async def _lines(resp: httpx.Response, limit: int) -> AsyncIterator[str]:
+    """The response's lines, none held past ``limit`` bytes (httpx's ``aiter_lines`` buffers
+    a line however long it grows)."""
+    buf = b""
+    async for chunk in resp.aiter_bytes():
+        buf += chunk
+        *whole, buf = buf.split(b"\n")
+        for line in whole:
+            yield line.rstrip(b"\r").decode("utf-8", "replace")
+        if len(buf) > limit:
+            raise LineTooLong
+    if buf:
+        yield buf.rstrip(b"\r").decode("utf-8", "replace")
+
+
+async def _read_bounded(resp: httpx.Response, c: UpstreamConfig) -> bytes:
+    """The whole body, refused past ``max_response_mb`` (by its length header, else as it
+    arrives)."""
+    limit = c.max_response_bytes
+    length = resp.headers.get("content-length", "")
+    too_big = UpstreamError(502, "upstream_too_large", f"backend {c.name} sent a body over "
+                            f"{c.max_response_mb:g} MiB (max_response_mb)", True)
+    if length.isdigit() and int(length) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in resp.aiter_bytes():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _loads(raw: bytes):
+    """JSON off the event loop when it is large (parsing 100 MB holds the loop for seconds)."""
+    return json.loads(raw) if len(raw) < 1 << 20 else await asyncio.to_thread(json.loads, raw)
+
+
+def _loop_time(deadline: float | None) -> float | None:
+    """A ``time.monotonic`` deadline on the event loop's clock."""
+    if deadline is None:
+        return None
+    return asyncio.get_running_loop().time() + deadline - time.monotonic()
 
 
 def _sse_error(message: str, code: str) -> bytes:

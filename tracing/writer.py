@@ -73,7 +73,8 @@ def item_bytes(kind: str, item) -> int:
     if kind != "requests":
         return 400
     return 1500 + 32 * (len(item.input_token_ids) + len(item.output_token_ids)
-                        + len(item.itl_ms)) + 120 * len(item.events)
+                        + len(item.itl_ms)) + 120 * len(item.events) + len(item.metadata) \
+        + len(item.sampling_params) + len(item.error_message)
 
 log = logging.getLogger("tailscope.writer")
 

@@ -18,6 +18,9 @@ model. ``python tests/gateway/fault_upstream.py PORT``; what it does is chosen b
   ``logprobs``, tokens written as ``token_id:N`` (vLLM's ``--return-tokens-as-token-ids``).
   ``GET /stats`` has the last body it received (``last_vllm_body``).
 
+- lying answers (``LYING``): ``bad-usage``, ``big-usage``, ``choices-int``, ``big-body``,
+  ``long-line``, ``odd-finish``, each described where it is defined.
+
 It also answers health probes like vLLM: ``GET /health``, ``GET /v1/models`` (``root`` names
 scripted weights) and ``GET /version``.
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 
 import uvicorn
@@ -109,6 +113,50 @@ async def vllm(body: dict):
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
+def _stream(*events: str) -> StreamingResponse:
+    async def gen():
+        for e in events:
+            yield e
+    return StreamingResponse(gen(), media_type="text/event-stream")
+
+
+def _data(obj) -> str:
+    return "data: " + json.dumps(obj) + "\n\n"
+
+
+def bad_usage(body: dict):
+    """Usage that is not a count: a string when streamed, -5 and 1e20 when not."""
+    if body.get("stream"):
+        return _stream(chunk("hi"), chunk("", "stop"),
+                       _data({"id": "x", "choices": [], "usage": {"prompt_tokens": "lots"}}),
+                       "data: [DONE]\n\n")
+    return JSONResponse({"id": "x", "choices": [{"index": 0, "text": "hi", "finish_reason":
+                                                 "stop"}],
+                         "usage": {"prompt_tokens": -5, "completion_tokens": 1e20}})
+
+
+def big_usage(body: dict):
+    """An answer whose usage is far more than its tokens (what the tenant's bucket is told)."""
+    return JSONResponse({"id": "x", "choices": [{"index": 0, "text": "hi", "finish_reason":
+                                                 "length"}],
+                         "usage": {"prompt_tokens": 3, "completion_tokens": 5000}})
+
+
+LYING = {
+    "bad-usage": bad_usage,
+    "big-usage": big_usage,
+    # "choices" that is not a list
+    "choices-int": lambda body: JSONResponse({"id": "x", "choices": 5}),
+    # a 3 MB body (a backend set to max_response_mb below it must refuse it)
+    "big-body": lambda body: JSONResponse({"id": "x", "pad": "x" * (3 << 20), "choices": []}),
+    # one SSE line of 512 KiB (past a backend's max_line_kb of 64)
+    "long-line": lambda body: _stream(chunk("first "), chunk("y" * (512 << 10))),
+    # a finish reason no client knows, different every time
+    "odd-finish": lambda body: JSONResponse({"id": "x", "choices": [
+        {"index": 0, "text": "hi", "finish_reason": f"banana-{os.getpid()}-{id(body)}"}]}),
+}
+
+
 async def completions(request: Request):
     body = await request.json()
     mode = body.get("model")
@@ -150,6 +198,8 @@ async def completions(request: Request):
                              "choices": [{"index": 0, "text": text, "finish_reason": "stop"}],
                              "usage": {"prompt_tokens": 3, "completion_tokens": 7,
                                        "total_tokens": 10}, "vendor_field": {"x": 1}})
+    if mode in LYING:
+        return LYING[mode](body)
     if mode == "stall-first-byte":
         await asyncio.sleep(30)
     if mode in ("error-500", "error-429"):

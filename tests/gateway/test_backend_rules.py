@@ -1,0 +1,164 @@
+"""External backends under the gateway's rules (second security audit): a tenant's limits hold
+for a backend's model, its tokens are charged from the upstream's usage, what an upstream
+sends is bounded and checked (a lie is a 502 or an ignored number, never a 500, a lost slot or
+an unbounded metric label), and the gateway's deadline holds on proxied requests.
+
+The upstream is ``fault_upstream.py`` (a FAULT INJECTOR): ``echo`` answers with the body it
+received, so a test sees exactly what was forwarded."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+
+from tests.gateway.conftest import start_server, stop_server
+from tests.gateway.test_upstream import _backend, faults  # noqa: F401 (a fixture)
+
+ADMIN = "sk-admin-backend-rules-0123"
+SMALL = "sk-small-backend-rules-0123"
+TPM = "sk-tpm-backend-rules-0123"
+TENANTS = f"""
+[[tenants]]
+name = "ops"
+keys = ["{ADMIN}"]
+admin = true
+
+[[tenants]]
+name = "small"
+keys = ["{SMALL}"]
+max_output_tokens = 8
+max_prompt_tokens = 50
+max_concurrent = 1
+
+[[tenants]]
+name = "tpm"
+keys = ["{TPM}"]
+tokens_per_minute = 200
+"""
+
+
+@pytest.fixture(scope="module")
+def gateway(bundled_path, faults, tmp_path_factory):  # noqa: F811
+    tenants = tmp_path_factory.mktemp("tenants") / "tenants.toml"
+    tenants.write_text(TENANTS)
+    args = ["--model", "tiny:49152", "--tokenizer", str(bundled_path), "--config", str(tenants)]
+    for mode in ("echo", "bad-usage", "big-usage", "choices-int", "odd-finish", "slow-stream",
+                 "stall-first-byte"):
+        args += _backend(mode, faults, mode, probe_interval_s=0)
+    args += _backend("big-body", faults, "big-body", probe_interval_s=0, max_response_mb=1)
+    args += _backend("long-line", faults, "long-line", probe_interval_s=0, max_line_kb=64)
+    server = start_server(*args, env={"TAILSCOPE_REQUEST_TIMEOUT_S": "3"})
+    yield server
+    stop_server(server)
+
+
+def post(gateway, key: str, model: str, stream: bool = False, **body) -> httpx.Response:
+    return httpx.post(f"{gateway.url}/v1/completions", timeout=60,
+                      headers={"Authorization": f"Bearer {key}"},
+                      json={"model": model, "prompt": "Hi", "stream": stream, **body})
+
+
+def forwarded(r: httpx.Response) -> dict:
+    """The body the echo upstream received."""
+    assert r.status_code == 200, r.text
+    return json.loads(r.json()["choices"][0]["text"])
+
+
+def record(gateway, r: httpx.Response) -> dict:
+    from tests.gateway.test_faults import wait_for
+
+    trace = r.headers["x-tailscope-trace-id"]
+
+    def get():
+        got = httpx.get(f"{gateway.url}/debug/requests/{trace}", timeout=10,
+                        headers={"Authorization": f"Bearer {ADMIN}"})
+        return got.json()["record"] if got.status_code == 200 else None
+    assert wait_for(lambda: get() is not None, 10), trace
+    return get()
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"max_tokens": 100000, "n": 50}, "n"),
+    ({"max_tokens": 100000}, "max_tokens"),
+    ({"max_tokens": 4, "prompt": "word " * 200}, "prompt"),
+    ({"max_tokens": 4, "stop": ["x"] * 100}, "stop"),
+    ({"max_tokens": 4, "logprobs": 500}, "logprobs"),
+    ({"max_tokens": 4, "metadata": {"k": "v" * 600}}, "metadata"),
+])
+def test_the_tenants_limits_hold_for_a_backends_model(gateway, body, param):
+    r = post(gateway, SMALL, "echo", **body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_a_missing_max_tokens_is_the_tenants_limit_and_the_rest_goes_as_sent(gateway):
+    sent = forwarded(post(gateway, SMALL, "echo", vendor_field={"x": 1}))
+    assert sent["max_tokens"] == 8 and sent["vendor_field"] == {"x": 1}
+    assert forwarded(post(gateway, SMALL, "echo", max_tokens=5))["max_tokens"] == 5
+
+
+def test_tokens_are_charged_from_the_upstreams_usage(gateway):
+    r = post(gateway, TPM, "big-usage", max_tokens=4)  # admitted: 4 + the prompt fit
+    assert r.status_code == 200, r.text
+    # the upstream said 5,003 tokens were used: far past the 200 a minute
+    r = post(gateway, TPM, "echo", max_tokens=4)
+    assert r.status_code == 429 and "tokens/min" in r.json()["error"]["message"], r.text
+    assert r.headers["x-ratelimit-remaining-tokens"] == "0"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_malformed_usage_never_loses_the_tenants_slot(gateway, stream):
+    """``small`` may have one request in flight: a slot lost to an exception would refuse
+    every later request with a 429."""
+    for _ in range(3):
+        r = post(gateway, SMALL, "bad-usage", stream, max_tokens=4)
+        assert r.status_code == 200, r.text
+    rec = record(gateway, r)
+    assert rec["final_state"] == "FINISHED"
+    assert 0 <= rec["prompt_tokens"] < 2**31 and 0 <= rec["generated_tokens"] < 2**31
+    r = post(gateway, SMALL, "echo", max_tokens=4)
+    assert r.status_code == 200, r.text
+
+
+def test_an_answer_that_is_not_openais_shape_is_a_502(gateway):
+    r = post(gateway, ADMIN, "choices-int", max_tokens=4)
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_protocol", r.text
+
+
+def test_an_upstreams_finish_reason_is_one_of_a_closed_set(gateway):
+    r = post(gateway, ADMIN, "odd-finish", max_tokens=4)
+    assert r.status_code == 200
+    assert record(gateway, r)["finish_reason"] == "other"
+    metrics = httpx.get(f"{gateway.url}/metrics", timeout=10).text
+    assert "banana" not in metrics
+
+
+def test_a_body_past_the_backends_bound_is_refused(gateway):
+    r = post(gateway, ADMIN, "big-body", max_tokens=4)
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_too_large", r.text
+
+
+def test_a_stream_line_past_the_backends_bound_ends_the_stream(gateway):
+    r = post(gateway, ADMIN, "long-line", True, max_tokens=4)
+    assert r.status_code == 200
+    events = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: {")]
+    assert events[0]["choices"][0]["text"] == "first "
+    assert events[-1]["error"]["code"] == "upstream_protocol"
+    assert "max_line_kb" in events[-1]["error"]["message"]
+
+
+def test_the_gateway_deadline_holds_on_proxied_requests(gateway):
+    r = post(gateway, ADMIN, "stall-first-byte", max_tokens=4)  # it sleeps 30 s
+    assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout", r.text
+    r = post(gateway, ADMIN, "slow-stream", True, max_tokens=4)  # 20 s of chunks
+    events = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: {")]
+    assert events[-1]["error"]["code"] == "request_timeout"
+    assert len(events) - 1 < 200  # cut before the upstream's 200 chunks ended
+    rec = record(gateway, r)
+    assert rec["final_state"] == "TIMED_OUT"
+    assert re.search(r"deadline", rec["error_message"])
