@@ -154,13 +154,17 @@ def trace_view(src, trace_id: str) -> None:
     rec = t["record"]
     st.header(f"Trace {trace_id}")
     if rec is None:
-        st.error(f"no record for trace {trace_id}")
+        st.error("no record for that trace")
+        st.text(trace_id)
         return
     st.caption(f"{rec['final_state']} · {rec['finish_reason']} · HTTP {rec['http_status']} · "
                f"replica {rec['replica'] or '-'} · tenant {rec['tenant']} · priority "
-               f"{rec.get('priority', 0)} · lane {rec.get('lane') or 'standard'}"
-               + (f" · end user {rec['end_user']}" if rec.get("end_user") else "")
-               + (f" · metadata {rec['metadata']}" if rec.get("metadata") else ""))
+               f"{rec.get('priority', 0)} · lane {rec.get('lane') or 'standard'}")
+    # what the client wrote is shown as plain text: as Markdown, a link or an image there
+    # would be live in the operator's view (a tracking pixel, a phishing link)
+    for label in ("end_user", "metadata"):
+        if rec.get(label):
+            st.text(f"{label.replace('_', ' ')}: {rec[label]}")
     if rec.get("degraded"):
         st.warning(f"admitted DEGRADED: {rec['degraded']}")
     stages = pd.DataFrame([{"stage": Q.STAGE_NAMES[c], "ms": float(rec[c] or 0.0)}

@@ -95,6 +95,28 @@ def test_trace_view_shows_the_stages_of_a_trace(seeded):
     assert (fall["lane"] == "client").sum() == len(rec.itl_ms)
 
 
+def test_client_text_is_shown_as_plain_text_never_markdown(seeded, store):
+    """end_user and metadata are the client's words: a Markdown link or image there must not
+    become a live link or a fetched image in the operator's view."""
+    import dataclasses
+
+    evil = "[click](http://evil.example/x) ![t](http://evil.example/t.png)"
+    rec = dataclasses.replace(seeded[0], trace_id="ab" * 16, end_user=evil,
+                              metadata='{"k": "' + evil.replace('"', "'") + '"}')
+    store.insert_rows("requests", [rec])
+    at = run(AppTest.from_file(APP, default_timeout=120))
+    at.sidebar.radio(key="page").set_value("Requests")
+    run(at)
+    at.text_input(key="rq_trace").set_value(rec.trace_id)
+    run(at)
+    shown = [t.value for t in at.text]
+    assert any(evil in t for t in shown if t.startswith("end user: "))
+    assert any("evil.example" in t for t in shown if t.startswith("metadata: "))
+    rendered = [e.value for kind in ("caption", "markdown", "error", "warning", "info", "success")
+                for e in getattr(at, kind)]
+    assert not any("evil.example" in v for v in rendered)
+
+
 def test_the_waterfall_from_a_timeline_splits_waiting_by_cause_and_shows_the_steps():
     import pandas as pd
 
