@@ -406,10 +406,18 @@ class Service:
         return parsed
 
     def priority(self, req: SamplingFields, tenant: Tenant) -> int:
-        """The request's ``priority``, else its tenant's default, under the priority policy;
-        a non-zero one under another policy is refused (it would change nothing)."""
+        """The request's ``priority``, else its tenant's default, under the priority policy
+        (one more urgent than the tenant's ``min_priority`` is refused); a non-zero one under
+        another policy is refused (it would change nothing)."""
         if self.config.engine.scheduling_policy == "priority":
-            return req.priority if req.priority is not None else tenant.priority
+            if req.priority is None:
+                return tenant.priority
+            if tenant.min_priority is not None and req.priority < tenant.min_priority:
+                raise APIError(400, f"priority {req.priority} is more urgent than tenant "
+                               f"{tenant.name!r} may ask for (its min_priority is "
+                               f"{tenant.min_priority})", param="priority",
+                               code="priority_not_allowed")
+            return req.priority
         if req.priority:
             raise APIError(400, f"priority needs the engine's scheduling_policy 'priority' "
                            f"(this gateway runs {self.config.engine.scheduling_policy!r})",

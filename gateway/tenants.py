@@ -17,6 +17,8 @@ Configured in a TOML file (``tailscope serve --config FILE`` or ``TAILSCOPE_CONF
                                     # same namespace (default: its own, never shared)
     priority = 0                    # its requests' default priority (lower first) under the
                                     # engine's priority scheduling policy
+    min_priority = 0                # the most urgent priority a request of its may ask for
+                                    # (default: its own priority: no tenant jumps the queue)
     weight = 1.0                    # its share under the engine's fair scheduling policy
                                     # (2.0: twice the tokens of a weight-1 tenant under load)
     degrade = { max_tokens = 64, n = 1, priority = 2 }  # opt in: admitted DEGRADED under
@@ -131,6 +133,9 @@ class Tenant:
     ttl_days: int | None = None  # how long the store keeps its rows (default: the store's)
     cache_namespace: str | None = None  # shared prefix-cache namespace (opt-in)
     priority: int = 0  # default request priority under the priority scheduling policy
+    # the lowest (most urgent) priority its requests may ask for; None: its own ``priority``
+    # for a configured tenant, no bound in open local mode (one user)
+    min_priority: int | None = None
     weight: float = 1.0  # its share under the fair scheduling policy
     degrade: DegradeRule | None = None  # what it gives up under load (None: never degraded)
     active: int = 0
@@ -203,6 +208,8 @@ class TenantRegistry:
                 entry["degrade"] = DegradeRule.parse(entry["degrade"],
                                                      f"{path}: tenant {entry['name']!r}")
             tenant = Tenant(**entry)
+            if tenant.min_priority is None:
+                tenant.min_priority = tenant.priority
             try:  # the weight's bounds are the engine's (SamplingParams.weight)
                 SamplingParams(weight=tenant.weight)
             except SamplingParamsError as exc:

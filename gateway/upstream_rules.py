@@ -3,7 +3,8 @@
 The body goes to the backend as the client sent it (``gateway.upstream``), so the bundled
 path's schema cannot check it (it would refuse vendor fields); the fields the tenant's limits
 and the gateway's bounds are about are checked here, named as the bundled path names them: the
-sample count, stop strings, logit bias, logprobs, metadata, ``max_tokens`` against the
+sample count, stop strings, logit bias, logprobs, metadata, the priority against the tenant's
+``min_priority``, ``max_tokens`` against the
 tenant's ``max_output_tokens`` (filled in when absent), the prompt against its
 ``max_prompt_tokens``, and prompt + output tokens charged to its tokens-per-minute bucket
 (corrected from the upstream's own ``usage`` when the answer ends).
@@ -36,7 +37,7 @@ def _int(value, lo: int, hi: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
 
 
-def _check_fields(data: dict, limits: RequestLimits) -> None:
+def _check_fields(data: dict, limits: RequestLimits, tenant: Tenant) -> None:
     n = data.get("n", 1)
     if n is not None and not _int(n, 1, MAX_N):
         raise bad_request(f"n must be an integer in [1, {MAX_N}]", "n")
@@ -59,6 +60,12 @@ def _check_fields(data: dict, limits: RequestLimits) -> None:
         value = data.get(name)
         if value is not None and not _int(value, 0, MAX_TOP_LOGPROBS):
             raise bad_request(f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}]", name)
+    priority = data.get("priority")
+    if (isinstance(priority, int) and tenant.min_priority is not None
+            and priority < tenant.min_priority):
+        raise APIError(400, f"priority {priority} is more urgent than tenant {tenant.name!r} "
+                       f"may ask for (its min_priority is {tenant.min_priority})",
+                       param="priority", code="priority_not_allowed")
     metadata = data.get("metadata")
     if metadata is not None:
         if not isinstance(metadata, dict) or not all(
@@ -100,7 +107,7 @@ def admit(data: dict, tenant: Tenant, registry: TenantRegistry, limits: RequestL
     """``data`` as it may be forwarded (``max_tokens`` filled in from the tenant's limit when
     absent) and what it was charged; a 400 or 429 as the bundled path gives them otherwise.
     ``count_tokens(text)``: the gateway's tokenizer's count."""
-    _check_fields(data, limits)
+    _check_fields(data, limits, tenant)
     key = "max_completion_tokens" if "max_completion_tokens" in data else "max_tokens"
     max_tokens = data.get(key)
     if max_tokens is not None and not _int(max_tokens, 0, 2**31 - 1):

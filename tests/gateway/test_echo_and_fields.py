@@ -385,6 +385,29 @@ def test_priority_is_refused_under_fcfs_and_recorded_under_the_priority_policy(
         assert out.status_code == 400 and out.json()["error"]["param"] == "priority"
 
 
+def test_a_tenant_cannot_ask_for_a_priority_more_urgent_than_its_min_priority(
+        tiny49k, bundled_path, tmp_path):
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[[tenants]]\nname = "batch"\nkeys = ["sk-batch-0123456789abcdef"]\n'
+                       'priority = 5\n\n[[tenants]]\nname = "ops"\n'
+                       'keys = ["sk-ops-0123456789abcdef"]\npriority = 5\nmin_priority = -10\n')
+    cfg = EngineConfig(num_kv_blocks=64, block_size=16, scheduling_policy="priority")
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    with inprocess_client(tiny49k, bundled_path, cfg, tenants_file=str(tenants)) as prio:
+        def post(key: str, **extra):
+            return prio.post("/v1/completions", json={**body, **extra},
+                             headers={"Authorization": f"Bearer {key}"})
+        jump = post("sk-batch-0123456789abcdef", priority=0)  # ahead of its own 5
+        assert jump.status_code == 400 and jump.json()["error"]["param"] == "priority"
+        assert jump.json()["error"]["code"] == "priority_not_allowed"
+        for key, priority in (("sk-batch-0123456789abcdef", 7), ("sk-ops-0123456789abcdef", -3)):
+            r = post(key, priority=priority)
+            assert r.status_code == 200, r.text
+            assert prio.sink.find(r.headers["x-tailscope-trace-id"]).priority == priority
+        r = post("sk-batch-0123456789abcdef")  # none asked: the tenant's own
+        assert prio.sink.find(r.headers["x-tailscope-trace-id"]).priority == 5
+
+
 def test_end_user_and_metadata_go_on_the_record_and_find_it_in_the_store(client, store):
     """OpenAI's ``safety_identifier`` (else ``user``) and ``metadata`` are recorded
     (``end_user``, ``metadata`` as a JSON object) on chat, completions and Responses requests;
