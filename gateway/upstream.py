@@ -44,6 +44,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import AsyncIterator
@@ -578,16 +579,14 @@ class UpstreamPool:
         code, message, done, ended = "", "", False, False
         try:
             while True:
-                wait = c.idle_timeout_s
-                if deadline is not None:
-                    wait = min(wait, deadline - time.monotonic())
+                left = math.inf if deadline is None else deadline - time.monotonic()
                 try:
-                    async with asyncio.timeout(max(0.0, wait)):
+                    async with asyncio.timeout(max(0.0, min(c.idle_timeout_s, left))):
                         line = await anext(lines)
                 except StopAsyncIteration:
                     break
                 except TimeoutError:
-                    if deadline is not None and time.monotonic() >= deadline:
+                    if left <= c.idle_timeout_s:  # the deadline came first
                         code = "request_timeout"
                         message = "the request passed the gateway's deadline"
                     else:
