@@ -177,6 +177,19 @@ def tag_record(record, end_user: str | None, metadata: dict[str, str] | None) ->
         record.metadata = _encode_json(pairs).decode()
 
 
+def _per_token(params: SamplingParams) -> int:
+    """Tokens charged per output token: itself and its top logprobs."""
+    return 1 + (params.top_logprobs if params.logprobs else 0)
+
+
+def _prompt_extra(part) -> int:
+    """Tokens charged per sample for what the answer repeats of the prompt: the prompt
+    (echo) and its logprobs."""
+    n = len(part.prompt)
+    lp = part.params.prompt_logprobs
+    return (n if part.echo else 0) + (n * (1 + lp) if lp is not None else 0)
+
+
 def _unsupported(exc: Unsupported) -> APIError:
     return APIError(400, str(exc), "invalid_request_error", exc.param,
                     code="unsupported_parameter")
@@ -577,18 +590,18 @@ class Service:
     async def tokenize(self, request: Request, tenant: Tenant) -> Response:
         request.state.settled_by_run = True  # nothing is generated: the slot is given back here
         try:
-            return await self._tokenize(request)
+            return await self._tokenize(request, tenant)
         finally:
             self.registry.finish(tenant)
 
     async def detokenize(self, request: Request, tenant: Tenant) -> Response:
         request.state.settled_by_run = True
         try:
-            return await self._detokenize(request)
+            return await self._detokenize(request, tenant)
         finally:
             self.registry.finish(tenant)
 
-    async def _tokenize(self, request: Request) -> Response:
+    async def _tokenize(self, request: Request, tenant: Tenant) -> Response:
         req = await self._utility_body(request, TokenizeRequest)
         assert isinstance(req, TokenizeRequest)
         if (req.prompt is None) == (req.messages is None):
@@ -617,13 +630,16 @@ class Service:
             text = req.prompt or ""
             special = req.add_special_tokens is not False
         ids = await self.encode(text, add_special_tokens=special)
+        # the answer's size in tokens (its strings too): under the tenant's tokens per minute
+        self.registry.charge_tokens(tenant, len(ids) * (2 if req.return_token_strs else 1))
         return JSONResponse({
             "count": len(ids), "max_model_len": self.pool.max_model_len, "tokens": ids,
             "token_strs": [self._token_text(t) for t in ids] if req.return_token_strs else None})
 
-    async def _detokenize(self, request: Request) -> Response:
+    async def _detokenize(self, request: Request, tenant: Tenant) -> Response:
         req = await self._utility_body(request, DetokenizeRequest)
         assert isinstance(req, DetokenizeRequest)
+        self.registry.charge_tokens(tenant, len(req.tokens))
         if any(t >= self.tokenizer.vocab_size for t in req.tokens):
             raise bad_request("tokens has ids outside the vocabulary", "tokens")
         return JSONResponse({"prompt": self.tokenizer.decode(req.tokens,
@@ -1079,7 +1095,11 @@ class Service:
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         registry = self.registry
-        budget = sum(part.params.max_tokens for part in parts) * req.n
+        # what the answer can hold, not only what is generated: each output token's logprobs,
+        # and the prompt again (echo) or with its logprobs are charged as tokens too, so a
+        # small request cannot ask for an answer many times its charged size
+        budget = sum(part.params.max_tokens * _per_token(part.params) + _prompt_extra(part)
+                     for part in parts) * req.n
         registry.admit_tokens(tenant, sum(len(part.prompt) for part in parts), budget)
         for part in parts:
             part.trace.mark("TOKENIZED")
@@ -1112,7 +1132,8 @@ class Service:
             nonlocal held
             if held:
                 held = False
-                unused = sum(c.params.max_tokens - c.stream.generated_tokens for c in choices)
+                unused = sum((c.params.max_tokens - c.stream.generated_tokens)
+                             * _per_token(c.params) for c in choices)
                 registry.finish(tenant, unused)
                 for c in choices:
                     self._abandon.pop(c.engine_id, None)

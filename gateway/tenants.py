@@ -269,6 +269,15 @@ class TenantRegistry:
                 raise _too_many(f"tenant {tenant.name!r} is over its "
                                 f"{tenant.tokens_per_minute:g} tokens/min", wait)
 
+    def charge_tokens(self, tenant: Tenant, tokens: int) -> None:
+        """Tokens a utility answer holds (``/tokenize``, ``/detokenize``), from the tokens/min
+        bucket; 429 when they do not fit."""
+        if tenant.token_bucket is not None and tokens > 0:
+            wait = tenant.token_bucket.take(tokens)
+            if wait:
+                raise _too_many(f"tenant {tenant.name!r} is over its "
+                                f"{tenant.tokens_per_minute:g} tokens/min", wait)
+
     def give_back_tokens(self, tenant: Tenant, tokens: int) -> None:
         if tenant.token_bucket is not None and tokens > 0:
             tenant.token_bucket.give_back(tokens)

@@ -408,6 +408,32 @@ def test_a_tenant_cannot_ask_for_a_priority_more_urgent_than_its_min_priority(
         assert prio.sink.find(r.headers["x-tailscope-trace-id"]).priority == 5
 
 
+def test_an_answer_is_charged_by_its_size_echo_and_logprobs_included(tiny49k, bundled_path,
+                                                                      tmp_path):
+    """A 27 KB request once got a 22 MB answer for the charge of its prompt and max_tokens:
+    logprobs, echo and prompt logprobs are charged as tokens; /tokenize and /detokenize are
+    under the tenant's request rate and tokens per minute too."""
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[[tenants]]\nname = "t"\nkeys = ["sk-t-0123456789abcdef"]\n'
+                       'tokens_per_minute = 1000\n\n[[tenants]]\nname = "r"\n'
+                       'keys = ["sk-r-0123456789abcdef"]\nrequests_per_minute = 2\n')
+    cfg = EngineConfig(num_kv_blocks=64, block_size=16)
+    prompt = "one two three four five six seven eight nine ten " * 10  # ~100 tokens
+    with inprocess_client(tiny49k, bundled_path, cfg, tenants_file=str(tenants)) as gw:
+        def post(path: str, key: str = "sk-t-0123456789abcdef", **body):
+            return gw.post(path, json=body, headers={"Authorization": f"Bearer {key}"})
+        plain = post("/v1/completions", model=MODEL, prompt=prompt, max_tokens=40, n=2)
+        assert plain.status_code == 200, plain.text
+        big = post("/v1/completions", model=MODEL, prompt=prompt, max_tokens=40, n=2,
+                   echo=True, logprobs=20)  # (40 x 21 + ~100) x 2: past 1,000 a minute
+        assert big.status_code == 429 and "tokens/min" in big.json()["error"]["message"]
+        long = post("/tokenize", model=MODEL, prompt=prompt * 20)  # ~2,000 tokens
+        assert long.status_code == 429, long.text
+        for i in range(3):  # two a minute
+            r = post("/detokenize", "sk-r-0123456789abcdef", model=MODEL, tokens=[1, 2])
+            assert r.status_code == (200 if i < 2 else 429), r.text
+
+
 def test_end_user_and_metadata_go_on_the_record_and_find_it_in_the_store(client, store):
     """OpenAI's ``safety_identifier`` (else ``user``) and ``metadata`` are recorded
     (``end_user``, ``metadata`` as a JSON object) on chat, completions and Responses requests;
