@@ -220,17 +220,19 @@ class Stored:
 
 class ResponseStore:
     """Responses kept for ``previous_response_id`` and retrieval, in this gateway's memory,
-    at most ``max_bytes`` of them (their JSON size): the least recently used goes first. A
-    response is found only by the tenant that created it."""
+    at most ``max_bytes`` of them (their JSON size). A response is found only by the tenant
+    that created it. Past the bound, the tenant holding the most bytes gives up its least
+    recently used response first: one tenant's flood evicts its own, not everyone's."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.bytes = 0
-        self._kept: OrderedDict[str, Stored] = OrderedDict()
+        self._kept: dict[str, OrderedDict[str, Stored]] = {}  # tenant -> its, LRU first
+        self._held: dict[str, int] = {}  # tenant -> the bytes it holds
         self._lock = threading.Lock()  # the event loop and a stream's end may both touch it
 
     def __len__(self) -> int:
-        return len(self._kept)
+        return sum(len(kept) for kept in self._kept.values())
 
     def put(self, tenant: str, response: dict, conversation: list[dict], items: list[dict]
             ) -> bool:
@@ -239,33 +241,42 @@ class ResponseStore:
         if size > self.max_bytes:
             return False
         with self._lock:
-            self._drop(response["id"])
-            self._kept[response["id"]] = Stored(tenant, response, conversation, items, size)
+            self._drop(tenant, response["id"])
+            self._kept.setdefault(tenant, OrderedDict())[response["id"]] = Stored(
+                tenant, response, conversation, items, size)
+            self._held[tenant] = self._held.get(tenant, 0) + size
             self.bytes += size
             while self.bytes > self.max_bytes:
-                self._drop(next(iter(self._kept)))
+                biggest = max(self._held, key=self._held.__getitem__)
+                self._drop(biggest, next(iter(self._kept[biggest])))
         return True
 
     def get(self, tenant: str, response_id: str) -> Stored | None:
         with self._lock:
-            got = self._kept.get(response_id)
-            if got is None or got.tenant != tenant:
-                return None
-            self._kept.move_to_end(response_id)
+            kept = self._kept.get(tenant)
+            got = kept.get(response_id) if kept is not None else None
+            if got is not None:
+                kept.move_to_end(response_id)
             return got
 
     def delete(self, tenant: str, response_id: str) -> bool:
         with self._lock:
-            got = self._kept.get(response_id)
-            if got is None or got.tenant != tenant:
-                return False
-            self._drop(response_id)
-            return True
+            return self._drop(tenant, response_id)
 
-    def _drop(self, response_id: str) -> None:
-        got = self._kept.pop(response_id, None)
-        if got is not None:
-            self.bytes -= got.size
+    def held(self, tenant: str) -> int:
+        """The bytes ``tenant``'s responses take."""
+        return self._held.get(tenant, 0)
+
+    def _drop(self, tenant: str, response_id: str) -> bool:
+        kept = self._kept.get(tenant)
+        got = kept.pop(response_id, None) if kept is not None else None
+        if got is None:
+            return False
+        self.bytes -= got.size
+        self._held[tenant] -= got.size
+        if not kept:
+            del self._kept[tenant], self._held[tenant]
+        return True
 
 
 def with_ids(items: list[dict]) -> list[dict]:

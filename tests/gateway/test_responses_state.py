@@ -172,3 +172,17 @@ def test_the_store_keeps_to_its_byte_bound_least_recently_used_first():
     assert store.get("t", "resp_9") is None and len(store) == 3
     assert store.delete("t", "resp_0") and not store.delete("t", "resp_0")
     assert store.bytes == 2 * size
+
+
+def test_one_tenants_flood_evicts_its_own_responses_not_the_others():
+    def response(i: int) -> dict:
+        return {"id": f"resp_{i}", "text": "x" * 100}
+    size = len(json.dumps([response(0), [], []]))
+    store = ResponseStore(max_bytes=4 * size)
+    store.put("quiet", response(0), [], [])
+    for i in range(1, 50):  # the flood: far more than the whole store
+        assert store.put("flood", response(i), [], [])
+    assert store.get("quiet", "resp_0") is not None
+    assert store.held("quiet") == size and store.bytes <= store.max_bytes
+    kept = sorted(i for i in range(50) if store.get("flood", f"resp_{i}"))
+    assert kept and kept == list(range(kept[0], 50))  # its most recent, as many as fit
