@@ -15,6 +15,7 @@ import hashlib
 import hmac
 import json
 import logging
+import secrets
 import socket
 import threading
 import time
@@ -493,6 +494,23 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
             raise APIError(400, f"bench run {run[:80]!r} belongs to another tenant",
                            param="x-tailscope-bench-run", code="bench_run_taken")
 
+    trace_owners: OrderedDict[str, str] = OrderedDict()  # recent trace ids -> their tenant
+
+    def own_trace_id(request: Request, trace, tenant) -> None:
+        """A client's traceparent may name a trace id another tenant's requests have: its
+        record would then stand for theirs (``/debug/requests/{id}``, replay). Such a request
+        gets a trace id of its own (its traceparent's stays its parent span)."""
+        trace_id = trace.record.trace_id
+        owner = trace_owners.get(trace_id)
+        if owner is not None and owner != tenant.name and trace.client_trace:
+            log.warning("a request of tenant %r named trace %s, which is tenant %r's: it gets "
+                        "a trace id of its own", tenant.name, trace_id, owner)
+            trace_id = trace.record.trace_id = request.state.trace_id = secrets.token_hex(16)
+        trace_owners[trace_id] = tenant.name
+        trace_owners.move_to_end(trace_id)
+        if len(trace_owners) > 65_536:
+            trace_owners.popitem(last=False)
+
     async def gated(request: Request, handler) -> Response:
         """Ingress gate (auth, request rate, concurrency) before any parsing or tokenizing;
         the tenant's slot is released here on early errors, otherwise by the service."""
@@ -503,6 +521,7 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
             trace.record.ttl_days = tenant.ttl_days or config.store_ttl_days
             if trace.record.bench_run:
                 claim_bench_run(trace.record.bench_run, tenant)
+            own_trace_id(request, trace, tenant)
         try:
             registry.admit_request(tenant)
         except APIError as exc:  # a 429 says where the tenant's buckets stand too

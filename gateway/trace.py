@@ -65,6 +65,7 @@ class RequestTrace:
         self.earlier_tries = 0  # failed elsewhere first (a mixed pool's backend)
         # the other prompts of a /v1/completions batch: a record each (``sibling``)
         self.siblings: list[RequestTrace] = []
+        self.client_trace = False  # the trace id is the client's (its traceparent)
 
     def sibling(self, prompt_index: int) -> RequestTrace:
         """The trace of prompt ``prompt_index`` of this request's batch: the same arrival,
@@ -173,17 +174,20 @@ class TraceMiddleware:
         if trace is not None:
             trace.record.bench_run = headers.get(b"x-tailscope-bench-run", b"").decode(
                 "latin-1")[:64]
+            trace.client_trace = parent is not None
         state = scope.setdefault("state", {})
         state.update(request_id=request_id, trace_id=trace_id, trace=trace)
-        extra = [(b"x-request-id", request_id.encode("latin-1")),
-                 (b"x-tailscope-trace-id", trace_id.encode()),
-                 (b"traceparent", f"00-{trace_id}-{span_id}-{flags}".encode())]
         status = 0
 
         async def send_with_ids(message) -> None:
-            nonlocal status
+            nonlocal status, trace_id
             if message["type"] == "http.response.start":
                 status = message["status"]
+                if trace is not None:  # the gateway may have given it another (a collision)
+                    trace_id = trace.record.trace_id
+                extra = [(b"x-request-id", request_id.encode("latin-1")),
+                         (b"x-tailscope-trace-id", trace_id.encode()),
+                         (b"traceparent", f"00-{trace_id}-{span_id}-{flags}".encode())]
                 routed = [(b"x-tailscope-replica", trace.record.replica.encode("latin-1",
                                                                               "replace"))
                           ] if trace is not None and trace.record.replica else []

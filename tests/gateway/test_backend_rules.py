@@ -176,3 +176,24 @@ def test_a_bench_run_is_its_first_tenants_or_an_admins(gateway):
     assert taken.status_code == 400 and taken.json()["error"]["code"] == "bench_run_taken"
     r = tagged(ADMIN)
     assert r.status_code == 200 and record(gateway, r)["bench_run"] == "bench-owned-by-small"
+
+
+def test_a_client_cannot_take_another_tenants_trace_id(gateway):
+    """(Not backend-specific.) bob's traceparent naming alice's trace id would make his
+    record stand for hers."""
+    def traced(key: str, trace_id: str) -> httpx.Response:
+        return httpx.post(f"{gateway.url}/v1/completions", timeout=60, json={
+            "model": "echo", "prompt": "Hi", "max_tokens": 2}, headers={
+            "Authorization": f"Bearer {key}",
+            "traceparent": f"00-{trace_id}-{'b' * 16}-01"})
+    theirs = "c0ffee" + "0" * 26
+    first = traced(SMALL, theirs)
+    assert first.status_code == 200 and first.headers["x-tailscope-trace-id"] == theirs
+    again = traced(SMALL, theirs)  # the same tenant may go on in its own trace
+    assert again.headers["x-tailscope-trace-id"] == theirs
+    other = traced(ADMIN, theirs)
+    assert other.status_code == 200
+    mine = other.headers["x-tailscope-trace-id"]
+    assert mine != theirs and other.headers["traceparent"].startswith(f"00-{mine}-")
+    assert record(gateway, other)["tenant"] == "ops"
+    assert record(gateway, first)["tenant"] == "small"  # theirs still shows theirs
