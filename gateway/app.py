@@ -481,19 +481,6 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
             if tokenizer.chat_template else None, "model_max_length": pool.max_model_len,
             "vocab_size": tokenizer.vocab_size, "revision": tokenizer.revision or ""}
 
-    bench_runs: OrderedDict[str, str] = OrderedDict()  # run id -> the tenant that tagged it
-
-    def claim_bench_run(run: str, tenant) -> None:
-        """A bench run's records are its first tenant's (or an admin's): another tenant's
-        requests tagged with its id would skew what ``whatif --bench-run`` reads."""
-        owner = bench_runs.setdefault(run, tenant.name)
-        bench_runs.move_to_end(run)
-        if len(bench_runs) > 10_000:
-            bench_runs.popitem(last=False)
-        if owner != tenant.name and not tenant.admin:
-            raise APIError(400, f"bench run {run[:80]!r} belongs to another tenant",
-                           param="x-tailscope-bench-run", code="bench_run_taken")
-
     trace_owners: OrderedDict[str, str] = OrderedDict()  # recent trace ids -> their tenant
 
     def own_trace_id(request: Request, trace, tenant) -> None:
@@ -519,8 +506,6 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
         if trace is not None:  # /tokenize and /detokenize have no record
             trace.record.tenant, trace.record.api_key_id = tenant.name, key_id
             trace.record.ttl_days = tenant.ttl_days or config.store_ttl_days
-            if trace.record.bench_run:
-                claim_bench_run(trace.record.bench_run, tenant)
             own_trace_id(request, trace, tenant)
         try:
             registry.admit_request(tenant)

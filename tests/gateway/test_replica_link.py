@@ -165,3 +165,26 @@ def test_a_shutdown_is_taken_once_and_only_on_its_own_link():
     assert not b.accept(opened, is_hello=False)  # another run of the same replica
     other = ReplicaLink("r1", link_key(KEY.encode(), "r1"))
     assert unseal(frame, lambda rid: other.key) is None  # another replica: another key
+
+
+def test_a_replica_delivers_only_to_the_requests_it_holds():
+    """A replica that speaks for itself (its own key) still cannot put tokens into a request
+    another replica serves: the pool takes a delta only from the request's own replica."""
+    import asyncio
+
+    from engine.config import EngineConfig
+    from engine.protocol import StepReport, TokenDelta
+    from gateway.replicas import ReplicaPool
+
+    pool = ReplicaPool("tiny:49152", EngineConfig(), num_replicas=2)
+    try:
+        r0, r1 = pool.replicas
+        queue: asyncio.Queue = asyncio.Queue()
+        pool.queues["req"], pool.owner["req"] = queue, r0
+        pool.flow.track("req", queue)
+        pool._handle(StepReport(r1.id, [TokenDelta("req", [666], "DECODING")]))
+        assert queue.empty()
+        pool._handle(StepReport(r0.id, [TokenDelta("req", [7], "DECODING")]))
+        assert queue.get_nowait().token_ids == [7]
+    finally:
+        pool.transport.close()

@@ -163,25 +163,33 @@ def test_privacy_counts_only_and_ttl(store_server):
         "rows"] == others["rows"]
 
 
-def test_tenant_delete_keeps_another_tenants_events_under_the_same_trace_id(store_server):
+def test_a_second_tenant_naming_a_trace_id_gets_its_own_and_deletes_stay_apart(store_server):
+    """Both callers send the same traceparent: the second tenant's request gets a trace id of
+    its own (its record must not stand for the first's), and deleting the first tenant's rows
+    leaves the second's record and events."""
     s = store_server
-    trace_id = secrets.token_hex(16)  # both callers send the same traceparent
+    trace_id = secrets.token_hex(16)
     headers = {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"}
+    got = {}
     for key in ("sk-private", "sk-alpha"):
         r = httpx.post(f"{s.url}/v1/completions", timeout=60, json={
             "model": s.model, "prompt": "Hi", "max_tokens": 2},
             headers={**headers, "Authorization": f"Bearer {key}"})
         assert r.status_code == 200
+        got[key] = r.headers["x-tailscope-trace-id"]
+    assert got["sk-private"] == trace_id and got["sk-alpha"] != trace_id
     # deleted at once: the rows still in the writer's queue are written first, then deleted
     r = httpx.delete(f"{s.url}/debug/tenants/private/records",
                      headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60)
     assert r.status_code == 200
     time.sleep(1.5)  # past the flush age: nothing of the deleted tenant lands afterwards
-    rows = query(s, "SELECT tenant FROM tailscope.requests WHERE trace_id = {t:String}",
-                 {"t": trace_id})["rows"]
-    assert rows == [["alpha"]]
+    assert query(s, "SELECT tenant FROM tailscope.requests WHERE trace_id = {t:String}",
+                 {"t": trace_id})["rows"] == []
+    alpha = got["sk-alpha"]
+    assert wait_for(lambda: query(s, "SELECT tenant FROM tailscope.requests WHERE trace_id = "
+                                     "{t:String}", {"t": alpha})["rows"] == [["alpha"]], 10)
     events = query(s, "SELECT tenant, count() FROM tailscope.request_events WHERE trace_id = "
-                      "{t:String} GROUP BY tenant", {"t": trace_id})["rows"]
+                      "{t:String} GROUP BY tenant", {"t": alpha})["rows"]
     assert len(events) == 1 and events[0][0] == "alpha" and events[0][1] > 3
 
 
