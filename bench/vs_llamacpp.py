@@ -1,7 +1,7 @@
 """Tailscope against llama.cpp's ``llama-server``, side by side in one run, through both
 servers' OpenAI endpoints.
 
-    python bench/vs_llamacpp.py [--dtypes float32,bfloat16,bfloat16+int4] [--threads 2]
+    python bench/vs_llamacpp.py [--dtypes default,exact,bfloat16+int4] [--threads 2]
         [--rounds 3] [--quick]
 
 ``llama-server`` is built natively from the ``llama-cpp-python`` source distribution on PyPI
@@ -9,7 +9,9 @@ servers' OpenAI endpoints.
 10 minutes on 2 cores, once, cached under ``~/.cache/tailscope-bench``). It serves the bundled
 model's own GGUF (Q4_1) with ``-t/-tb <threads>`` and 32 slots; Tailscope serves the same file
 (``tailscope serve``, one replica with ``TAILSCOPE_THREADS=<threads>``, a fresh embedded store
-with full capture) once per ``--dtypes`` entry (``DTYPE+int4`` / ``DTYPE+int8``: with
+with full capture) once per ``--dtypes`` entry (``default``: no engine flags, what ``make
+serve`` runs, the headline row; ``exact``: ``--profile exact``; ``DTYPE+int4`` /
+``DTYPE+int8``: with
 ``--weights int4`` / ``int8``; int4 keeps the GGUF's Q4_1 blocks packed for small decode
 steps; ``+out=int4``: with ``--output-weights int4``, the output matrix too;
 ``+compile``: with ``--compile``, decode steps through ``torch.compile``, e.g.
@@ -160,28 +162,39 @@ def start_llama(exe: Path, threads: int, w: dict) -> Server:
                   lambda: stop_process(proc, 30))
 
 
-def start_tailscope(spec: str, threads: int) -> Server:
-    """``spec``: an engine dtype, then optionally ``+int4`` / ``+int8`` (the weights),
+def serve_args(spec: str) -> list[str]:
+    """``spec``: ``default`` (no engine flags: the product's fast profile), ``exact`` (the
+    exact profile), or an engine dtype, then optionally ``+int4`` / ``+int8`` (the weights),
     ``+out=int4`` / ``+out=int8`` (the output matrix) and ``+compile`` or ``+aot`` (compiled
     ahead of time: ``compile_mode: aot``) (``bfloat16+int4+out=int4+compile``)."""
-    import httpx
-
-    from bench.trace_overhead import PeakRss
-    from tracing.client import GatewayProcess
-
+    if spec == "default":
+        return []
+    if spec == "exact":
+        return ["--profile", "exact"]
     dtype, *extra = spec.split("+")
     outputs = [x.removeprefix("out=") for x in extra if x.startswith("out=")]
     weights = [x for x in extra if x not in ("compile", "aot") and not x.startswith("out=")]
     if len(weights) > 1 or len(outputs) > 1:
-        raise SystemExit(f"--dtypes: {spec!r} is not "
+        raise SystemExit(f"--dtypes: {spec!r} is not default, exact or "
                          "DTYPE[+WEIGHTS][+out=WEIGHTS][+compile|+aot]")
     args = ["--dtype", dtype, "--weights", weights[0] if weights else "native",
             "--output-weights", outputs[0] if outputs else "native"]
     args += ["--compile"] if "compile" in extra or "aot" in extra else []
     args += ["--compile-mode", "aot"] if "aot" in extra else []
+    return args
+
+
+def start_tailscope(spec: str, threads: int) -> Server:
+    """Tailscope serving the bundled model as ``spec`` says (``serve_args``)."""
+    import httpx
+
+    from bench.trace_overhead import PeakRss
+    from tracing.client import GatewayProcess
+
     store = tempfile.mkdtemp(prefix="tailscope-vs-llamacpp-")
-    gw = GatewayProcess(args, cwd=ROOT, quiet=True, ready_timeout_s=600,
-                        env={"TAILSCOPE_THREADS": str(threads),
+    gw = GatewayProcess(serve_args(spec), cwd=ROOT, quiet=True, ready_timeout_s=600,
+                        # the product's default profile, whatever this shell's says
+                        env={"TAILSCOPE_THREADS": str(threads), "TAILSCOPE_PROFILE": "fast",
                              "TAILSCOPE_STORE_DSN": f"chdb://{store}/store"}).start()
     rss = PeakRss(gw.proc.pid)
     try:
@@ -250,10 +263,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-cpp-python", default="0.3.36", help="sdist version to build from")
-    ap.add_argument("--dtypes", default="float32,bfloat16,bfloat16+int4",
-                    help="Tailscope runs, one per engine dtype, DTYPE+int4 / DTYPE+int8 for "
-                         "packed weights, +out=int4 for a packed output matrix, +compile for "
-                         "compiled decode steps (comma-separated)")
+    ap.add_argument("--dtypes", default="default,exact",
+                    help="Tailscope runs (comma-separated): default (no flags, as make serve "
+                         "runs: the fast profile), exact (the exact profile), or an engine "
+                         "dtype, DTYPE+int4 / DTYPE+int8 for packed weights, +out=int4 for a "
+                         "packed output matrix, +compile for compiled decode steps")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3,
                     help="each server measured this many times, in turns; medians printed")

@@ -73,6 +73,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "sjf", "fair")  # engine.policy.POLIC
 BUDGET_SPLITS = ("decode_first", "prefill_first", "decode_reserve")
 WEIGHT_FORMATS = ("native", "int4", "int4a8", "int8")
 COMPILE_MODES = ("jit", "aot")
+PROFILES = ("fast", "exact")  # engine.profiles
 
 
 def _setting(default, help: str):
@@ -111,11 +112,18 @@ class EngineConfig:
     field here (plus its use), nothing else.
     """
 
-    dtype: str = _setting("float32", "weight and KV-cache dtype: " + ", ".join(DTYPE_BYTES)
-                          + ", or auto (bfloat16 where the CPU multiplies bf16 natively, else "
-                          "float32: engine.config.auto_dtype), resolved when the config is "
-                          "made")
-    weights: str = _setting("native", "how the linear layers' weights are held: native (in "
+    profile: str = _setting("exact", "which settings fill in those not given (dtype, "
+                                     "weights, output_weights): fast, the CPU's fastest "
+                                     "faithful path (bfloat16 and packed 4-bit weights where "
+                                     "the CPU multiplies bf16 natively), or exact (float32, "
+                                     "native weights: bitwise against a recompute); tailscope "
+                                     "serve and generate default to fast: engine.profiles")
+    dtype: str | None = _setting(None, "weight and KV-cache dtype: " + ", ".join(DTYPE_BYTES)
+                                 + ", or auto (bfloat16 where the CPU multiplies bf16 "
+                                 "natively, else float32: engine.config.auto_dtype), "
+                                 "resolved when the config is made (unset: the profile's)")
+    weights: str | None = _setting(None, "how the linear layers' weights are held (unset: "
+                            "the profile's): native (in "
                             "dtype), int4 (4-bit codes with a scale and zero per 32 inputs: "
                             "GGUF Q4_0 / Q4_1 / Q4_K tensors kept as stored, others quantized), "
                             "int4a8 (int4 whose small decode steps quantize their inputs to "
@@ -127,7 +135,7 @@ class EngineConfig:
                             "steps of up to 16 rows (int4 on our own kernel, kernels.native) or "
                             "4 (int8, or int4 on torch's kernel) run packed, larger steps a "
                             "dense copy of the same values: engine.quant")
-    output_weights: str = _setting("native", "how the output matrix (lm_head, or the tied "
+    output_weights: str | None = _setting(None, "how the output matrix (lm_head, or the tied "
                                    "embedding's values) is held for small decode steps (as "
                                    "many rows as for weights): native, int4, int4a8 or int8 "
                                    "as for weights, each row's 64 "
@@ -185,6 +193,14 @@ class EngineConfig:
         for name in ("num_kv_blocks", "max_model_len"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.profile not in PROFILES:
+            raise ValueError(f"profile must be one of {PROFILES}, got {self.profile!r}")
+        if None in (self.dtype, self.weights, self.output_weights):
+            from engine.profiles import choose  # resolved once, like auto below
+
+            for name, value in choose(self.profile)[0].items():
+                if getattr(self, name) is None:
+                    object.__setattr__(self, name, value)
         if self.dtype == "auto":  # resolved once, here: config_id and replicas see the choice
             object.__setattr__(self, "dtype", auto_dtype()[0])
         if self.dtype not in DTYPE_BYTES:

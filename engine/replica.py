@@ -34,6 +34,7 @@ from engine.cpus import format_cpus, move_threads, parse_cpus, torch_threads
 from engine.link import ReplicaLink, link_key, unseal
 from engine.llm_engine import Engine, RequestOutput
 from engine.loader import load_model
+from engine.profiles import PRODUCT_DEFAULT
 from engine.protocol import (
     MAX_MESSAGE_BYTES,
     AbortRequest,
@@ -295,7 +296,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--id", required=True)
     p.add_argument("--model", default="bundled")
     p.add_argument("--engine-config", default="{}",
-                   help="the EngineConfig as JSON (omitted settings keep their defaults)")
+                   help="the EngineConfig as JSON (omitted settings keep their defaults; the "
+                        "profile's is fast, or TAILSCOPE_PROFILE's)")
     p.add_argument("--engine-config-file", metavar="FILE",
                    help="a `tailscope serve --engine-config` file: its engine settings (a remote "
                         "replica must run its gateway's)")
@@ -357,7 +359,10 @@ def main(argv: list[str] | None = None) -> int:
                 values = (yaml.safe_load(f) or {}).get("engine") or {}
         if not isinstance(values, dict):
             raise ValueError("--engine-config must be a JSON object")
-        config = EngineConfig.from_mapping(values, "--engine-config")
+        # the product's profile (or TAILSCOPE_PROFILE's) unless the config names one (the
+        # gateway's always does)
+        profile = os.environ.get("TAILSCOPE_PROFILE") or PRODUCT_DEFAULT
+        config = EngineConfig.from_mapping({"profile": profile, **values}, "--engine-config")
     except (ValueError, OSError) as exc:  # json's errors are ValueErrors too
         p.error(str(exc))
     except Exception as exc:  # a YAML syntax error in the file

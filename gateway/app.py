@@ -168,8 +168,9 @@ NOT_CONFIG = ("api_key_env", "max_response_mb", "max_line_kb")
 def resolved_config(config: GatewayConfig) -> dict:
     """What decides the outputs and timings: model, engine settings and sampling policy."""
     engine = config.engine.as_dict()
-    if engine["compile_mode"] == "jit":  # (absent at its default: earlier config ids stay)
-        del engine["compile_mode"]
+    for name, default in (("compile_mode", "jit"), ("profile", "exact")):
+        if engine[name] == default:  # (absent at its default: earlier config ids stay)
+            del engine[name]
     out = {"model": config.model, "served_model_name": config.served_model_name,
            "replicas": config.replicas, "engine": engine,
            "sampling": {"defaults": config.sampling_defaults,
@@ -225,6 +226,9 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
                                   key=(config.replica_key or "").encode() or None,
                                   outbox_bind=config.replica_outbox,
                                   cpus=replica_cpus(config.replica_cpus, config.replicas))
+    from engine.profiles import explain
+
+    log.info("engine profile %s (%s)", config.engine.profile, explain(config.engine))
     registry = TenantRegistry.from_file(config.tenants_file, config.key_id_secret)
     if registry.open:
         log.warning("no API keys configured: open local mode, every request is tenant 'local'")
@@ -428,11 +432,13 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
         """The gateway's resolved config, its config_id and versions (the eval runner reads
         them to label a run). Open: it holds no secrets."""
         from engine.config import auto_dtype
+        from engine.profiles import explain
 
         chosen, why = auto_dtype()
         return {"config_id": versions["config_id"], "name": config.config_name,
                 "config": resolved_config(config), "versions": versions,
                 "dtype_auto": {"chooses": chosen, "because": why},
+                "profile": {"name": config.engine.profile, "because": explain(config.engine)},
                 **({"store_process": store_child.describe()} if store_child else {})}
 
     @app.get("/debug/replicas")

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from engine.config import EngineConfig
 from tailscope import __version__
-from tailscope.settings import Settings
+from tailscope.settings import Settings, engine_env
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -25,13 +25,16 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, dest=f"engine_{name}", type=kind, default=None, help=help_)
 
 
-def engine_config(args: argparse.Namespace, base: EngineConfig, *layers: dict) -> EngineConfig:
-    """``base`` (the defaults and the environment: ``Settings.engine``) < each of ``layers``
-    (e.g. a config file) < flags."""
+def engine_config(args: argparse.Namespace, *layers: dict) -> EngineConfig:
+    """The defaults (the product's profile, ``fast``: engine.profiles) < the environment
+    (``TAILSCOPE_<SETTING>``) < each of ``layers`` (e.g. a config file) < flags; the profile
+    fills in what none of them gives."""
+    from engine.profiles import PRODUCT_DEFAULT
+
     flags = {name: getattr(args, f"engine_{name}") for name in EngineConfig.setting_types()
              if getattr(args, f"engine_{name}", None) is not None}
-    merged = base.as_dict()
-    for layer in (*layers, flags):
+    merged: dict = {"profile": PRODUCT_DEFAULT}
+    for layer in (engine_env(), *layers, flags):
         merged.update(layer)
     try:
         return EngineConfig(**merged)
@@ -50,7 +53,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     s = Settings.from_env()
     s = replace(s, model=args.model or s.model)
-    config = engine_config(args, s.engine)
+    config = engine_config(args)
     if s.threads:
         torch.set_num_threads(s.threads)
     path = resolve_model_path(s.model)
@@ -169,7 +172,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         s = replace(s, model=file.model or s.model)
     s = replace(s, model=args.model or s.model)
     # precedence: command-line flag > config file > environment > default
-    engine = engine_config(args, s.engine, file.engine if file else {})
+    engine = engine_config(args, file.engine if file else {})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     served = args.served_model_name or (file and file.served_model_name) \
         or "SmolLM2-135M-Instruct"
@@ -875,6 +878,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     s = Settings.from_env()
     admin = s.admin_key or None
+    if args.eval_command == "fidelity":
+        from evals import fidelity as F
+
+        try:
+            got = F.run(args.config, args.reference, args.text or F.TEXT, args.window,
+                        args.max_tokens, s.model)
+        except (ValueError, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(json.dumps(got.as_dict()) if args.json else got.text(args.config,
+                                                                     args.reference))
+        return 0 if got.ppl_increase <= F.MAX_PPL_INCREASE else 1
     if args.eval_command == "run":
         try:
             suite, cases = R.load_suite(args.suite)
@@ -1169,6 +1184,18 @@ def _eval_parser(sub) -> None:
     r.add_argument("--concurrency", type=int, default=8)
     r.add_argument("--api-key", help="tenant key for the requests")
     r.add_argument("--gateway-log", metavar="FILE", help="the started gateway's output")
+    fi = es.add_parser("fidelity", help="how far a config's next-token distributions are "
+                       "from a reference's on a fixed text: perplexity, KL divergence, top-1 "
+                       "agreement (exit 1 past the perplexity gate)")
+    fi.add_argument("--config", default="fast", help="a profile (fast, exact) or an engine "
+                    "config YAML file (default fast)")
+    fi.add_argument("--reference", default="exact", help="the same, compared against "
+                    "(default exact)")
+    fi.add_argument("--text", help="the text (default: evals/data/shakespeare.txt, a "
+                    "public-domain one of ~23k tokens)")
+    fi.add_argument("--window", type=int, default=512, help="tokens run from scratch at once")
+    fi.add_argument("--max-tokens", type=int, help="only the text's first N tokens")
+    fi.add_argument("--json", action="store_true")
     for name, help_ in (("compare", "compare run B against baseline run A; exit 1 on a "
                          "regression"), ("list", "the latest stored runs")):
         c = es.add_parser(name, help=help_)

@@ -28,7 +28,7 @@ def parse_env(name: str, raw: str, kind: type, optional: bool = False):
         raise ValueError(f"TAILSCOPE_{name.upper()}={raw!r} is not a {kind.__name__}") from None
 
 
-def _engine_from_env() -> dict:
+def engine_env() -> dict:
     """The engine settings given in the environment (only those)."""
     out = {}
     for name, (kind, optional, _) in EngineConfig.setting_types().items():
@@ -101,7 +101,7 @@ class Settings:
     @classmethod
     def from_env(cls) -> Settings:
         """Each field from ``TAILSCOPE_<FIELD NAME>``, parsed by its type."""
-        values: dict = {"engine": EngineConfig(**_engine_from_env())}
+        values: dict = {"engine": EngineConfig(**engine_env())}
         for f in dataclasses.fields(cls):
             raw = os.environ.get(f"TAILSCOPE_{f.name.upper()}")
             if raw is not None and f.name != "engine":

@@ -9,6 +9,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Triton kernels run on CPU tensors in Triton's interpreter (must be set before triton loads)
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Gateways and replicas the tests start run the exact profile (float32, native weights): tests
+# of the gateway compare tokens bitwise with in-process engines. The product's default, fast,
+# has tests of its own (tests/engine/test_profiles.py), which lift this.
+os.environ.setdefault("TAILSCOPE_PROFILE", "exact")
 
 
 @pytest.fixture(scope="session")

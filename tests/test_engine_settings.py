@@ -22,7 +22,7 @@ SAMPLE = {"dtype": "bfloat16", "kv_cache_mb": 64, "num_kv_blocks": 40, "block_si
           "scheduling_policy": "priority", "priority_aging_s": 2.5, "batch_invariant": True,
           "sjf_token_s": 0.05, "budget_split": "prefill_first", "decode_reserve_tokens": 8,
           "fair_decode_cost": 1.5, "weights": "int4", "compile": True,
-          "output_weights": "int4", "compile_mode": "aot"}
+          "output_weights": "int4", "compile_mode": "aot", "profile": "fast"}
 # settings whose other values need another setting's (sent along with them on every surface)
 REQUIRES = {"compile_mode": {"compile": True}}
 # settings with one valid value so far (no other value to send through every surface)
@@ -53,7 +53,7 @@ def test_each_setting_is_an_env_var_a_flag_a_yaml_key_and_part_of_config_id(
     for n, v in values.items():
         flag = "--" + n.replace("_", "-")
         argv += [f"--no-{flag[2:]}"] if v is False else [flag] if v is True else [flag, str(v)]
-    assert getattr(engine_config(p.parse_args(argv), EngineConfig()), name) == value
+    assert getattr(engine_config(p.parse_args(argv)), name) == value
 
     f = tmp_path / "c.yaml"
     f.write_text("engine: {" + ", ".join(
@@ -69,7 +69,7 @@ def test_flags_win_over_the_file_and_the_file_over_the_environment(monkeypatch):
     monkeypatch.setenv("TAILSCOPE_BLOCK_SIZE", "8")
     p = argparse.ArgumentParser()
     add_engine_flags(p)
-    got = engine_config(p.parse_args(["--max-num-seqs", "7"]), Settings.from_env().engine,
+    got = engine_config(p.parse_args(["--max-num-seqs", "7"]),
                         {"max_num_seqs": 6, "kv_cache_mb": 32})
     assert (got.max_num_seqs, got.block_size, got.kv_cache_mb) == (7, 8, 32)
 

@@ -1,0 +1,63 @@
+"""Engine profiles: the settings a CPU runs fastest with (``fast``), or the float32 path that is
+bitwise equal to a dense recompute (``exact``).
+
+A profile fills in only the settings nobody gave (``EngineConfig``'s ``dtype``, ``weights``,
+``output_weights`` left unset); every individual setting still overrides it. ``fast`` is chosen
+per CPU from the flags in /proc/cpuinfo:
+
+- AVX-512 BF16 or AMX: bfloat16 activations, the model's own 4-bit weights on our packed
+  kernel, and the 4-bit output matrix whose top logits are recomputed from the exact matrix
+  (``kernels.linear.RescoredOutput``).
+- otherwise: float32 with native weights, as ``exact``: without a native bf16 multiply bf16 is
+  emulated (slower than float32), and the packed 4-bit kernel is written for AVX-512.
+
+The product's entry points (``tailscope serve``, ``tailscope generate``, a replica process)
+default to ``fast``; ``EngineConfig()`` in code defaults to ``exact``, so a test or a library
+caller gets bitwise results unless it asks otherwise.
+"""
+
+from __future__ import annotations
+
+from engine.config import PROFILES
+
+PRODUCT_DEFAULT = "fast"
+BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+_EXACT = {"dtype": "float32", "weights": "native", "output_weights": "native"}
+
+
+def cpu_flags() -> set[str] | None:
+    """This CPU's feature flags (/proc/cpuinfo), None where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        return None
+    return set()
+
+
+def choose(profile: str, flags: set[str] | None = None) -> tuple[dict[str, str], str]:
+    """The settings ``profile`` means on a CPU with ``flags`` (default: this one's), and why."""
+    if profile not in PROFILES:
+        raise ValueError(f"profile must be one of {PROFILES}, got {profile!r}")
+    if profile == "exact":
+        return dict(_EXACT), "exact: float32 with native weights, bitwise against a recompute"
+    flags = cpu_flags() if flags is None else flags
+    if flags is None:
+        return dict(_EXACT), "fast: CPU features unknown (no /proc/cpuinfo): the exact path"
+    native = sorted(flags & BF16_FLAGS)
+    if native:
+        return ({"dtype": "bfloat16", "weights": "int4", "output_weights": "int4"},
+                f"fast: the CPU multiplies bf16 natively ({', '.join(native)}): bfloat16 "
+                "activations, packed 4-bit weights, 4-bit output matrix with exact rescoring")
+    return dict(_EXACT), ("fast: no native bf16 multiply on this CPU (neither avx512_bf16 nor "
+                          "amx_bf16): float32 with native weights, as exact")
+
+
+def explain(config) -> str:
+    """Why ``config`` (an ``EngineConfig``) runs as it does: its profile's reason here, and the
+    settings given over it."""
+    chosen, why = choose(config.profile)
+    over = [f"{k}={getattr(config, k)}" for k, v in chosen.items() if getattr(config, k) != v]
+    return why + (f"; set over it: {', '.join(over)}" if over else "")
