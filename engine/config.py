@@ -198,7 +198,8 @@ class EngineConfig:
         if None in (self.dtype, self.weights, self.output_weights):
             from engine.profiles import choose  # resolved once, like auto below
 
-            for name, value in choose(self.profile)[0].items():
+            for name, value in choose(self.profile,
+                                      batch_invariant=self.batch_invariant)[0].items():
                 if getattr(self, name) is None:
                     object.__setattr__(self, name, value)
         if self.dtype == "auto":  # resolved once, here: config_id and replicas see the choice

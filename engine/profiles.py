@@ -37,8 +37,18 @@ def cpu_flags() -> set[str] | None:
     return set()
 
 
-def choose(profile: str, flags: set[str] | None = None) -> tuple[dict[str, str], str]:
-    """The settings ``profile`` means on a CPU with ``flags`` (default: this one's), and why."""
+def choose(profile: str, flags: set[str] | None = None, batch_invariant: bool = False
+           ) -> tuple[dict[str, str], str]:
+    """The settings ``profile`` means on a CPU with ``flags`` (default: this one's), and why;
+    under ``batch_invariant`` (whose kernels packed weights cannot run) native weights."""
+    settings, why = _choose(profile, flags)
+    if batch_invariant and settings["weights"] != "native":
+        settings.update(weights="native", output_weights="native")
+        why += " (native weights: batch_invariant)"
+    return settings, why
+
+
+def _choose(profile: str, flags: set[str] | None) -> tuple[dict[str, str], str]:
     if profile not in PROFILES:
         raise ValueError(f"profile must be one of {PROFILES}, got {profile!r}")
     if profile == "exact":
@@ -58,6 +68,6 @@ def choose(profile: str, flags: set[str] | None = None) -> tuple[dict[str, str],
 def explain(config) -> str:
     """Why ``config`` (an ``EngineConfig``) runs as it does: its profile's reason here, and the
     settings given over it."""
-    chosen, why = choose(config.profile)
+    chosen, why = choose(config.profile, batch_invariant=config.batch_invariant)
     over = [f"{k}={getattr(config, k)}" for k, v in chosen.items() if getattr(config, k) != v]
     return why + (f"; set over it: {', '.join(over)}" if over else "")

@@ -352,4 +352,6 @@ def config_file_text(config: dict) -> str:
     for key in ("model", "served_model_name", "replicas", "engine", "sampling"):
         if config.get(key) is not None:
             data[key] = config[key]
+    if isinstance(data.get("engine"), dict):  # a stored config names no profile when exact
+        data["engine"] = {"profile": "exact", **data["engine"]}
     return yaml.safe_dump(data, sort_keys=False)

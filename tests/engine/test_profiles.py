@@ -44,6 +44,10 @@ def test_a_profile_fills_in_only_what_is_not_given():
         assert "set over it: dtype=float32" in explain(mixed)
     # a resolved config written out and read back is the same config (replicas, config ids)
     assert EngineConfig(**fast.as_dict()) == fast
+    # batch_invariant's kernels cannot run packed weights: the profile yields to it
+    invariant = EngineConfig(profile="fast", batch_invariant=True)
+    assert (invariant.weights, invariant.output_weights) == ("native", "native")
+    assert invariant.dtype == here["dtype"] and "set over it" not in explain(invariant)
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -90,3 +94,23 @@ def test_make_serve_runs_the_fast_profile_and_says_why(bundled_path, monkeypatch
         assert body["config_id"] == cid(profile="fast") != cid(profile="exact")
     finally:
         stop_server(server)
+
+
+@pytest.mark.parametrize("profile", ["exact", "fast"])
+def test_a_stored_config_replays_as_the_same_config(profile, tmp_path, monkeypatch):
+    """The configs table leaves ``profile`` out when it is exact (earlier config ids stay):
+    the config file replay rebuilds from it must still say exact, or a product default of
+    fast would make the replay another config."""
+    from gateway.app import GatewayConfig, config_id, resolved_config
+    from tailscope.cli import engine_config
+    from tailscope.engine_config import load
+    from tracing.replay import config_file_text
+
+    monkeypatch.delenv("TAILSCOPE_PROFILE", raising=False)
+    original = GatewayConfig(engine=EngineConfig(profile=profile, kv_cache_mb=64))
+    f = tmp_path / "recorded.yaml"
+    f.write_text(config_file_text(resolved_config(original)))
+    file = load(f)
+    rebuilt = GatewayConfig(model=file.model, served_model_name=file.served_model_name,
+                            engine=engine_config(_parse([]), file.engine))
+    assert config_id(rebuilt) == config_id(original)
