@@ -323,8 +323,9 @@ class Service:
             data = {**self.config.sampling_defaults, **data, **self.config.sampling_overrides}
         r = trace.record
         r.gateway_version, r.config_id = self.versions["gateway"], self.versions["config_id"]
-        data, charge = upstream_rules.admit(data, tenant, self.registry, self.limits,
-                                            lambda text: len(self.tokenizer.encode(text, False)))
+        data, charge = await upstream_rules.admit(
+            data, tenant, self.registry, self.limits,
+            lambda text: self.encode(text, add_special_tokens=False))
         tag_record(r, data.get("safety_identifier") or data.get("user"), data.get("metadata"))
         trace.mark("ADMITTED")
         settled = False

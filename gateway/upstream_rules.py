@@ -102,11 +102,12 @@ def _prompt_text(data: dict) -> tuple[list[str], int, str]:
     return texts, ids, "prompt"
 
 
-def admit(data: dict, tenant: Tenant, registry: TenantRegistry, limits: RequestLimits,
-          count_tokens) -> tuple[dict, Charge]:
+async def admit(data: dict, tenant: Tenant, registry: TenantRegistry, limits: RequestLimits,
+                encode) -> tuple[dict, Charge]:
     """``data`` as it may be forwarded (``max_tokens`` filled in from the tenant's limit when
     absent) and what it was charged; a 400 or 429 as the bundled path gives them otherwise.
-    ``count_tokens(text)``: the gateway's tokenizer's count."""
+    ``encode(text)``: the gateway's tokenizer (awaited: a long text is tokenized off the event
+    loop)."""
     _check_fields(data, limits, tenant)
     key = "max_completion_tokens" if "max_completion_tokens" in data else "max_tokens"
     max_tokens = data.get(key)
@@ -120,7 +121,9 @@ def admit(data: dict, tenant: Tenant, registry: TenantRegistry, limits: RequestL
         raise APIError(400, f"{key} {max_tokens} exceeds tenant {tenant.name!r}'s limit of "
                        f"{tenant.max_output_tokens}", param=key)
     texts, ids, field_name = _prompt_text(data)
-    prompt = ids + sum(count_tokens(t) for t in texts)
+    prompt = ids
+    for text in texts:
+        prompt += len(await encode(text))
     if tenant.max_prompt_tokens is not None and prompt > tenant.max_prompt_tokens:
         raise APIError(400, f"prompt has {prompt} tokens; tenant {tenant.name!r} allows "
                        f"{tenant.max_prompt_tokens}", param=field_name)
