@@ -80,23 +80,31 @@ def _setting(default, help: str):
     return field(default=default, metadata={"help": help})
 
 
-def auto_dtype(cpu_flags: set[str] | None = None) -> tuple[str, str]:
+BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})  # /proc/cpuinfo: a native bf16 multiply
+
+
+def cpu_flags() -> set[str] | None:
+    """This CPU's feature flags (/proc/cpuinfo), None where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        return None
+    return set()
+
+
+def auto_dtype(flags: set[str] | None = None) -> tuple[str, str]:
     """What ``dtype: auto`` becomes here, and why: ``bfloat16`` where the CPU multiplies bf16
     natively (the ``avx512_bf16`` or ``amx_bf16`` flag of /proc/cpuinfo: oneDNN then runs
     torch's bf16 matmuls on them, 3-4x the fp32 speed on the bundled model), else ``float32``
     (a CPU without them emulates bf16, slower than fp32). This engine runs on the CPU; on
     systems without /proc/cpuinfo the flags are unknown and it is float32."""
-    if cpu_flags is None:
-        cpu_flags = set()
-        try:
-            with open("/proc/cpuinfo") as f:
-                for line in f:
-                    if line.startswith("flags"):
-                        cpu_flags = set(line.split(":", 1)[1].split())
-                        break
-        except OSError:
-            return "float32", "no /proc/cpuinfo: CPU features unknown"
-    native = sorted(cpu_flags & {"avx512_bf16", "amx_bf16"})
+    flags = cpu_flags() if flags is None else flags
+    if flags is None:
+        return "float32", "no /proc/cpuinfo: CPU features unknown"
+    native = sorted(flags & BF16_FLAGS)
     if native:
         return "bfloat16", f"the CPU multiplies bf16 natively ({', '.join(native)})"
     return "float32", "no native bf16 matmul on this CPU (neither avx512_bf16 nor amx_bf16)"

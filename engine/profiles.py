@@ -18,23 +18,10 @@ caller gets bitwise results unless it asks otherwise.
 
 from __future__ import annotations
 
-from engine.config import PROFILES
+from engine.config import BF16_FLAGS, PROFILES, cpu_flags
 
 PRODUCT_DEFAULT = "fast"
-BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 _EXACT = {"dtype": "float32", "weights": "native", "output_weights": "native"}
-
-
-def cpu_flags() -> set[str] | None:
-    """This CPU's feature flags (/proc/cpuinfo), None where they cannot be read."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        return None
-    return set()
 
 
 def choose(profile: str, flags: set[str] | None = None, batch_invariant: bool = False

@@ -63,19 +63,23 @@ def _check_strings(obj: object, path: str = "") -> None:
             _check_strings(v, f"{path}.{i}")
 
 
-def check_counts(req, limits: RequestLimits) -> None:
-    """Sizes of the parsed request's lists and maps."""
-    messages = getattr(req, "messages", None)
-    if messages is not None and len(messages) > limits.max_messages:
-        raise bad_request(f"{len(messages)} messages; at most {limits.max_messages} are "
-                          "accepted", "messages")
-    stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+def check_stops(stop: list[str], limits: RequestLimits) -> None:
+    """How many stop strings, and how long (they are matched on the event loop every token)."""
     if len(stop) > limits.max_stop_strings:
         raise bad_request(f"{len(stop)} stop strings; at most {limits.max_stop_strings} are "
                           "accepted", "stop")
     if any(len(s) > limits.max_stop_chars for s in stop):
         raise bad_request(f"a stop string is longer than {limits.max_stop_chars} characters",
                           "stop")
+
+
+def check_counts(req, limits: RequestLimits) -> None:
+    """Sizes of the parsed request's lists and maps."""
+    messages = getattr(req, "messages", None)
+    if messages is not None and len(messages) > limits.max_messages:
+        raise bad_request(f"{len(messages)} messages; at most {limits.max_messages} are "
+                          "accepted", "messages")
+    check_stops([req.stop] if isinstance(req.stop, str) else (req.stop or []), limits)
     if req.logit_bias and len(req.logit_bias) > limits.max_logit_bias:
         raise bad_request(f"{len(req.logit_bias)} logit_bias entries; at most "
                           f"{limits.max_logit_bias} are accepted", "logit_bias")

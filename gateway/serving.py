@@ -426,11 +426,7 @@ class Service:
         if self.config.engine.scheduling_policy == "priority":
             if req.priority is None:
                 return tenant.priority
-            if tenant.min_priority is not None and req.priority < tenant.min_priority:
-                raise APIError(400, f"priority {req.priority} is more urgent than tenant "
-                               f"{tenant.name!r} may ask for (its min_priority is "
-                               f"{tenant.min_priority})", param="priority",
-                               code="priority_not_allowed")
+            tenant.check_priority(req.priority)
             return req.priority
         if req.priority:
             raise APIError(400, f"priority needs the engine's scheduling_policy 'priority' "

@@ -149,6 +149,14 @@ class Tenant:
         difference, can cross namespaces)."""
         return f"ns:{self.cache_namespace}" if self.cache_namespace else f"tenant:{self.name}"
 
+    def check_priority(self, priority: int) -> None:
+        """400 when a request asks for a priority more urgent than ``min_priority``."""
+        if self.min_priority is not None and priority < self.min_priority:
+            raise APIError(400, f"priority {priority} is more urgent than tenant "
+                           f"{self.name!r} may ask for (its min_priority is "
+                           f"{self.min_priority})", param="priority",
+                           code="priority_not_allowed")
+
     def __post_init__(self) -> None:
         if self.requests_per_minute:
             self.request_bucket = TokenBucket(self.requests_per_minute)
@@ -263,15 +271,11 @@ class TenantRegistry:
         if tenant.max_output_tokens is not None and max_tokens > tenant.max_output_tokens:
             raise APIError(400, f"max_tokens {max_tokens} exceeds tenant {tenant.name!r}'s "
                            f"limit of {tenant.max_output_tokens}", param="max_tokens")
-        if tenant.token_bucket is not None:
-            wait = tenant.token_bucket.take(prompt_tokens + max_tokens)
-            if wait:
-                raise _too_many(f"tenant {tenant.name!r} is over its "
-                                f"{tenant.tokens_per_minute:g} tokens/min", wait)
+        self.charge_tokens(tenant, prompt_tokens + max_tokens)
 
     def charge_tokens(self, tenant: Tenant, tokens: int) -> None:
-        """Tokens a utility answer holds (``/tokenize``, ``/detokenize``), from the tokens/min
-        bucket; 429 when they do not fit."""
+        """``tokens`` from the tenant's tokens/min bucket (a request's admission, a utility
+        answer's size); 429 when they do not fit."""
         if tenant.token_bucket is not None and tokens > 0:
             wait = tenant.token_bucket.take(tokens)
             if wait:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from engine.sampling_params import MAX_TOP_LOGPROBS
 from gateway.errors import APIError, bad_request
-from gateway.limits import RequestLimits
+from gateway.limits import RequestLimits, check_stops
 from gateway.schemas import _check_metadata
 from gateway.tenants import Tenant, TenantRegistry
 
@@ -45,12 +45,7 @@ def _check_fields(data: dict, limits: RequestLimits, tenant: Tenant) -> None:
     stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise bad_request("stop must be a string or a list of strings", "stop")
-    if len(stops) > limits.max_stop_strings:
-        raise bad_request(f"{len(stops)} stop strings; at most {limits.max_stop_strings} are "
-                          "accepted", "stop")
-    if any(len(s) > limits.max_stop_chars for s in stops):
-        raise bad_request(f"a stop string is longer than {limits.max_stop_chars} characters",
-                          "stop")
+    check_stops(stops, limits)
     bias = data.get("logit_bias")
     if bias is not None and (not isinstance(bias, dict) or len(bias) > limits.max_logit_bias):
         raise bad_request(f"logit_bias must be an object of at most {limits.max_logit_bias} "
@@ -60,12 +55,8 @@ def _check_fields(data: dict, limits: RequestLimits, tenant: Tenant) -> None:
         value = data.get(name)
         if value is not None and not _int(value, 0, MAX_TOP_LOGPROBS):
             raise bad_request(f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}]", name)
-    priority = data.get("priority")
-    if (isinstance(priority, int) and tenant.min_priority is not None
-            and priority < tenant.min_priority):
-        raise APIError(400, f"priority {priority} is more urgent than tenant {tenant.name!r} "
-                       f"may ask for (its min_priority is {tenant.min_priority})",
-                       param="priority", code="priority_not_allowed")
+    if isinstance(data.get("priority"), int):
+        tenant.check_priority(data["priority"])
     metadata = data.get("metadata")
     if metadata is not None:
         if not isinstance(metadata, dict) or not all(
