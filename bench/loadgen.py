@@ -261,6 +261,7 @@ class Target:
     api_key: str | None = None
     run_id: str = field(default_factory=lambda: f"bench-{uuid.uuid4().hex[:12]}")
     timeout_s: float = 300.0
+    run_token: str = ""  # lets requests of several tenants tag one run (open_run)
 
     @property
     def completions_url(self) -> str:
@@ -274,6 +275,8 @@ async def one_request(http, target: Target, item: Item, scheduled: float) -> Sam
 
     s = Sample(scheduled=scheduled, sent=time.monotonic())
     headers = {"x-tailscope-bench-run": target.run_id}
+    if target.run_token:
+        headers["x-tailscope-bench-token"] = target.run_token
     key = item.api_key or target.api_key
     if key:
         headers["Authorization"] = f"Bearer {key}"
@@ -481,6 +484,24 @@ def summary_md(result: dict) -> str:
     else:
         lines.append(row(result["mode"], result))
     return "\n".join(lines) + "\n"
+
+
+def open_run(target: Target, admin_key: str | None) -> bool:
+    """Ask a Tailscope gateway for the run's token, so that the requests of every tenant key
+    in the workload are tagged into it (a gateway with tenants otherwise gives a run to the
+    first tenant that tags it). False where the target gave none (not a Tailscope gateway, or
+    no admin access): the run is then one tenant's."""
+    import httpx
+
+    base = target.url.rstrip("/").removesuffix("/v1")
+    try:
+        r = httpx.post(f"{base}/debug/bench-runs/open", timeout=10, json={
+            "run_id": target.run_id}, headers={"Authorization": f"Bearer {admin_key}"}
+            if admin_key else {})
+        target.run_token = str(r.json()["token"]) if r.status_code == 200 else ""
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        target.run_token = ""
+    return bool(target.run_token)
 
 
 def record_run(target: Target, result: dict, params: dict, admin_key: str | None) -> str:

@@ -42,6 +42,7 @@ from bench.loadgen import (  # noqa: E402
     Item,
     Sample,
     Target,
+    open_run,
     percentile,
     replica_core,
     run_open_loop,
@@ -59,6 +60,11 @@ priority = 1
 name = "light"
 keys = ["sk-light"]
 priority = 0
+
+[[tenants]]
+name = "bench"  # opens each phase's run, so both tenants' requests are tagged into it
+keys = ["sk-bench-admin"]
+admin = true
 """
 
 
@@ -116,6 +122,8 @@ def run_phase(url: str, schedule: list[tuple[float, Item]], model: str
     and its ``run_id`` (the records' ``bench_run``)."""
     offsets, items = [t for t, _ in schedule], [i for _, i in schedule]
     target = Target(url, model=model)
+    if not open_run(target, "sk-bench-admin"):
+        raise RuntimeError(f"{url} gave no bench-run token")
     samples, duration = asyncio.run(run_open_loop(target, items, offsets))
     by: dict[str, list[Sample]] = {}
     for sample, item in zip(samples, items, strict=True):

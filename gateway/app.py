@@ -447,6 +447,21 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
         require_admin(request)
         return {**pool.describe(), **(upstreams.describe() if upstreams else {})}
 
+    @app.post("/debug/bench-runs/open")
+    async def open_bench_run(request: Request) -> dict:
+        """A run id and its token: requests of any tenant that send both
+        (``x-tailscope-bench-run``, ``x-tailscope-bench-token``) are tagged into the run
+        (``tailscope bench`` asks for one when it has the admin key)."""
+        require_admin(request)
+        body = await store_api.json_body(request)
+        run_id = body.get("run_id") if isinstance(body, dict) else None
+        if run_id is None:
+            run_id = f"bench-{secrets.token_hex(6)}"
+        if not isinstance(run_id, str) or not 0 < len(run_id) <= 64:
+            raise APIError(400, "run_id must be a string of 1 to 64 characters",
+                           param="run_id", code="invalid_value")
+        return {"run_id": run_id, "token": registry.bench_token(run_id)}
+
     store_api.register(app, handle, memory, require_admin, writer, versions["config_id"],
                        config.served_model_name)
 
@@ -513,6 +528,8 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
             trace.record.tenant, trace.record.api_key_id = tenant.name, key_id
             trace.record.ttl_days = tenant.ttl_days or config.store_ttl_days
             own_trace_id(request, trace, tenant)
+            registry.check_bench_run(tenant, trace.record.bench_run,
+                                     request.headers.get("x-tailscope-bench-token", ""))
         try:
             registry.admit_request(tenant)
         except APIError as exc:  # a 429 says where the tenant's buckets stand too

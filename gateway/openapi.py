@@ -98,6 +98,7 @@ def _stored_operations() -> dict[str, dict]:
 
 # debug endpoints whose handlers validate a raw body with these models
 _BODIES = {"/debug/query": S.DebugQuery, "/debug/bench-runs": S.BenchRunBody,
+           "/debug/bench-runs/open": S.BenchRunOpenBody,
            "/debug/eval-runs": S.EvalRunBody, "/debug/whatif-runs": S.WhatIfRunBody}
 
 

@@ -450,6 +450,12 @@ class BenchRunBody(BaseModel):
     results: dict[str, Any] = Field(default_factory=dict)
 
 
+class BenchRunOpenBody(BaseModel):
+    """``POST /debug/bench-runs/open``: a run id (minted when absent) and its token."""
+
+    run_id: str | None = None
+
+
 class WhatIfRunBody(BaseModel):
     """``POST /debug/whatif-runs`` (``tailscope whatif`` and ``tailscope size`` post it)."""
 

@@ -261,6 +261,20 @@ def own_url(request: Request) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+async def json_body(request: Request):
+    """A debug POST's JSON body. Only ``application/json`` is taken: a browser sends that
+    type cross-site only after a CORS preflight this gateway never grants, so a page the
+    operator visits cannot post here (a ``text/plain`` form post is refused)."""
+    ctype = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if ctype != "application/json":
+        raise APIError(415, f"content-type must be application/json, not {ctype!r}",
+                       code="unsupported_media_type")
+    try:
+        return await request.json()
+    except (ValueError, RecursionError):
+        raise bad_request("request body is not valid JSON") from None
+
+
 def register(app: FastAPI, handle: StoreHandle | None, memory, require_admin,
              writer: RecordWriter | None = None, config_id: str = "",
              served_model: str = "") -> None:
@@ -278,19 +292,6 @@ def register(app: FastAPI, handle: StoreHandle | None, memory, require_admin,
             raise APIError(503, str(exc), "server_error", code="store_unavailable") from None
         except Exception as exc:  # ClickHouse's own errors: bad SQL, unknown column, ...
             raise bad_request(f"query failed: {str(exc).splitlines()[0][:500]}", "sql") from None
-
-    async def json_body(request: Request):
-        """A debug POST's JSON body. Only ``application/json`` is taken: a browser sends that
-        type cross-site only after a CORS preflight this gateway never grants, so a page the
-        operator visits cannot post here (a ``text/plain`` form post is refused)."""
-        ctype = request.headers.get("content-type", "").partition(";")[0].strip().lower()
-        if ctype != "application/json":
-            raise APIError(415, f"content-type must be application/json, not {ctype!r}",
-                           code="unsupported_media_type")
-        try:
-            return await request.json()
-        except (ValueError, RecursionError):
-            raise bad_request("request body is not valid JSON") from None
 
     async def read_until_gone(request: Request, fn):
         """Run the read ``fn(query_id)`` in a thread; if the client leaves first, stop the

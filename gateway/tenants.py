@@ -44,6 +44,7 @@ import os
 import secrets
 import time
 import tomllib
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -193,6 +194,7 @@ class TenantRegistry:
         self._secret = secret
         self.open = not keys
         self.local = Tenant("local")
+        self._bench_owners: OrderedDict[str, str] = OrderedDict()  # recent run ids -> tenant
 
     @classmethod
     def from_file(cls, path: str | Path | None, secret: str | None = None) -> TenantRegistry:
@@ -234,6 +236,33 @@ class TenantRegistry:
 
     def key_id(self, key: str) -> str:
         return hmac.new(self._secret, key.encode(), hashlib.sha256).hexdigest()[:16]
+
+    def bench_token(self, run_id: str) -> str:
+        """The token an admin hands a load generator (``POST /debug/bench-runs/open``): with it
+        any tenant's requests may tag records into ``run_id`` (a multi-tenant bench run). Keyed
+        by the deployment's secret, so it holds across restarts and gateways of one fleet."""
+        return hmac.new(self._secret, b"bench-run\0" + run_id.encode(),
+                        hashlib.sha256).hexdigest()[:32]
+
+    def check_bench_run(self, tenant: Tenant, run_id: str, token: str) -> None:
+        """``x-tailscope-bench-run`` tags a record into a run that ``whatif --bench-run`` and the
+        bench reports read, so one tenant must not tag into another's: a run belongs to the
+        first tenant that tags it, unless the request carries the run's admin-minted token
+        (``x-tailscope-bench-token``) or comes from an admin tenant. Open mode has one tenant."""
+        if self.open or not run_id or tenant.admin:
+            return
+        if token and hmac.compare_digest(token.encode(), self.bench_token(run_id).encode()):
+            return
+        owner = self._bench_owners.setdefault(run_id, tenant.name)
+        self._bench_owners.move_to_end(run_id)
+        if len(self._bench_owners) > 65_536:
+            self._bench_owners.popitem(last=False)
+        if owner != tenant.name:
+            raise APIError(403, f"bench run {run_id!r} belongs to another tenant; a run shared "
+                           "by tenants needs its token from an admin (POST "
+                           "/debug/bench-runs/open), sent as x-tailscope-bench-token",
+                           "permission_error", param="x-tailscope-bench-run",
+                           code="bench_run_forbidden")
 
     def authenticate(self, authorization: str | None) -> tuple[Tenant, str]:
         """(tenant, key id) for the request's ``Authorization: Bearer`` key; 401 otherwise."""

@@ -840,6 +840,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     slo = _parse_slo(args.slo)
     target = L.Target(args.url, model=args.model, api_key=args.api_key)
     keys = [k for k in (args.tenant_keys or "").split(",") if k]
+    if keys and not L.open_run(target, Settings.from_env().admin_key or None):
+        print("no bench-run token from the target (not a Tailscope gateway, or no admin key): "
+              "requests of the first tenant only are tagged into the run", file=sys.stderr)
 
     def items_for(n: int, seed: int) -> list:
         if args.trace:

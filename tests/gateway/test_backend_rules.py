@@ -20,6 +20,7 @@ from tests.gateway.test_upstream import _backend, faults  # noqa: F401 (a fixtur
 ADMIN = "sk-admin-backend-rules-0123"
 SMALL = "sk-small-backend-rules-0123"
 TPM = "sk-tpm-backend-rules-0123"
+PLAIN = "sk-plain-backend-rules-0123"
 TENANTS = f"""
 [[tenants]]
 name = "ops"
@@ -37,6 +38,10 @@ max_concurrent = 1
 name = "tpm"
 keys = ["{TPM}"]
 tokens_per_minute = 200
+
+[[tenants]]
+name = "plain"
+keys = ["{PLAIN}"]
 """
 
 
@@ -183,3 +188,40 @@ def test_a_client_cannot_take_another_tenants_trace_id(gateway):
     assert mine != theirs and other.headers["traceparent"].startswith(f"00-{mine}-")
     assert record(gateway, other)["tenant"] == "ops"
     assert record(gateway, first)["tenant"] == "small"  # theirs still shows theirs
+
+
+def test_a_tenant_cannot_tag_into_another_tenants_bench_run(gateway):
+    """(Not backend-specific.) ``x-tailscope-bench-run`` joins a record to a run that
+    ``whatif --bench-run`` reads: a run is its first tenant's, or every tenant's that holds
+    the token an admin opened it with."""
+    def tagged(key: str, run: str, token: str = "") -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}", "x-tailscope-bench-run": run}
+        if token:
+            headers["x-tailscope-bench-token"] = token
+        return httpx.post(f"{gateway.url}/v1/completions", timeout=60, headers=headers,
+                          json={"model": "echo", "prompt": "Hi", "max_tokens": 2})
+    first = tagged(SMALL, "first-run")
+    assert first.status_code == 200 and record(gateway, first)["bench_run"] == "first-run"
+    assert tagged(SMALL, "first-run").status_code == 200
+    other = tagged(PLAIN, "first-run")
+    assert other.status_code == 403, other.text
+    assert other.json()["error"]["code"] == "bench_run_forbidden"
+    assert "'small'" not in other.json()["error"]["message"]  # the owner is not named
+    # a token is the admin's to give, and only for its run
+    assert httpx.post(f"{gateway.url}/debug/bench-runs/open", json={"run_id": "shared"},
+                      headers={"Authorization": f"Bearer {PLAIN}"}).status_code == 403
+    opened = httpx.post(f"{gateway.url}/debug/bench-runs/open", json={"run_id": "shared"},
+                        headers={"Authorization": f"Bearer {ADMIN}"})
+    assert opened.status_code == 200 and opened.json()["run_id"] == "shared"
+    token = opened.json()["token"]
+    for key in (SMALL, PLAIN):
+        r = tagged(key, "shared", token)
+        assert r.status_code == 200 and record(gateway, r)["bench_run"] == "shared"
+    assert tagged(PLAIN, "first-run", token).status_code == 403  # another run's token
+    assert tagged(ADMIN, "first-run").status_code == 200  # an admin tenant may
+    from bench.loadgen import Target, open_run
+    target = Target(gateway.url, run_id="loadgen-run")
+    assert not open_run(target, PLAIN) and target.run_token == ""
+    assert open_run(target, ADMIN) and target.run_token == httpx.post(
+        f"{gateway.url}/debug/bench-runs/open", json={"run_id": "loadgen-run"},
+        headers={"Authorization": f"Bearer {ADMIN}"}).json()["token"]
