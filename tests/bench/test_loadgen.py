@@ -75,7 +75,9 @@ def test_open_loop_sees_the_stall_a_closed_loop_hides(stalling):
     # every request scheduled inside the half-second stall waited >= 2 s
     assert open_rep["requests"] == 150 and open_rep["succeeded"] == 150
     assert open_rep["e2e_ms"]["p99"] >= 2000
-    assert open_rep["send_lag_ms"]["p99"] < 50  # the generator kept its schedule
+    # the generator kept its schedule: a sender that waited on the stalled replies would lag
+    # by the whole 2 s stall; a busy machine adds scheduling noise, never seconds
+    assert open_rep["send_lag_ms"]["p99"] < 1000
     now = time.monotonic()
     stalling.stall_from, stalling.stall_to = now + 0.1, now + 0.6
     closed = L.run(target, "closed", items(1500), concurrency=1)  # runs past the window
