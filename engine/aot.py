@@ -269,10 +269,19 @@ class AotDecode:
         return logits
 
 
-def load(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_batch: int) -> AotDecode:
+def is_built(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_batch: int
+             ) -> bool:
+    """Whether the cache holds this model's programs for this KV pool (``load`` is quick)."""
+    key = cache_key(model, tuple(kv_caches[0][0].shape), max_batch)
+    return (cache_dir() / key / "ranges.json").exists()
+
+
+def load(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_batch: int,
+         build: Build | None = None) -> AotDecode:
     """The model's compiled decode programs for this KV pool, built first in a child process
     (``python -m engine.aot``) when the cache has none. The child loads the model again from
-    ``model.source`` (what ``load_model`` was given)."""
+    ``model.source`` (what ``load_model`` was given). ``build``: where the child is kept
+    while it runs (``Build.cancel`` stops it)."""
     source = getattr(model, "source", None)
     if source is None:
         raise ValueError("compile_mode aot needs a model from engine.load_model (the build runs "
@@ -286,11 +295,61 @@ def load(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_batch: i
     # process, however it ends)
     with open(directory.parent / f"{key}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return _load_or_build(model, source, directory, kv_shape, max_batch, key)
+        return _load_or_build(model, source, directory, kv_shape, max_batch, key,
+                              build or Build())
+
+
+def _parent_death_signal():
+    """A function for the build child to run before exec: a replica killed outright takes its
+    build with it (Linux's parent-death signal) instead of leaving minutes of compiling
+    behind. Resolved here, in the parent: after a fork beside other threads the child must not
+    import anything. None where there is no prctl (the replica's close() still stops it)."""
+    import ctypes
+    import signal
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class Build:
+    """The build child of one ``load``, while it runs: ``cancel`` (from another thread) kills
+    it, and ``load`` then raises ``BuildCancelled``."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.cancelled = False
+
+    def run(self, cmd: list[str]) -> tuple[int, str]:
+        """(exit code, stderr) of the child."""
+        if self.cancelled:
+            raise BuildCancelled("stopped: its engine closed")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True,
+                                     preexec_fn=_parent_death_signal())
+        try:
+            _, err = self.proc.communicate(timeout=BUILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate()
+        if self.cancelled:
+            raise BuildCancelled("stopped: its engine closed")
+        return self.proc.returncode, err
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+
+
+class BuildCancelled(Exception):
+    pass
 
 
 def _load_or_build(model, source: dict, directory: Path, kv_shape: tuple[int, ...],
-                   max_batch: int, key: str) -> AotDecode:
+                   max_batch: int, key: str, build: Build) -> AotDecode:
     for attempt in (0, 1):
         if not (directory / "ranges.json").exists():
             t = time.perf_counter()
@@ -301,12 +360,11 @@ def _load_or_build(model, source: dict, directory: Path, kv_shape: tuple[int, ..
                    "--max-batch", str(max_batch), "--key", key,
                    "--threads", str(torch.get_num_threads()),
                    "--switches", json.dumps({k: getattr(model, k) for k in SWITCHES})]
-            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                                  timeout=BUILD_TIMEOUT_S)
-            if proc.returncode != 0:
+            code, err = build.run(cmd)
+            if code != 0:
                 raise RuntimeError(f"compile_mode aot: the build failed (exit "
-                                   f"{proc.returncode}): {proc.stderr[-3000:]}")
-            for line in proc.stderr.splitlines():  # the child's own progress lines
+                                   f"{code}): {err[-3000:]}")
+            for line in err.splitlines():  # the child's own progress lines
                 if " aot " in line:
                     log.info("build: %s", line.split(" aot ", 1)[1])
             log.info("decode step compiled ahead of time in %.1f s", time.perf_counter() - t)

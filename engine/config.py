@@ -121,9 +121,10 @@ class EngineConfig:
     """
 
     profile: str = _setting("exact", "which settings fill in those not given (dtype, "
-                                     "weights, output_weights): fast, the CPU's fastest "
-                                     "faithful path (bfloat16 and packed 4-bit weights where "
-                                     "the CPU multiplies bf16 natively), or exact (float32, "
+                                     "weights, output_weights, compile, compile_mode): fast, "
+                                     "the CPU's fastest faithful path (bfloat16, packed 4-bit "
+                                     "weights and the step compiled ahead of time where the "
+                                     "CPU multiplies bf16 natively), or exact (float32, "
                                      "native weights: bitwise against a recompute); tailscope "
                                      "serve and generate default to fast: engine.profiles")
     dtype: str | None = _setting(None, "weight and KV-cache dtype: " + ", ".join(DTYPE_BYTES)
@@ -180,17 +181,19 @@ class EngineConfig:
                                             "else is in its batch, however its prompt was "
                                             "chunked and whether its prefix was cached "
                                             "(kernels.invariant; slower)")
-    compile: bool = _setting(False, "run decode-only steps through torch.compile (inductor: "
-                                    "fused C++ loops around the matmuls; CPU only, not with "
-                                    "batch_invariant). The replica compiles at start: tens of "
-                                    "seconds, less once inductor's on-disk cache holds the "
-                                    "graphs")
-    compile_mode: str = _setting("jit", "with compile: jit (torch.compile in the replica) or "
-                                        "aot (the same step compiled ahead of time with "
-                                        "AOTInductor in a child process, cached under "
-                                        "$TAILSCOPE_CACHE_DIR/aot; the replica loads it without "
-                                        "importing dynamo or inductor: less memory, no Python "
-                                        "per step; bfloat16 with weights int4 or int4a8)")
+    compile: bool | None = _setting(None, "run decode-only steps through torch.compile "
+                                    "(inductor: fused C++ loops around the matmuls; CPU only, "
+                                    "not with batch_invariant; unset: the profile's). The "
+                                    "replica compiles at start (jit) or loads the build "
+                                    "(aot); a replica process builds aot in the background, "
+                                    "serving on the eager step until it is ready")
+    compile_mode: str | None = _setting(None, "with compile: jit (torch.compile in the "
+                                        "replica) or aot (the same step compiled ahead of "
+                                        "time with AOTInductor in a child process, cached "
+                                        "under $TAILSCOPE_CACHE_DIR/aot; the replica loads it "
+                                        "without importing dynamo or inductor: less memory, no "
+                                        "Python per step; bfloat16 with weights int4 or "
+                                        "int4a8); unset: the profile's")
     step_detail: bool = _setting(True, "record each step's members and each waiting request's "
                                        "wait causes (why a request was slow)")
 
@@ -203,13 +206,12 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.profile not in PROFILES:
             raise ValueError(f"profile must be one of {PROFILES}, got {self.profile!r}")
-        if None in (self.dtype, self.weights, self.output_weights):
-            from engine.profiles import choose  # resolved once, like auto below
+        if None in (self.dtype, self.weights, self.output_weights, self.compile,
+                    self.compile_mode):
+            from engine.profiles import resolve  # resolved once, like auto below
 
-            for name, value in choose(self.profile,
-                                      batch_invariant=self.batch_invariant)[0].items():
-                if getattr(self, name) is None:
-                    object.__setattr__(self, name, value)
+            for name, value in resolve(self).items():
+                object.__setattr__(self, name, value)
         if self.dtype == "auto":  # resolved once, here: config_id and replicas see the choice
             object.__setattr__(self, "dtype", auto_dtype()[0])
         if self.dtype not in DTYPE_BYTES:

@@ -51,11 +51,14 @@ class Engine:
     def __init__(self, model: LlamaModel, config: EngineConfig | None = None,
                  observer: OutputObserver | None = None,
                  grammar: GrammarCompiler | None = None, runner=None,
-                 clock: Callable[[], int] = time.monotonic_ns) -> None:
+                 clock: Callable[[], int] = time.monotonic_ns,
+                 defer_compile: bool = False) -> None:
         """``grammar`` compiles ``response_format`` constraints; without it such requests
         are rejected. ``runner`` replaces the model runner (``engine.whatif.CostRunner``: the
         same engine on a virtual clock, no weights), and ``clock`` (ns) is what request
-        deadlines and queue timeouts are set and judged by (that virtual clock, there)."""
+        deadlines and queue timeouts are set and judged by (that virtual clock, there).
+        ``defer_compile``: the AOT step is loaded or built by ``runner.start_compile()``
+        (a replica process serves on the eager step while it builds)."""
         self.grammar = grammar
         self.clock = clock
         self.config = config or EngineConfig(dtype=_dtype_name(model),
@@ -78,7 +81,8 @@ class Engine:
         self.runner = runner or ModelRunner(model, num_blocks, self.config.block_size,
                                             compile=self.config.compile,
                                             compile_mode=self.config.compile_mode,
-                                            max_batch=self.config.max_num_seqs)
+                                            max_batch=self.config.max_num_seqs,
+                                            defer_compile=defer_compile)
         self.scheduler = Scheduler(self.config, self.kv)
         self.preemptions = 0  # total, by any mode (the scheduler's decisions)
         self.swaps = 0
@@ -279,6 +283,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One tick: schedule -> run -> postprocess."""
         start, wall = time.monotonic_ns(), time.time_ns()
+        self.runner.poll_compile()
         self._expire(self.clock())
         sched = self.scheduler.schedule()
         self.preemptions += len(sched.preempted)

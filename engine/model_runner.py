@@ -77,12 +77,13 @@ def zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
-                 compile: bool = False, compile_mode: str = "jit", max_batch: int = 256
-                 ) -> None:
+                 compile: bool = False, compile_mode: str = "jit", max_batch: int = 256,
+                 defer_compile: bool = False) -> None:
         """``compile``: decode-only steps run the model's ``torch.compile``d step
         (``LlamaModel.compile_decode``), compiled here, before the first request; with
         ``compile_mode`` ``aot``, the same step compiled ahead of time for batches of up to
-        ``max_batch`` sequences (``engine.aot``), loaded (built first if need be) here."""
+        ``max_batch`` sequences (``engine.aot``), loaded (built first if need be) here, or
+        with ``defer_compile`` by ``start_compile`` (in the background)."""
         kernels.kernel_backend()  # refuse an unknown TAILSCOPE_KERNELS before loading anything
         _tune_allocator()
         c = model.config
@@ -95,15 +96,78 @@ class ModelRunner:
         ]
         self.sampler = Sampler(c.eos_token_ids)
         self.compile_s = 0.0
-        if compile and compile_mode == "aot":
+        # off, compiled, or with start_compile: compiling, then compiled or failed: ...
+        self.compile_state = "compiled" if compile else "off"
+        self._aot_batch = min(max_batch, num_blocks * block_size)  # never more than slots
+        self._build = None  # start_compile's: (engine.aot.Build, its thread, its outcome)
+        if compile and compile_mode == "aot" and not defer_compile:
             from engine import aot
 
             t = time.perf_counter()
-            slots = num_blocks * block_size  # a batch never has more sequences than slots
-            model.use_aot_decode(aot.load(model, self.kv_caches, min(max_batch, slots)))
+            model.use_aot_decode(aot.load(model, self.kv_caches, self._aot_batch))
             self.compile_s = time.perf_counter() - t
+        elif compile and compile_mode == "aot":
+            self.compile_state = "deferred"
         elif compile:
             self._compile()
+
+    def start_compile(self, build: bool = True) -> None:
+        """With ``defer_compile``: load the AOT step now if the cache holds it, else build it
+        in the background (a thread waiting on the build child) while steps run eagerly;
+        ``poll_compile`` between two steps swaps it in. A replica calls this once warm.
+        ``build=False`` (a one-shot command): only a cached build is used, none is started."""
+        if self.compile_state != "deferred":
+            return
+        import threading
+
+        from engine import aot
+
+        t = time.perf_counter()
+        if aot.is_built(self.model, self.kv_caches, self._aot_batch):
+            self.model.use_aot_decode(aot.load(self.model, self.kv_caches, self._aot_batch))
+            self.compile_s, self.compile_state = time.perf_counter() - t, "compiled"
+            return
+        if not build:
+            self.compile_state = "off: not built yet (a replica builds it in the background)"
+            return
+        build, outcome = aot.Build(), {}
+
+        def run() -> None:
+            try:
+                outcome["aot"] = aot.load(self.model, self.kv_caches, self._aot_batch, build)
+            except Exception as exc:  # noqa: BLE001 (reported by poll_compile, never raised)
+                outcome["error"] = exc
+            outcome["s"] = time.perf_counter() - t
+
+        thread = threading.Thread(target=run, name="aot-build", daemon=True)
+        self._build = (build, thread, outcome)
+        self.compile_state = "compiling"
+        thread.start()
+
+    def poll_compile(self) -> bool:
+        """Between two steps: swap in the background build's step once it is ready (the next
+        decode-only step runs it). True when the state changed."""
+        if self._build is None or self._build[1].is_alive():
+            return False
+        _, _, outcome = self._build
+        self._build = None
+        self.compile_s = outcome.get("s", 0.0)
+        if "aot" in outcome:
+            self.model.use_aot_decode(outcome["aot"])
+            self.compile_state = "compiled"
+            log.info("the compiled decode step is in use (built in the background in %.1f s)",
+                     self.compile_s)
+        else:
+            exc = outcome.get("error")
+            self.compile_state = f"failed: {exc}"[:500]
+            log.error("the decode step's background build failed; serving on the eager step: "
+                      "%s", exc)
+        return True
+
+    def close(self) -> None:
+        """Stop a background build still running (its child is killed)."""
+        if self._build is not None:
+            self._build[0].cancel()
 
     @torch.inference_mode()
     def _compile(self) -> None:

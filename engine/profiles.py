@@ -2,12 +2,15 @@
 bitwise equal to a dense recompute (``exact``).
 
 A profile fills in only the settings nobody gave (``EngineConfig``'s ``dtype``, ``weights``,
-``output_weights`` left unset); every individual setting still overrides it. ``fast`` is chosen
-per CPU from the flags in /proc/cpuinfo:
+``output_weights``, ``compile``, ``compile_mode`` left unset); every individual setting still
+overrides it. ``fast`` is chosen per CPU from the flags in /proc/cpuinfo:
 
 - AVX-512 BF16 or AMX: bfloat16 activations, the model's own 4-bit weights on our packed
-  kernel, and the 4-bit output matrix whose top logits are recomputed from the exact matrix
-  (``kernels.linear.RescoredOutput``).
+  kernel, the 4-bit output matrix whose top logits are recomputed from the exact matrix
+  (``kernels.linear.RescoredOutput``), and the decode step compiled ahead of time
+  (``engine.aot``; a replica process serves on the eager step while it builds). The compiled
+  step is the profile's only where its dtype and weights are: given other weights, the profile
+  leaves compile off (AOT runs packed 4-bit weights only).
 - otherwise: float32 with native weights, as ``exact``: without a native bf16 multiply bf16 is
   emulated (slower than float32), and the packed 4-bit kernel is written for AVX-512.
 
@@ -21,7 +24,8 @@ from __future__ import annotations
 from engine.config import BF16_FLAGS, PROFILES, cpu_flags
 
 PRODUCT_DEFAULT = "fast"
-_EXACT = {"dtype": "float32", "weights": "native", "output_weights": "native"}
+_EXACT = {"dtype": "float32", "weights": "native", "output_weights": "native",
+          "compile": False, "compile_mode": "jit"}
 
 
 def choose(profile: str, flags: set[str] | None = None, batch_invariant: bool = False
@@ -30,9 +34,28 @@ def choose(profile: str, flags: set[str] | None = None, batch_invariant: bool = 
     under ``batch_invariant`` (whose kernels packed weights cannot run) native weights."""
     settings, why = _choose(profile, flags)
     if batch_invariant and settings["weights"] != "native":
-        settings.update(weights="native", output_weights="native")
-        why += " (native weights: batch_invariant)"
+        settings.update(weights="native", output_weights="native", compile=False,
+                        compile_mode="jit")
+        why += " (native weights, not compiled: batch_invariant)"
     return settings, why
+
+
+def resolve(config) -> dict:
+    """The values of ``config``'s unset settings (an ``EngineConfig`` being made): its
+    profile's, except that the profile's compiled step needs the profile's dtype and packed
+    weights (AOT runs bfloat16 with int4 or int4a8 only): given others, compile stays off."""
+    chosen, _ = choose(config.profile, batch_invariant=config.batch_invariant)
+    out = {k: v for k, v in chosen.items() if getattr(config, k) is None}
+    dtype = config.dtype or chosen["dtype"]
+    aot_runs = dtype == "bfloat16" and (config.weights or chosen["weights"]) in ("int4",
+                                                                               "int4a8")
+    if config.compile is None and chosen["compile"] and not aot_runs:
+        out["compile"] = False
+    compiles = out.get("compile", config.compile)
+    if config.compile_mode is None and out.get("compile_mode") == "aot" and not (
+            aot_runs and compiles):
+        out["compile_mode"] = "jit"
+    return out
 
 
 def _choose(profile: str, flags: set[str] | None) -> tuple[dict[str, str], str]:
@@ -45,9 +68,11 @@ def _choose(profile: str, flags: set[str] | None) -> tuple[dict[str, str], str]:
         return dict(_EXACT), "fast: CPU features unknown (no /proc/cpuinfo): the exact path"
     native = sorted(flags & BF16_FLAGS)
     if native:
-        return ({"dtype": "bfloat16", "weights": "int4", "output_weights": "int4"},
+        return ({"dtype": "bfloat16", "weights": "int4", "output_weights": "int4",
+                 "compile": True, "compile_mode": "aot"},
                 f"fast: the CPU multiplies bf16 natively ({', '.join(native)}): bfloat16 "
-                "activations, packed 4-bit weights, 4-bit output matrix with exact rescoring")
+                "activations, packed 4-bit weights, 4-bit output matrix with exact rescoring, "
+                "the decode step compiled ahead of time")
     return dict(_EXACT), ("fast: no native bf16 multiply on this CPU (neither avx512_bf16 nor "
                           "amx_bf16): float32 with native weights, as exact")
 

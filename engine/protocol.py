@@ -103,6 +103,9 @@ class Health(msgspec.Struct, tag="health"):
     rejected: int = 0  # messages it dropped because their signature did not verify
     engine_config: str = ""  # its EngineConfig, JSON (a remote replica must run the gateway's)
     threads: int = 0  # its torch intra-op threads (0: not said, an older replica)
+    # its compiled decode step: off, compiling (serving on the eager step meanwhile),
+    # compiled, or "failed: why" (still serving, eagerly); "" from an older replica
+    compile: str = ""
 
 
 class Heartbeat(msgspec.Struct, tag="beat"):

@@ -142,7 +142,7 @@ class Replica:
         return Health(self.id, True, mc.name, mc.revision, self.engine.kv.pool.num_blocks,
                       self.engine.max_model_len, detail, self.incarnation, self.rejected,
                       json.dumps(self.engine.config.as_dict(), sort_keys=True),
-                      torch.get_num_threads())
+                      torch.get_num_threads(), self.engine.runner.compile_state)
 
     def _open(self, frame: bytes):
         """The message in ``frame``; None when it must be dropped (``rejected`` counts those
@@ -226,9 +226,13 @@ class Replica:
             if not self.running:
                 break
             steps_before = self.engine.step_count
+            compile_state = self.engine.runner.compile_state
             report = step_report(self.id, self.engine, self.engine.step(), steps_before)
             if report is not None:  # every tick is reported: the store keeps engine_steps
                 self.send(report)
+            if self.engine.runner.compile_state != compile_state:  # compiled (or failed)
+                self.send(self.health())
+        self.engine.runner.close()
         self.inbox.close(linger=0)
         self.outbox.close(linger=1000)
         self.ctx.term()
@@ -380,7 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     if orphaned(parent_pid):  # died while we loaded: do not bind, warm up or serve
         log.error("replica %s: parent process %s is gone; exiting", args.id, parent_pid)
         return 1
-    engine = Engine(model, config, grammar=grammar)
+    # a replica serves as soon as it is warm; the compiled step builds meanwhile (prepare
+    # builds it here, to exit with the cache filled)
+    engine = Engine(model, config, grammar=grammar, defer_compile=not args.prepare_only)
     if args.prepare_only:
         t = time.perf_counter()
         warm_up(engine)
@@ -392,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     replica = Replica(args.id, engine, args.inbox, args.outbox, parent_pid, key)
     replica.warm_up()
+    engine.runner.start_compile()  # loaded now if cached, else built in the background
     # Everything loaded so far (torch, the model, the tokenizer index) lives as long as the
     # process: keep it out of the collector's full passes, which otherwise walked it all between
     # two engine steps and stalled the step loop for 40-120 ms at a time under load (every

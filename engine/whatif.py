@@ -291,6 +291,9 @@ class CostRunner:
         self.steps: list[list[tuple[str, int]]] = []  # each step's (request, tokens)
         self.step_ms: list[float] = []  # and what it cost
 
+    def poll_compile(self) -> bool:  # no compiled step to swap in: the cost model is the step
+        return False
+
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager):
         from engine.model_runner import RunnerResult
 

@@ -272,6 +272,8 @@ class ReplicaPool:
                 "cpus": format_cpus(self.cpus[r.id]) if r.id in self.cpus else None,
                 # its torch intra-op threads, as it reports them (None: not ready yet)
                 "threads": r.health.threads if r.health and r.health.threads else None,
+                # its compiled decode step: off, compiling (serving eagerly), compiled, failed
+                "compile": r.health.compile if r.health else None,
             }
         return out
 

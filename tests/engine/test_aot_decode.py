@@ -270,3 +270,45 @@ def test_a_replica_prepared_ahead_loads_its_build_without_building(cache, tmp_pa
     assert [p.parent for p in fresh.glob("*/ranges.json")] == [built]
     calls = count_calls(e)  # it decodes through them (their tokens are jit's: the first test)
     assert all(len(t) == 24 for t in generate(e)) and len(calls) > 20
+
+
+def test_an_engine_serves_eagerly_while_its_step_builds_then_swaps_it_in(cache):
+    """A replica's start: ``defer_compile`` then ``start_compile`` builds in the background
+    (a build of its own: a batch bound no other test uses) while requests run on the eager
+    step; ``poll_compile`` between two steps swaps the build in, and no request is lost."""
+    config = EngineConfig(**{**CONFIG, "max_num_seqs": 5}, compile_mode="aot")
+    e = Engine(tiny(), config, defer_compile=True)
+    assert e.runner.compile_state == "deferred" and e.model._aot is None
+    e.runner.start_compile()
+    assert e.runner.compile_state in ("compiling", "compiled")
+    served = generate(e)  # steps run meanwhile (eagerly, while it builds)
+    assert [len(t) for t in served] == [24] * len(PROMPTS)
+    build = e.runner._build
+    if build is not None:
+        build[1].join(600)
+    e.step()  # an idle step swaps it in
+    assert e.runner.compile_state == "compiled" and e.runner._build is None
+    calls = count_calls(e)
+    assert [len(t) for t in generate(e)] == [24] * len(PROMPTS) and len(calls) > 20
+    # a second engine of the same shape finds the build and loads it at start_compile
+    again = Engine(tiny(), config, defer_compile=True)
+    again.runner.start_compile()
+    assert again.runner.compile_state == "compiled" and again.model._aot is not None
+
+
+def test_a_background_build_stops_with_its_engine_and_a_failed_one_leaves_it_eager(
+        cache, tmp_path, monkeypatch):
+    monkeypatch.setenv("TAILSCOPE_AOT_CACHE_DIR", str(tmp_path / "aot"))
+    e = Engine(tiny(), EngineConfig(**CONFIG, compile_mode="aot"), defer_compile=True)
+    e.runner.start_compile()
+    build, thread, _ = e.runner._build
+    assert e.runner.compile_state == "compiling"
+    while build.proc is None and thread.is_alive():  # the child is being started
+        thread.join(0.05)
+    e.runner.close()  # a replica shutting down: the child goes with it
+    thread.join(60)
+    assert not thread.is_alive() and build.proc.poll() is not None
+    e.step()
+    assert e.runner.compile_state.startswith("failed") and e.model._aot is None
+    assert not any((tmp_path / "aot").glob("*/ranges.json"))
+    assert [len(t) for t in generate(e)] == [24] * len(PROMPTS)  # still serving, eagerly

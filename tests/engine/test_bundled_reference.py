@@ -127,3 +127,21 @@ def test_cli_generate_chat_answers_paris(weights):
     )
     assert "Paris" in out.stdout
     assert "TTFT" in out.stderr and "tok/s" in out.stderr
+
+
+def test_cli_generate_on_the_fast_profile_answers_eagerly_without_building(tmp_path):
+    """A one-shot command never starts the compiled step's minutes-long build: it answers on
+    the eager step and says so (a replica builds it; generate then loads that build)."""
+    env = {**os.environ, "TAILSCOPE_KV_CACHE_MB": "64", "TAILSCOPE_PROFILE": "fast",
+           "TAILSCOPE_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-m", "tailscope.cli", "generate", "--chat",
+         "What is the capital of France?", "--max-tokens", "24"],
+        capture_output=True, text=True, timeout=300, env=env, check=True,
+    )
+    assert "Paris" in out.stdout
+    from engine.config import BF16_FLAGS, cpu_flags
+
+    if cpu_flags() & BF16_FLAGS:  # the fast profile compiles only where bf16 is native
+        assert "compile off: not built yet" in out.stderr
+    assert not (tmp_path / "aot").exists() or not any((tmp_path / "aot").iterdir())

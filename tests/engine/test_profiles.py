@@ -5,6 +5,7 @@ setting overrides the profile; the choice and why are in /debug/config and confi
 from __future__ import annotations
 
 import argparse
+import time
 
 import httpx
 import pytest
@@ -18,11 +19,13 @@ AVX2 = {"avx2", "fma", "f16c"}
 
 def test_fast_is_chosen_per_cpu_and_exact_is_the_float32_path():
     fast, why = choose("fast", BF16)
-    assert fast == {"dtype": "bfloat16", "weights": "int4", "output_weights": "int4"}
+    assert fast == {"dtype": "bfloat16", "weights": "int4", "output_weights": "int4",
+                    "compile": True, "compile_mode": "aot"}
     assert "avx512_bf16" in why
     assert choose("fast", {"amx_bf16", "amx_tile"})[0]["dtype"] == "bfloat16"
     plain, why = choose("fast", AVX2)
-    assert plain == {"dtype": "float32", "weights": "native", "output_weights": "native"}
+    assert plain == {"dtype": "float32", "weights": "native", "output_weights": "native",
+                     "compile": False, "compile_mode": "jit"}
     assert "no native bf16" in why
     assert choose("exact", BF16)[0] == plain
     with pytest.raises(ValueError, match="profile must be one of"):
@@ -71,13 +74,22 @@ def test_the_products_entry_points_default_to_fast(monkeypatch):
     assert got.weights == "native" and got.dtype == choose("fast")[0]["dtype"]
 
 
-def test_make_serve_runs_the_fast_profile_and_says_why(bundled_path, monkeypatch):
+def test_make_serve_runs_the_fast_profile_and_says_why(bundled_path, monkeypatch, tmp_path):
+    """... and on a CPU whose fast profile compiles, the replica is ready before its compiled
+    step is: it serves eagerly while the step builds (an empty cache here), then on it."""
     from gateway.app import GatewayConfig, config_id
     from tests.gateway.conftest import start_server, stop_server
 
     monkeypatch.delenv("TAILSCOPE_PROFILE")  # the tests' pin (tests/conftest.py): none here
-    server = start_server("--model", "tiny:49152", "--tokenizer", str(bundled_path))
+    server = start_server("--model", "tiny:49152", "--tokenizer", str(bundled_path),
+                          env={"TAILSCOPE_AOT_CACHE_DIR": str(tmp_path / "aot")})
     try:
+        def compile_state() -> str:
+            return httpx.get(f"{server.url}/debug/replicas", timeout=30).json()["r0"]["compile"]
+        compiles = choose("fast")[0]["compile"]
+        first = compile_state()
+        assert first in (("compiling", "compiled") if compiles else ("off",))
+        seen = [first]
         body = httpx.get(f"{server.url}/debug/config", timeout=30).json()
         chosen, why = choose("fast")
         assert body["profile"] == {"name": "fast", "because": why}
@@ -88,6 +100,17 @@ def test_make_serve_runs_the_fast_profile_and_says_why(bundled_path, monkeypatch
             "model": server.model, "prompt": "Hello", "max_tokens": 4, "temperature": 0},
             timeout=120)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        if compiles:
+            deadline = time.monotonic() + 600
+            while seen[-1] == "compiling" and time.monotonic() < deadline:
+                time.sleep(0.5)
+                seen.append(compile_state())
+            assert seen[-1] == "compiled" and set(seen) <= {"compiling", "compiled"}, seen
+            r = httpx.post(f"{server.url}/v1/completions", json={
+                "model": server.model, "prompt": "Hello", "max_tokens": 4, "temperature": 0},
+                timeout=120)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
         def cid(**engine) -> str:  # start_server's KV budget, as the gateway's own
             return config_id(GatewayConfig(model="tiny:49152",
                                            engine=EngineConfig(kv_cache_mb=64, **engine)))
@@ -114,3 +137,22 @@ def test_a_stored_config_replays_as_the_same_config(profile, tmp_path, monkeypat
     rebuilt = GatewayConfig(model=file.model, served_model_name=file.served_model_name,
                             engine=engine_config(_parse([]), file.engine))
     assert config_id(rebuilt) == config_id(original)
+
+
+def test_the_fast_profiles_compiled_step_needs_its_own_dtype_and_weights():
+    """AOT runs bfloat16 with packed 4-bit weights: given others, the profile's compile stays
+    off (or jit where compile is asked for), never a start that fails on its own default."""
+    fast = choose("fast", BF16)[0]
+    if fast != choose("fast")[0]:
+        pytest.skip("this CPU's fast profile does not compile")
+    assert (EngineConfig(profile="fast").compile, EngineConfig(profile="fast").compile_mode) \
+        == (True, "aot")
+    native = EngineConfig(profile="fast", weights="native")
+    assert (native.compile, native.compile_mode) == (False, "jit")
+    assert EngineConfig(profile="fast", dtype="float32").compile is False
+    asked = EngineConfig(profile="fast", weights="int8", compile=True)
+    assert (asked.compile, asked.compile_mode) == (True, "jit")
+    assert EngineConfig(profile="fast", weights="int4a8").compile_mode == "aot"
+    assert EngineConfig(profile="fast", compile=False).compile is False
+    invariant = EngineConfig(profile="fast", batch_invariant=True)
+    assert (invariant.compile, invariant.weights) == (False, "native")
