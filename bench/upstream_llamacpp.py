@@ -51,6 +51,18 @@ NO_AMX_FLAGS = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_
                 "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
 
 
+# The AVX2 build (no AVX-512 at all), the x86 baseline of the last decade: what bench/vs_llamacpp
+# compares Tailscope's AVX2 path with.
+AVX2_FLAGS = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+              "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AMX_TILE=OFF",
+              "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+
+
+def build_llama_server_avx2(version: str) -> Path:
+    """``llama-server`` built for AVX2 only (``AVX2_FLAGS``, cached beside the native one)."""
+    return _build(version, "build-avx2", AVX2_FLAGS)
+
+
 def build_llama_server(version: str) -> Path:
     """``llama-server`` built natively from ``llama-cpp-python==version``'s sdist (cached); if
     that build dies of SIGILL on the bundled model (AMX the VM does not run), the build without

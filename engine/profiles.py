@@ -11,8 +11,13 @@ overrides it. ``fast`` is chosen per CPU from the flags in /proc/cpuinfo:
   (``engine.aot``; a replica process serves on the eager step while it builds). The compiled
   step is the profile's only where its dtype and weights are: given other weights, the profile
   leaves compile off (AOT runs packed 4-bit weights only).
-- otherwise: float32 with native weights, as ``exact``: without a native bf16 multiply bf16 is
-  emulated (slower than float32), and the packed 4-bit kernel is written for AVX-512.
+- AVX2 with FMA and F16C (and AVX-512 without BF16): float32 activations, the model's own
+  4-bit weights on our AVX2 kernel (``kernels/csrc/q4_gemm_avx2.c``: exact products, float32
+  sums) and the rescored 4-bit output matrix; not compiled (AOT runs bfloat16 only). Without
+  a native bf16 multiply bf16 is emulated, slower than float32. Only where our kernels can be
+  built (a C and a C++ compiler, ``TAILSCOPE_NATIVE_KERNELS`` not off): torch's own 4-bit
+  kernel takes bf16 inputs.
+- otherwise: float32 with native weights, as ``exact``.
 
 The product's entry points (``tailscope serve``, ``tailscope generate``, a replica process)
 default to ``fast``; ``EngineConfig()`` in code defaults to ``exact``, so a test or a library
@@ -73,8 +78,34 @@ def _choose(profile: str, flags: set[str] | None) -> tuple[dict[str, str], str]:
                 f"fast: the CPU multiplies bf16 natively ({', '.join(native)}): bfloat16 "
                 "activations, packed 4-bit weights, 4-bit output matrix with exact rescoring, "
                 "the decode step compiled ahead of time")
-    return dict(_EXACT), ("fast: no native bf16 multiply on this CPU (neither avx512_bf16 nor "
-                          "amx_bf16): float32 with native weights, as exact")
+    bare = "fast: no native bf16 multiply on this CPU (neither avx512_bf16 nor amx_bf16)"
+    if AVX2_FLAGS <= flags:
+        if _kernels_buildable():
+            return ({"dtype": "float32", "weights": "int4", "output_weights": "int4",
+                     "compile": False, "compile_mode": "jit"},
+                    f"{bare}; {', '.join(sorted(AVX2_FLAGS))}: float32 activations, packed "
+                    "4-bit weights on the AVX2 kernel, 4-bit output matrix with exact "
+                    "rescoring")
+        return dict(_EXACT), (f"{bare}, and our AVX2 kernel cannot be built here (no C / C++ "
+                              "compiler, or TAILSCOPE_NATIVE_KERNELS off): float32 with native "
+                              "weights, as exact")
+    return dict(_EXACT), f"{bare}, nor AVX2 with FMA and F16C: float32 with native weights, " \
+        "as exact"
+
+
+AVX2_FLAGS = frozenset({"avx2", "fma", "f16c"})  # kernels.native.AVX2_CPU_FLAGS
+
+
+def _kernels_buildable() -> bool:
+    """What ``kernels.native`` needs to build its kernels (checked without importing torch)."""
+    import os
+    import shutil
+
+    if os.environ.get("TAILSCOPE_NATIVE_KERNELS", "1").strip().lower() in ("0", "false", "no",
+                                                                            "off"):
+        return False
+    return bool((shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc"))
+                and (shutil.which(os.environ.get("CXX") or "c++") or shutil.which("g++")))
 
 
 def explain(config) -> str:

@@ -91,6 +91,12 @@ PACKED_MAX_ROWS = 4
 # every step on the kernel, whose many-rows path (from 32 rows) matches the bf16 GEMM
 # (bench/int4_matmul.py).
 NATIVE_MAX_ROWS = 16
+# The same for our AVX2 kernel on float32 inputs (a float32 model keeps its dense copy for
+# larger steps): it widens each code to float32 once for every 4 rows, so its cost grows with
+# the rows faster than MKL's float32 GEMM on the dense copy. 1536x576 and 576x1536, 2 threads,
+# AVX2 only, weights warm (us, kernel / MKL): 1 row 35 / 71, 8 rows 100 / 175, 16 rows
+# 196 / 245, 24 rows 291 / 314, 32 rows 387 / 392.
+AVX2_MAX_ROWS = 24
 
 
 class _PackedLinear:
@@ -117,9 +123,11 @@ class _PackedLinear:
         """``x`` in bfloat16; the result in ``out_dtype`` or bfloat16 (the caller casts)."""
         raise NotImplementedError
 
+    input_dtype = torch.bfloat16  # what ``_packed`` takes (our AVX2 kernel: float32)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is None or x.shape[0] <= self.max_rows:
-            return self._packed(x.to(torch.bfloat16), x.dtype).to(x.dtype)
+            return self._packed(x.to(self.input_dtype), x.dtype).to(x.dtype)
         return self.dense(x)
 
 
@@ -133,6 +141,9 @@ class Int4Linear(_PackedLinear):
     dense bf16 copy's values at its speed; kernels/csrc/q4_gemm.c), so such a model keeps no
     dense copy (the bundled model's was 212 MB). A float32 model keeps its float32 copy for
     steps past ``NATIVE_MAX_ROWS`` rows (the kernel's bf16 activations would round them).
+    Where only our AVX2 kernel is (``native.avx2_available()``: no AVX-512 BF16), a float32
+    model runs steps of up to ``AVX2_MAX_ROWS`` rows on it, float32 inputs and exact products
+    (``self.avx2``), the dense copy past them.
     Without our kernel: torch's ``_weight_int4pack_mm_for_cpu`` (scales and zeros rounded to
     bfloat16, one GEMV per row) up to ``PACKED_MAX_ROWS`` rows, the dense copy past them."""
 
@@ -152,7 +163,16 @@ class Int4Linear(_PackedLinear):
             raise ValueError("Int4Linear: dtype is needed where dense is a function")
         packed = native.pack_int4(codes, scale, zero, group) \
             if use_native and native.available() else None
-        self.native = packed is not None
+        # without the AVX-512 kernel, a float32 model takes the AVX2 one (float32 inputs)
+        self.avx2 = packed is None and use_native and dtype == torch.float32 \
+            and native.avx2_available()
+        if self.avx2:
+            packed = native.pack_int4(codes, scale, zero, group)
+            self.avx2 = packed is not None
+            if self.avx2:
+                self.input_dtype = torch.float32
+                max_rows = AVX2_MAX_ROWS if max_rows is None else max_rows
+        self.native = packed is not None and not self.avx2
         self.int8_inputs = int8_inputs and self.native
         if self.native and dtype == torch.bfloat16:
             dense = None
@@ -172,10 +192,12 @@ class Int4Linear(_PackedLinear):
     @property
     def nbytes(self) -> int:
         """What a small step reads: the packed codes and the scales and zeros."""
-        extra = (self.scale, self.zero) if self.native else (self.scales_zeros,)
+        extra = (self.scale, self.zero) if self.native or self.avx2 else (self.scales_zeros,)
         return sum(t.numel() * t.element_size() for t in (self.packed, *extra))
 
     def _packed(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        if self.avx2:
+            return native.int4_mm_f32(x, self.packed, self.scale, self.zero, self.shape[0])
         if not self.native:
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group,
                                                               self.scales_zeros)

@@ -7,6 +7,11 @@ torch operators ``tailscope_native::int4_mm``, ``::paged_decode_attention``, ``:
 ``::q8_rows_dot``, ``::topk_indices`` and ``::rescored_logits`` (``csrc/ops.cpp``), compiled
 on first use with the system C and C++ compilers against the installed torch's headers (~10 s).
 
+On a CPU without AVX-512 BF16 a second library of one operator,
+``tailscope_avx2::int4_mm_f32`` (``csrc/q4_gemm_avx2.c``, AVX2 + FMA + F16C), runs the 4-bit
+matmul on float32 activations (``avx2_available()``; ``TAILSCOPE_NATIVE_KERNELS=avx2`` selects
+it alone on any CPU that has those).
+
 They are accelerators, never a requirement: without compilers, on a CPU without AVX-512 BF16,
 with ``TAILSCOPE_NATIVE_KERNELS=0``, or when the build fails (logged once), ``available()`` is
 False and ``kernels.linear.Int4Linear`` runs torch's own int4 kernel, the model torch's
@@ -47,13 +52,29 @@ C_FLAGS = ["-O3", "-std=c11", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512
            "-mavx512vnni", "-mf16c", "-mfma", "-fopenmp", "-fPIC"]
 CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "f16c", "fma"}
 
+# The AVX2 library: the 4-bit matmul on float32 activations (csrc/q4_gemm_avx2.c), for CPUs
+# without AVX-512 BF16, a library of its own so that it loads where the one above cannot.
+AVX2_C_SOURCES = (CSRC / "q4_gemm_avx2.c",)
+AVX2_SOURCES = (*AVX2_C_SOURCES, CSRC / "ops_avx2.cpp")
+AVX2_C_FLAGS = ["-O3", "-std=c11", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC"]
+AVX2_CPU_FLAGS = {"avx2", "fma", "f16c"}
+
+# TAILSCOPE_NATIVE_KERNELS: on (default: every library this CPU runs), off, or avx2 (the AVX2
+# library alone: how its path is run and tested on an AVX-512 machine)
+_OFF = ("0", "false", "no", "off")
+
 
 def cache_dir() -> Path:
     return Path(os.environ.get("TAILSCOPE_CACHE_DIR") or Path.home() / ".cache" / "tailscope"
                 ) / "kernels"
 
 
-def cpu_supported() -> tuple[bool, str]:
+def _switch() -> str:
+    value = os.environ.get("TAILSCOPE_NATIVE_KERNELS", "1").strip().lower()
+    return "off" if value in _OFF else "avx2" if value == "avx2" else "on"
+
+
+def cpu_supported(needed: set[str] = CPU_FLAGS) -> tuple[bool, str]:
     """The CPU has every instruction set the kernel uses (/proc/cpuinfo's flags)."""
     try:
         with open("/proc/cpuinfo") as f:
@@ -61,7 +82,7 @@ def cpu_supported() -> tuple[bool, str]:
                           if line.startswith("flags")), set())
     except OSError:
         return False, "no /proc/cpuinfo"
-    missing = sorted(CPU_FLAGS - flags)
+    missing = sorted(needed - flags)
     return (not missing, f"CPU lacks {', '.join(missing)}" if missing else "")
 
 
@@ -73,13 +94,15 @@ def _cxx_flags() -> list[str]:
             *(f"-I{p}" for p in include_paths())]
 
 
-def _build(cc: str, cxx: str, cxx_flags: list[str], path: Path) -> None:
+def _build(cc: str, cxx: str, cxx_flags: list[str], path: Path,
+           c_sources: tuple[Path, ...] = C_SOURCES, c_flags: list[str] = C_FLAGS,
+           ops: Path = CSRC / "ops.cpp") -> None:
     torch_lib = Path(torch.__file__).parent / "lib"
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        objects = [f"{tmp}/{src.stem}.o" for src in C_SOURCES]
-        steps = [*([cc, *C_FLAGS, "-c", str(src), "-o", o]
-                   for src, o in zip(C_SOURCES, objects, strict=True)),
-                 [cxx, *cxx_flags, "-c", str(CSRC / "ops.cpp"), "-o", f"{tmp}/ops.o"],
+        objects = [f"{tmp}/{src.stem}.o" for src in c_sources]
+        steps = [*([cc, *c_flags, "-c", str(src), "-o", o]
+                   for src, o in zip(c_sources, objects, strict=True)),
+                 [cxx, *cxx_flags, "-c", str(ops), "-o", f"{tmp}/ops.o"],
                  [cxx, "-shared", "-fopenmp", f"{tmp}/ops.o", *objects,
                   f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-o", f"{tmp}/lib.so"]]
         for cmd in steps:
@@ -89,38 +112,53 @@ def _build(cc: str, cxx: str, cxx_flags: list[str], path: Path) -> None:
         os.replace(f"{tmp}/lib.so", path)
 
 
+def _compilers() -> tuple[str, str] | None:
+    cc = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
+    cxx = shutil.which(os.environ.get("CXX") or "c++") or shutil.which("g++")
+    return (cc, cxx) if cc is not None and cxx is not None else None
+
+
+def _load(name: str, sources: tuple[Path, ...], c_sources: tuple[Path, ...],
+          c_flags: list[str], ops: Path, compilers: tuple[str, str]) -> Path:
+    """Build (once, into the cache) and load one library; raises on failure."""
+    cc, cxx = compilers
+    versions = [subprocess.run([c, "--version"], capture_output=True, text=True,
+                               timeout=30).stdout for c in (cc, cxx)]
+    cxx_flags = _cxx_flags()
+    key = hashlib.sha256("\0".join([*(p.read_text() for p in sources), cc, cxx, *versions,
+                                    *c_flags, *cxx_flags, torch.__version__]).encode()
+                         ).hexdigest()[:16]
+    path = cache_dir() / f"{name}-{key}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _build(cc, cxx, cxx_flags, path, c_sources, c_flags, ops)
+    torch.ops.load_library(str(path))
+    return path
+
+
 @functools.cache
 def available() -> bool:
     """The ``torch.ops.tailscope_native`` operators are loaded (built first if need be); when
     not, the reason is logged once (INFO: not this machine or switched off; WARNING: the
     build failed)."""
-    if os.environ.get("TAILSCOPE_NATIVE_KERNELS", "1").strip().lower() in ("0", "false", "no",
-                                                                            "off"):
-        log.info("native kernels off (TAILSCOPE_NATIVE_KERNELS)")
+    switch = _switch()
+    if switch != "on":
+        log.info("native kernels %s (TAILSCOPE_NATIVE_KERNELS)",
+                 "off" if switch == "off" else "for AVX-512 off: the AVX2 ones alone")
         return False
     ok, why = cpu_supported()
     if not ok:
         log.info("native kernels not used: %s", why)
         return False
-    cc = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
-    cxx = shutil.which(os.environ.get("CXX") or "c++") or shutil.which("g++")
-    if cc is None or cxx is None:
+    compilers = _compilers()
+    if compilers is None:
         log.info("native kernels not used: no C / C++ compiler (cc, c++) on PATH")
         return False
     if hasattr(torch.ops.tailscope_native, "int4_mm_a8"):  # loaded already (cache_clear)
         return True
     try:
-        versions = [subprocess.run([c, "--version"], capture_output=True, text=True,
-                                   timeout=30).stdout for c in (cc, cxx)]
-        cxx_flags = _cxx_flags()
-        key = hashlib.sha256("\0".join([*(p.read_text() for p in SOURCES), cc, cxx, *versions,
-                                        *C_FLAGS, *cxx_flags, torch.__version__]).encode()
-                             ).hexdigest()[:16]
-        path = cache_dir() / f"tailscope_native-{key}.so"
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            _build(cc, cxx, cxx_flags, path)
-        torch.ops.load_library(str(path))
+        path = _load("tailscope_native", SOURCES, C_SOURCES, C_FLAGS, CSRC / "ops.cpp",
+                     compilers)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("native kernels not built, torch's kernels are used: %s", e)
         return False
@@ -138,6 +176,39 @@ def available() -> bool:
         lambda y, idx, top: y.new_empty(y.shape, dtype=torch.float32))
     log.info("native kernels loaded (%s)", path)
     return True
+
+
+@functools.cache
+def avx2_available() -> bool:
+    """The ``torch.ops.tailscope_avx2`` operator (``int4_mm_f32``) is loaded, built first if
+    need be: where the AVX-512 library is not (``available()`` False: this CPU lacks AVX-512
+    BF16, or ``TAILSCOPE_NATIVE_KERNELS=avx2``) and the CPU has AVX2, FMA and F16C."""
+    if _switch() == "off" or available():
+        return False
+    ok, why = cpu_supported(AVX2_CPU_FLAGS)
+    compilers = _compilers()
+    if not ok or compilers is None:
+        log.info("AVX2 kernels not used: %s", why or "no C / C++ compiler (cc, c++) on PATH")
+        return False
+    if hasattr(torch.ops.tailscope_avx2, "int4_mm_f32"):  # loaded already (cache_clear)
+        return True
+    try:
+        path = _load("tailscope_avx2", AVX2_SOURCES, AVX2_C_SOURCES, AVX2_C_FLAGS,
+                     CSRC / "ops_avx2.cpp", compilers)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("AVX2 kernels not built, torch's kernels are used: %s", e)
+        return False
+    torch.library.register_fake("tailscope_avx2::int4_mm_f32")(
+        lambda x, packed, scale, zero, n: x.new_empty((x.shape[0], n)))
+    log.info("AVX2 kernels loaded (%s)", path)
+    return True
+
+
+def int4_mm_f32(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                out_features: int) -> torch.Tensor:
+    """``x`` [M, K] float32 times the packed matrix (``pack_int4``), [M, N] float32, on AVX2
+    (``csrc/q4_gemm_avx2.c``: exact products, float32 sums). Only where ``avx2_available()``."""
+    return torch.ops.tailscope_avx2.int4_mm_f32(x, packed, scale, zero, out_features)
 
 
 def _int4_mm_fake(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,

@@ -23,15 +23,32 @@ def test_fast_is_chosen_per_cpu_and_exact_is_the_float32_path():
                     "compile": True, "compile_mode": "aot"}
     assert "avx512_bf16" in why
     assert choose("fast", {"amx_bf16", "amx_tile"})[0]["dtype"] == "bfloat16"
-    plain, why = choose("fast", AVX2)
-    assert plain == {"dtype": "float32", "weights": "native", "output_weights": "native",
-                     "compile": False, "compile_mode": "jit"}
-    assert "no native bf16" in why
+    avx2, why = choose("fast", AVX2)
+    assert avx2 == {"dtype": "float32", "weights": "int4", "output_weights": "int4",
+                    "compile": False, "compile_mode": "jit"}
+    assert "no native bf16" in why and "AVX2 kernel" in why
+    assert choose("fast", AVX2 | {"avx512f", "avx512bw"})[0] == avx2  # AVX-512 without BF16
+    plain = {"dtype": "float32", "weights": "native", "output_weights": "native",
+             "compile": False, "compile_mode": "jit"}
+    assert choose("fast", {"sse4_2", "avx"}) == (plain, choose("fast", {"avx"})[1])
+    assert "nor AVX2" in choose("fast", {"avx"})[1]
     assert choose("exact", BF16)[0] == plain
     with pytest.raises(ValueError, match="profile must be one of"):
         choose("fastest", BF16)
     with pytest.raises(ValueError, match="profile must be one of"):
         EngineConfig(profile="fastest")
+
+
+def test_fast_on_avx2_needs_a_kernel_it_can_build(monkeypatch):
+    """Without our AVX2 kernel the 4-bit weights would run on torch's, which takes bf16 inputs
+    (emulated there): the profile then stays on the exact path, and says why."""
+    monkeypatch.setenv("TAILSCOPE_NATIVE_KERNELS", "0")
+    settings, why = choose("fast", AVX2)
+    assert settings["weights"] == "native" and "cannot be built" in why
+    monkeypatch.setenv("TAILSCOPE_NATIVE_KERNELS", "1")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setenv("CC", "no-such-cc")
+    assert choose("fast", AVX2)[0]["weights"] == "native"
 
 
 def test_a_profile_fills_in_only_what_is_not_given():

@@ -1,0 +1,47 @@
+// Registers csrc/q4_gemm_avx2.c as the torch operator tailscope_avx2::int4_mm_f32 (a library of
+// its own, built with AVX2 flags only: it must load on CPUs the AVX-512 library cannot run on).
+// Its fake (shape) function is registered from Python (kernels/native.py).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+extern "C" int q4_gemm_f32(const float *x, int M, int K, int N, const uint8_t *codes,
+                           const void *scale, const void *zero, int scale_f32, float *out,
+                           int threads);
+
+namespace {
+
+at::Tensor int4_mm_f32(const at::Tensor &x, const at::Tensor &packed, const at::Tensor &scale,
+                       const at::Tensor &zero, int64_t out_features) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: 2-D float32");
+    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed: uint8");
+    TORCH_CHECK(scale.scalar_type() == zero.scalar_type() && scale.is_contiguous() &&
+                    zero.is_contiguous() &&
+                    (scale.scalar_type() == at::kHalf || scale.scalar_type() == at::kFloat),
+                "scale / zero: float16 or float32");
+    const int64_t m = x.size(0), k = x.size(1);
+    TORCH_CHECK(packed.numel() == out_features * k / 2 && k % 32 == 0 && out_features % 16 == 0,
+                "packed does not hold [", out_features, ", ", k, "] 4-bit codes");
+    TORCH_CHECK(scale.numel() == out_features * (k / 32) && zero.numel() == scale.numel(),
+                "scale / zero do not hold [", out_features, ", ", k / 32, "] groups");
+    const at::Tensor xc = x.contiguous();
+    at::Tensor out = at::empty({m, out_features}, x.options());
+    if (m == 0) return out;
+    const int rc = q4_gemm_f32(xc.data_ptr<float>(), (int)m, (int)k, (int)out_features,
+                               packed.data_ptr<uint8_t>(), scale.data_ptr(), zero.data_ptr(),
+                               scale.scalar_type() == at::kFloat, out.data_ptr<float>(),
+                               at::get_num_threads());
+    TORCH_CHECK(rc == 0, "q4_gemm_f32 failed (", rc, ")");
+    return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tailscope_avx2, m) {
+    m.def("int4_mm_f32(Tensor x, Tensor packed, Tensor scale, Tensor zero, int out_features) "
+          "-> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tailscope_avx2, CPU, m) { m.impl("int4_mm_f32", int4_mm_f32); }
