@@ -329,7 +329,7 @@ def main() -> int:
     if not args.no_avx2:
         avx2_exe = build_llama_server_avx2(args.llama_cpp_python)
         avx2 = compare(avx2_exe, ["avx2"], args)
-        print(f"\n# vs_llamacpp AVX2  llama-server {avx2_exe.parent.name} (GGML_NATIVE=OFF, "
+        print(f"\n# vs_llamacpp AVX2  llama-server {avx2_exe.parent.parent.name} (GGML_NATIVE=OFF, "
               f"AVX2, no AVX-512) against Tailscope's AVX2 path ({' '.join(serve_args('avx2'))}"
               f"; {' '.join(f'{k}={v}' for k, v in AVX2_ENV.items())}), threads={args.threads}")
         report(avx2, avx2=True)
