@@ -248,7 +248,7 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
     if config.store_dsn:
         if config.store_process and is_embedded(normalise_dsn(config.store_dsn)):
             store_child = StoreProcess(config.store_dsn)
-            store_child.start()
+            store_child.start(wait=False)  # waited for in lifespan, while the replicas load
         handle, writer = open_store(config.store_dsn, config.spool_dir,
                                     config.fault_store_down_file, config.store_flush_s,
                                     config.query_limits, config.max_queue_mb << 20,
@@ -288,6 +288,13 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
         warm = asyncio.create_task(asyncio.to_thread(service.warm))
         metrics.stalls.start()
         await pool.start()
+        if store_child is not None:
+            try:
+                await asyncio.to_thread(store_child.wait_ready)
+            except SystemExit:
+                await pool.close()  # nothing left behind by a gateway that cannot start
+                store_child.close()
+                raise
         # the stored config also says how this gateway admitted requests (not part of the
         # config_id: that hashes resolved_config alone; the first gateway to store it wins)
         config_row = None if handle is None else asyncio.create_task(store_api.store_config(

@@ -132,9 +132,16 @@ class StoreProcess:
         except httpx.HTTPError:
             return False
 
-    def start(self) -> None:
-        """Start the child and wait until it answers (records before that would only spool)."""
+    def start(self, wait: bool = True) -> None:
+        """Start the child and wait until it answers (records before that would only spool);
+        ``wait=False``: the caller calls ``wait_ready`` later (the gateway: while its replicas
+        load, so the two start-ups overlap)."""
         self._spawn()
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Until the child answers; SystemExit where it exits or stays silent."""
         deadline = time.monotonic() + self.start_timeout_s
         while not self._healthy():
             if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -188,3 +188,30 @@ def test_ctrl_c_at_a_terminal_stops_the_gateway_its_replica_and_its_store_child_
          "--param", f"t={json.dumps(traces)}"], capture_output=True, text=True, timeout=120,
         env={**os.environ, "TAILSCOPE_GATEWAY_URL": "http://127.0.0.1:9"})
     assert out.returncode == 0 and out.stdout.splitlines()[-1] == "5", out.stderr[-500:]
+
+
+def test_a_store_child_that_cannot_start_stops_the_gateway_and_its_replicas(bundled_path,
+                                                                            tmp_path):
+    """The store child starts while the replicas load (the gateway waits for both before it
+    serves): where it cannot (here: another store process holds the directory), the gateway
+    exits saying so, and takes the replicas it started with it."""
+    from gateway.store_api import StoreProcess
+    from tracing.client import free_port
+
+    dsn = f"chdb://{tmp_path}/store"
+    holder = StoreProcess(dsn)
+    holder.start()
+    try:
+        port = free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tailscope.cli", "serve", "--model", "tiny:49152",
+             "--tokenizer", str(bundled_path), "--port", str(port)],
+            env={**os.environ, "TAILSCOPE_STORE_DSN": dsn}, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
+        out, _ = proc.communicate(timeout=180)
+        assert proc.returncode != 0 and "did not start" in out, out[-3000:]
+        left = [p for p in psutil.process_iter(["cmdline"])
+                if f"vm:{port}/" in " ".join(p.info["cmdline"] or [])]
+        assert left == []
+    finally:
+        holder.close()
