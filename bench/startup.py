@@ -14,8 +14,6 @@ compile). The issue's targets: the first answer within 60 s cold, ready within 5
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,48 +27,32 @@ if str(ROOT) not in sys.path:
 def one_start(cache: Path, threads: int, compile_timeout_s: float) -> dict:
     import httpx
 
-    from tracing.client import free_port, stop_process
+    from tracing.client import GatewayProcess
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "TAILSCOPE_THREADS": str(threads), "TAILSCOPE_PROFILE": "fast",
-           "TAILSCOPE_CACHE_DIR": str(cache), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
-           "TAILSCOPE_STORE_DSN": f"chdb://{tempfile.mkdtemp(prefix='tailscope-startup-')}/s"}
-    env.pop("TAILSCOPE_AOT_CACHE_DIR", None)
+    gw = GatewayProcess([], cwd=ROOT, quiet=True, ready_timeout_s=600, env={
+        "TAILSCOPE_THREADS": str(threads), "TAILSCOPE_PROFILE": "fast",
+        "TAILSCOPE_CACHE_DIR": str(cache), "TAILSCOPE_AOT_CACHE_DIR": str(cache / "aot"),
+        "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+        "TAILSCOPE_STORE_DSN": f"chdb://{tempfile.mkdtemp(prefix='tailscope-startup-')}/s"})
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "tailscope.cli", "serve", "--port",
-                             str(port)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
     out: dict = {}
     try:
-        while "ready_s" not in out:
-            if proc.poll() is not None:
-                raise SystemExit(f"tailscope serve exited with {proc.returncode}")
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).json().get("all_ready"):
-                    out["ready_s"] = time.monotonic() - t0
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(0.1)
-        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-        r = httpx.post(f"{url}/v1/completions", timeout=300, json={
+        gw.start()  # every replica ready
+        out["ready_s"] = time.monotonic() - t0
+        model = httpx.get(f"{gw.url}/v1/models", timeout=10).json()["data"][0]["id"]
+        r = httpx.post(f"{gw.url}/v1/completions", timeout=300, json={
             "model": model, "prompt": "The capital of France is", "max_tokens": 16,
             "temperature": 0})
         r.raise_for_status()
         out["first_answer_s"] = time.monotonic() - t0
-        deadline = time.monotonic() + compile_timeout_s
-        while time.monotonic() < deadline:
-            states = {r["compile"] for r in
-                      httpx.get(f"{url}/debug/replicas", timeout=10).json().values()}
-            if "compiling" not in states:
-                out["compile"] = ",".join(sorted(states))
-                out["compiled_s"] = time.monotonic() - t0
-                break
-            time.sleep(0.5)
-        else:
+        states = gw.wait_compiled(compile_timeout_s)
+        if "compiling" in states:
             out["compile"] = "still compiling"
+        else:
+            out["compile"] = ",".join(sorted(states))
+            out["compiled_s"] = time.monotonic() - t0
     finally:
-        stop_process(proc, 60)
+        gw.stop()
     return out
 
 

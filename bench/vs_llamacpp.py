@@ -176,7 +176,8 @@ def serve_args(spec: str) -> list[str]:
     if spec == "default":
         return []
     if spec == "avx2":  # what the fast profile chooses on an AVX2 CPU, run here as there
-        from engine.profiles import AVX2_FLAGS, choose
+        from engine.config import AVX2_FLAGS
+        from engine.profiles import choose
 
         chosen = choose("fast", set(AVX2_FLAGS))[0]
         return ["--dtype", chosen["dtype"], "--weights", chosen["weights"],
@@ -221,10 +222,7 @@ def start_tailscope(spec: str, threads: int) -> Server:
         model = httpx.get(f"{gw.url}/v1/models").json()["data"][0]["id"]
         # a replica serves on the eager step while its compiled step builds: measure the
         # compiled one (a build takes ~2 minutes once, then it is cached)
-        deadline = time.monotonic() + 900
-        while time.monotonic() < deadline and "compiling" in {
-                r["compile"] for r in httpx.get(f"{gw.url}/debug/replicas").json().values()}:
-            time.sleep(1)
+        gw.wait_compiled()
     except BaseException:
         rss.stop()
         gw.stop()

@@ -81,6 +81,29 @@ def _setting(default, help: str):
 
 
 BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})  # /proc/cpuinfo: a native bf16 multiply
+AVX2_FLAGS = frozenset({"avx2", "fma", "f16c"})  # what our AVX2 kernel needs (kernels.native)
+
+
+def native_kernels_switch() -> str:
+    """``TAILSCOPE_NATIVE_KERNELS``: ``on`` (default: every library of our kernels this CPU
+    runs), ``off``, or ``avx2`` (the AVX2 library alone: how its path is run and tested on an
+    AVX-512 machine). Here, without torch: the profile reads it too."""
+    import os
+
+    value = os.environ.get("TAILSCOPE_NATIVE_KERNELS", "1").strip().lower()
+    return "off" if value in ("0", "false", "no", "off") else "avx2" if value == "avx2" \
+        else "on"
+
+
+def c_compilers() -> tuple[str, str] | None:
+    """The C and C++ compilers our kernels are built with (``$CC``/``cc``/``gcc``,
+    ``$CXX``/``c++``/``g++``), None where either is missing."""
+    import os
+    import shutil
+
+    cc = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
+    cxx = shutil.which(os.environ.get("CXX") or "c++") or shutil.which("g++")
+    return (cc, cxx) if cc is not None and cxx is not None else None
 
 
 def cpu_flags() -> set[str] | None:

@@ -26,7 +26,14 @@ caller gets bitwise results unless it asks otherwise.
 
 from __future__ import annotations
 
-from engine.config import BF16_FLAGS, PROFILES, cpu_flags
+from engine.config import (
+    AVX2_FLAGS,
+    BF16_FLAGS,
+    PROFILES,
+    c_compilers,
+    cpu_flags,
+    native_kernels_switch,
+)
 
 PRODUCT_DEFAULT = "fast"
 _EXACT = {"dtype": "float32", "weights": "native", "output_weights": "native",
@@ -93,19 +100,9 @@ def _choose(profile: str, flags: set[str] | None) -> tuple[dict[str, str], str]:
         "as exact"
 
 
-AVX2_FLAGS = frozenset({"avx2", "fma", "f16c"})  # kernels.native.AVX2_CPU_FLAGS
-
-
 def _kernels_buildable() -> bool:
     """What ``kernels.native`` needs to build its kernels (checked without importing torch)."""
-    import os
-    import shutil
-
-    if os.environ.get("TAILSCOPE_NATIVE_KERNELS", "1").strip().lower() in ("0", "false", "no",
-                                                                            "off"):
-        return False
-    return bool((shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc"))
-                and (shutil.which(os.environ.get("CXX") or "c++") or shutil.which("g++")))
+    return native_kernels_switch() != "off" and c_compilers() is not None
 
 
 def explain(config) -> str:

@@ -35,19 +35,21 @@ import functools
 import hashlib
 import logging
 import os
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
 
+from engine.config import AVX2_FLAGS, c_compilers, cpu_flags, native_kernels_switch
+
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 C_SOURCES = (CSRC / "q4_gemm.c", CSRC / "paged_attention.c", CSRC / "argmax.c",
              CSRC / "q8_rows.c", CSRC / "topk.c")
-SOURCES = (*C_SOURCES, CSRC / "bf16.h", CSRC / "ops.cpp")  # what the build's cache key hashes
+# what the build's cache key hashes
+SOURCES = (*C_SOURCES, CSRC / "bf16.h", CSRC / "q4_operands.h", CSRC / "ops.cpp")
 C_FLAGS = ["-O3", "-std=c11", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16",
            "-mavx512vnni", "-mf16c", "-mfma", "-fopenmp", "-fPIC"]
 CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "f16c", "fma"}
@@ -55,13 +57,9 @@ CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "f
 # The AVX2 library: the 4-bit matmul on float32 activations (csrc/q4_gemm_avx2.c), for CPUs
 # without AVX-512 BF16, a library of its own so that it loads where the one above cannot.
 AVX2_C_SOURCES = (CSRC / "q4_gemm_avx2.c",)
-AVX2_SOURCES = (*AVX2_C_SOURCES, CSRC / "ops_avx2.cpp")
+AVX2_SOURCES = (*AVX2_C_SOURCES, CSRC / "q4_operands.h", CSRC / "ops_avx2.cpp")
 AVX2_C_FLAGS = ["-O3", "-std=c11", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC"]
-AVX2_CPU_FLAGS = {"avx2", "fma", "f16c"}
-
-# TAILSCOPE_NATIVE_KERNELS: on (default: every library this CPU runs), off, or avx2 (the AVX2
-# library alone: how its path is run and tested on an AVX-512 machine)
-_OFF = ("0", "false", "no", "off")
+AVX2_CPU_FLAGS = AVX2_FLAGS
 
 
 def cache_dir() -> Path:
@@ -69,18 +67,10 @@ def cache_dir() -> Path:
                 ) / "kernels"
 
 
-def _switch() -> str:
-    value = os.environ.get("TAILSCOPE_NATIVE_KERNELS", "1").strip().lower()
-    return "off" if value in _OFF else "avx2" if value == "avx2" else "on"
-
-
-def cpu_supported(needed: set[str] = CPU_FLAGS) -> tuple[bool, str]:
+def cpu_supported(needed: frozenset[str] | set[str] = CPU_FLAGS) -> tuple[bool, str]:
     """The CPU has every instruction set the kernel uses (/proc/cpuinfo's flags)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((set(line.split(":", 1)[1].split()) for line in f
-                          if line.startswith("flags")), set())
-    except OSError:
+    flags = cpu_flags()
+    if flags is None:
         return False, "no /proc/cpuinfo"
     missing = sorted(needed - flags)
     return (not missing, f"CPU lacks {', '.join(missing)}" if missing else "")
@@ -112,12 +102,6 @@ def _build(cc: str, cxx: str, cxx_flags: list[str], path: Path,
         os.replace(f"{tmp}/lib.so", path)
 
 
-def _compilers() -> tuple[str, str] | None:
-    cc = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
-    cxx = shutil.which(os.environ.get("CXX") or "c++") or shutil.which("g++")
-    return (cc, cxx) if cc is not None and cxx is not None else None
-
-
 def _load(name: str, sources: tuple[Path, ...], c_sources: tuple[Path, ...],
           c_flags: list[str], ops: Path, compilers: tuple[str, str]) -> Path:
     """Build (once, into the cache) and load one library; raises on failure."""
@@ -141,7 +125,7 @@ def available() -> bool:
     """The ``torch.ops.tailscope_native`` operators are loaded (built first if need be); when
     not, the reason is logged once (INFO: not this machine or switched off; WARNING: the
     build failed)."""
-    switch = _switch()
+    switch = native_kernels_switch()
     if switch != "on":
         log.info("native kernels %s (TAILSCOPE_NATIVE_KERNELS)",
                  "off" if switch == "off" else "for AVX-512 off: the AVX2 ones alone")
@@ -150,7 +134,7 @@ def available() -> bool:
     if not ok:
         log.info("native kernels not used: %s", why)
         return False
-    compilers = _compilers()
+    compilers = c_compilers()
     if compilers is None:
         log.info("native kernels not used: no C / C++ compiler (cc, c++) on PATH")
         return False
@@ -183,10 +167,10 @@ def avx2_available() -> bool:
     """The ``torch.ops.tailscope_avx2`` operator (``int4_mm_f32``) is loaded, built first if
     need be: where the AVX-512 library is not (``available()`` False: this CPU lacks AVX-512
     BF16, or ``TAILSCOPE_NATIVE_KERNELS=avx2``) and the CPU has AVX2, FMA and F16C."""
-    if _switch() == "off" or available():
+    if native_kernels_switch() == "off" or available():
         return False
     ok, why = cpu_supported(AVX2_CPU_FLAGS)
-    compilers = _compilers()
+    compilers = c_compilers()
     if not ok or compilers is None:
         log.info("AVX2 kernels not used: %s", why or "no C / C++ compiler (cc, c++) on PATH")
         return False

@@ -102,6 +102,20 @@ class GatewayProcess:
         self.stop()
         raise GatewayStartError(f"the gateway was not ready in {self.ready_timeout_s:.0f} s")
 
+    def wait_compiled(self, timeout_s: float = 900.0) -> set[str]:
+        """Until no replica's compiled decode step is still building (``/debug/replicas``'
+        ``compile``: a replica serves on the eager step meanwhile); the states then, with
+        ``compiling`` among them where ``timeout_s`` ran out."""
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            states = {r["compile"] for r in
+                      httpx.get(f"{self.url}/debug/replicas", timeout=10).json().values()}
+            if "compiling" not in states or time.monotonic() > deadline:
+                return states
+            time.sleep(0.5)
+
     def stop(self, timeout_s: float = 60.0) -> None:
         if self.proc is not None:
             stop_process(self.proc, timeout_s)

@@ -12,6 +12,8 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include "q4_operands.h"
+
 extern "C" int q4_gemm(const uint16_t *x, int M, int K, int N, const uint8_t *codes,
                        const void *scale, const void *zero, int scale_f32, void *out,
                        int out_bf16, int threads);
@@ -40,18 +42,10 @@ at::Tensor int4_mm_impl(const at::Tensor &x, const at::Tensor &packed, const at:
                         const at::Tensor &zero, int64_t out_features, at::ScalarType out_dtype,
                         bool a8) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: 2-D bfloat16");
-    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed: uint8");
-    TORCH_CHECK(scale.scalar_type() == zero.scalar_type() && scale.is_contiguous() &&
-                    zero.is_contiguous() &&
-                    (scale.scalar_type() == at::kHalf || scale.scalar_type() == at::kFloat),
-                "scale / zero: float16 or float32");
     TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kFloat,
                 "out_dtype: bfloat16 or float32");
     const int64_t m = x.size(0), k = x.size(1);
-    TORCH_CHECK(packed.numel() == out_features * k / 2 && k % 32 == 0 && out_features % 16 == 0,
-                "packed does not hold [", out_features, ", ", k, "] 4-bit codes");
-    TORCH_CHECK(scale.numel() == out_features * (k / 32) && zero.numel() == scale.numel(),
-                "scale / zero do not hold [", out_features, ", ", k / 32, "] groups");
+    check_q4_operands(packed, scale, zero, out_features, k);
     const at::Tensor xc = x.contiguous();
     at::Tensor out = at::empty({m, out_features}, x.options().dtype(out_dtype));
     if (m == 0) return out;

@@ -7,6 +7,8 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include "q4_operands.h"
+
 extern "C" int q4_gemm_f32(const float *x, int M, int K, int N, const uint8_t *codes,
                            const void *scale, const void *zero, int scale_f32, float *out,
                            int threads);
@@ -16,16 +18,8 @@ namespace {
 at::Tensor int4_mm_f32(const at::Tensor &x, const at::Tensor &packed, const at::Tensor &scale,
                        const at::Tensor &zero, int64_t out_features) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: 2-D float32");
-    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed: uint8");
-    TORCH_CHECK(scale.scalar_type() == zero.scalar_type() && scale.is_contiguous() &&
-                    zero.is_contiguous() &&
-                    (scale.scalar_type() == at::kHalf || scale.scalar_type() == at::kFloat),
-                "scale / zero: float16 or float32");
     const int64_t m = x.size(0), k = x.size(1);
-    TORCH_CHECK(packed.numel() == out_features * k / 2 && k % 32 == 0 && out_features % 16 == 0,
-                "packed does not hold [", out_features, ", ", k, "] 4-bit codes");
-    TORCH_CHECK(scale.numel() == out_features * (k / 32) && zero.numel() == scale.numel(),
-                "scale / zero do not hold [", out_features, ", ", k / 32, "] groups");
+    check_q4_operands(packed, scale, zero, out_features, k);
     const at::Tensor xc = x.contiguous();
     at::Tensor out = at::empty({m, out_features}, x.options());
     if (m == 0) return out;
