@@ -40,12 +40,13 @@ def server(tmp_path_factory, bundled_path):
     stop_server(s)
 
 
-def victim(server, noisy: bool, burst: int = 3) -> str:
+def victim(server, noisy: bool, burst: int = 3, tokens: int = 120) -> str:
     """Streams the victim; with ``noisy``, globex sends ``burst`` long prompts once it decodes.
     The burst's client (and its connections) exist before the victim starts: the victim's 120
     tokens take ~100-150 ms here, and a fresh ``httpx.post`` per prompt (a client and its TLS
     context each, three threads taking turns with the GIL) once sent them after it had ended,
-    so no slow gap had a neighbour."""
+    so no slow gap had a neighbour. ``tokens``: the victim's length (a longer one leaves the
+    burst's threads more time to be sent while it decodes)."""
     long_prompt = " ".join(f"word{i}" for i in range(90))  # 260 tokens: 9 chunks
     threads = []
     with httpx.Client(timeout=120, headers={"Authorization": "Bearer sk-globex"},
@@ -59,7 +60,7 @@ def victim(server, noisy: bool, burst: int = 3) -> str:
                 t.join()
         with httpx.stream("POST", f"{server.url}/v1/completions", timeout=120, headers={
                 "Authorization": "Bearer sk-victim"}, json={
-                "model": MODEL, "prompt": "Count slowly:", "max_tokens": 120, "ignore_eos": True,
+                "model": MODEL, "prompt": "Count slowly:", "max_tokens": tokens, "ignore_eos": True,
                 "stream": True}) as r:
             trace_id = r.headers["x-tailscope-trace-id"]
             lines = r.iter_lines()
@@ -78,19 +79,21 @@ def victim(server, noisy: bool, burst: int = 3) -> str:
     return trace_id
 
 
-def why(server, trace_id: str, top: int = 5):
+def why(server, trace_id: str, top: int = 5, tokens: int = 120):
     source = Q.GatewaySource(server.url, admin_key="sk-victim")
     assert wait_for(lambda: Q.records_found(source, [trace_id]) == 1, 10)
     # the steps are flushed by the same writer in their own batches, maybe after the record:
-    # wait until every gap between the victim's 120 tokens has its steps (a fixed second once
+    # wait until every gap between the victim's tokens has its steps (a fixed second once
     # let a loaded CI run read the early steps only, so no gap it saw had the burst in it)
-    assert wait_for(lambda: len(Q.why(source, trace_id, top=1000)[0]) == 119, 15)
+    assert wait_for(lambda: len(Q.why(source, trace_id, top=1000)[0]) == tokens - 1, 15)
     return Q.why(source, trace_id, top=top)
 
 
 def test_why_names_the_neighbour_tenant_whose_prefill_sat_in_the_slowest_gaps(server):
-    trace_id = victim(server, noisy=True)
-    gaps, sentence = why(server, trace_id, top=20)
+    # 480 tokens: with 120 (~130 ms here) a loaded CI run once sent the burst after the victim
+    # had ended, and no gap had a neighbour
+    trace_id = victim(server, noisy=True, tokens=480)
+    gaps, sentence = why(server, trace_id, top=20, tokens=480)
     assert not gaps.empty, sentence
     crowded = gaps[gaps["neighbour_prefill_tokens"] > 0]
     assert len(crowded) >= 1, gaps
