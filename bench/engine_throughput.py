@@ -207,14 +207,14 @@ def report(e: dict, h: dict | None, args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    from engine.config import WEIGHT_FORMATS
+    from engine.config import OUTPUT_FORMATS, WEIGHT_FORMATS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--weights", default="native", choices=WEIGHT_FORMATS,
                    help="the engine's linear-layer weights (EngineConfig.weights); transformers "
                         "always runs the dequantized model in --dtype")
-    p.add_argument("--output-weights", default="native", choices=WEIGHT_FORMATS,
+    p.add_argument("--output-weights", default="native", choices=OUTPUT_FORMATS,
                    help="the engine's output matrix (EngineConfig.output_weights)")
     p.add_argument("--compile", action="store_true",
                    help="the engine's decode steps through torch.compile (EngineConfig.compile)")

@@ -77,7 +77,7 @@ def main() -> int:
     import torch
 
     from engine import Engine, EngineConfig, SamplingParams, load_model
-    from engine.config import WEIGHT_FORMATS
+    from engine.config import OUTPUT_FORMATS, WEIGHT_FORMATS
     from kernels import native
 
     torch.set_num_threads(args.threads)
@@ -88,7 +88,7 @@ def main() -> int:
         output = next((e.removeprefix("out=") for e in extras if e.startswith("out=")),
                       "native")
         compiled = "compile" in extras or "aot" in extras
-        if weights not in WEIGHT_FORMATS or output not in WEIGHT_FORMATS \
+        if weights not in WEIGHT_FORMATS or output not in OUTPUT_FORMATS \
                 or any(e not in ("compile", "aot", "gather", "aten", "sdpa")
                        and not e.startswith("out=")
                        for e in extras) or ("gather" in extras and not compiled):

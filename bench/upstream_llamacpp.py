@@ -75,6 +75,20 @@ def build_llama_server(version: str) -> Path:
     return _build(version, "build-noamx", NO_AMX_FLAGS)
 
 
+def build_llama_tools(version: str, tools: tuple[str, ...] = ("llama-perplexity",
+                                                               "llama-quantize")) -> Path:
+    """``tools`` built into the native ``llama-server``'s build tree (the same flags; a minute
+    or two once it is built); returns their ``bin`` directory."""
+    bindir = build_llama_server(version).parent
+    missing = [t for t in tools if not (bindir / t).exists()]
+    if missing:
+        print(f"building {', '.join(missing)} into {bindir.parent} ...", file=sys.stderr,
+              flush=True)
+        subprocess.run(["cmake", "--build", str(bindir.parent), "-j", str(os.cpu_count() or 2),
+                        "--target", *missing], check=True, stdout=subprocess.DEVNULL)
+    return bindir
+
+
 def _runs(exe: Path) -> bool:
     """``llama-server`` starts and completes one token of the bundled model (a SIGILL shows
     up at the first matmul); the answer is kept beside the binary."""

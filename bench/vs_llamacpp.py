@@ -2,7 +2,7 @@
 servers' OpenAI endpoints.
 
     python bench/vs_llamacpp.py [--dtypes default,exact,bfloat16+int4] [--threads 2]
-        [--rounds 3] [--quick] [--no-avx2]
+        [--rounds 3] [--quick] [--no-avx2] [--fidelity]
 
 A second table (unless ``--no-avx2``) compares the AVX2 path: llama-server built without
 AVX-512 (``upstream_llamacpp.AVX2_FLAGS``, built once like the native one) against Tailscope
@@ -28,6 +28,15 @@ compiled step before it measures). All servers start first and stay up; then ``-
 the rounds are printed: this machine's speed drifts 15-50% over minutes, and turns spread that
 drift over every server alike instead of handing one server a slow stretch. Each measurement
 starts with a short warm-up request.
+
+``--fidelity`` (about 15 minutes more) compares the two 4-bit paths' fidelity on the same terms:
+``tailscope eval fidelity --config fast --reference exact`` on the shipped text
+(``evals/data/shakespeare.txt``), and llama.cpp's ``llama-perplexity --kl-divergence`` of the
+same GGUF against its own float baseline (the GGUF's values in float32, made with
+``llama-quantize --allow-requantize ... F32``), on the same text in windows of 512 (llama.cpp
+scores each window's second half, ``evals.fidelity`` every position). Printed: perplexity
+against the baseline, mean and 99th-percentile KL divergence, top-1 agreement, and the
+issue's gates (``fast`` within 1 % of ``exact``'s perplexity, its KL no worse than llama.cpp's).
 
 The workload is ``bench/engine_throughput.workload`` (random token-id prompts, a fixed seed per
 round, so no round repeats an earlier one's prompts),
@@ -318,6 +327,10 @@ def main() -> int:
     ap.add_argument("--no-avx2", action="store_true",
                     help="skip the second table (llama.cpp built for AVX2 against our AVX2 "
                          "path)")
+    ap.add_argument("--fidelity", action="store_true",
+                    help="also compare fidelity: our fast profile against exact, llama.cpp's "
+                         "4-bit path against its float baseline (llama-perplexity "
+                         "--kl-divergence)")
     args = ap.parse_args()
     exe = build_llama_server(args.llama_cpp_python)
     results = compare(exe, args.dtypes.split(","), args)
@@ -332,9 +345,66 @@ def main() -> int:
               f"; {' '.join(f'{k}={v}' for k, v in AVX2_ENV.items())}), threads={args.threads}")
         report(avx2, avx2=True)
         results["avx2"] = avx2
+    if args.fidelity:
+        results["fidelity"] = fidelity(args.llama_cpp_python, args.threads)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
+
+
+def llama_kl(bindir: Path, text: Path, threads: int, ctx: int = 512) -> dict:
+    """llama.cpp's 4-bit path (the bundled Q4_1 GGUF) against its own float baseline."""
+    import re
+    import subprocess
+
+    from engine.loader.paths import default_model_path
+
+    env = {"LD_LIBRARY_PATH": str(bindir)}
+    common = ["-f", str(text), "-c", str(ctx), "-b", str(ctx), "-t", str(threads)]
+    with tempfile.TemporaryDirectory() as tmp:
+        f32, base = f"{tmp}/f32.gguf", f"{tmp}/base.kld"
+        for cmd in ([bindir / "llama-quantize", "--allow-requantize", default_model_path(), f32,
+                     "F32"],
+                    [bindir / "llama-perplexity", "-m", f32, *common,
+                     "--kl-divergence-base", base]):
+            subprocess.run([str(c) for c in cmd], env=env, check=True, capture_output=True)
+        out = subprocess.run([str(bindir / "llama-perplexity"), "-m", str(default_model_path()),
+                              *common, "--kl-divergence-base", base, "--kl-divergence"],
+                             env=env, check=True, capture_output=True, text=True)
+    log = out.stdout + out.stderr
+
+    def value(label: str) -> float:
+        m = re.search(rf"{re.escape(label)}\s*:\s*(-?[0-9.]+)", log)
+        if m is None:
+            raise RuntimeError(f"llama-perplexity printed no {label!r}")
+        return float(m.group(1))
+
+    return {"ppl_increase": value("Mean PPL(Q)/PPL(base)") - 1, "kl_mean": value("Mean    KLD"),
+            "kl_p99": value("99.0%   KLD"), "top1": value("Same top p") / 100}
+
+
+def fidelity(version: str, threads: int) -> dict:
+    """Both 4-bit paths against their float references; the issue's gates."""
+    import torch
+
+    from bench.upstream_llamacpp import build_llama_tools
+    from evals.fidelity import MAX_PPL_INCREASE, TEXT, run
+
+    torch.set_num_threads(threads)
+    ours = run("fast", "exact").as_dict()
+    theirs = llama_kl(build_llama_tools(version), TEXT, threads)
+    print(f"\n# fidelity on {TEXT.name}, windows of 512 ({ours['tokens']} positions for ours; "
+          "llama.cpp scores each window's second half)")
+    print("| | perplexity vs reference | KL mean / p99 (nats) | top-1 agreement |")
+    print("|---|---|---|---|")
+    for name, f in (("Tailscope fast vs exact", ours), ("llama.cpp Q4_1 vs its F32", theirs)):
+        print(f"| {name} | {f['ppl_increase'] * 100:+.3f} % | {f['kl_mean']:.6f} / "
+              f"{f['kl_p99']:.6f} | {f['top1'] * 100:.2f} % |")
+    print(f"targets: fast within {MAX_PPL_INCREASE * 100:g} % of exact's perplexity "
+          f"({'met' if ours['ppl_increase'] <= MAX_PPL_INCREASE else 'NOT met'}); its mean KL "
+          f"no worse than llama.cpp's "
+          f"({'met' if ours['kl_mean'] <= theirs['kl_mean'] else 'NOT met'})")
+    return {"tailscope": ours, "llama_cpp": theirs}
 
 
 def _shape(quick: bool) -> str:

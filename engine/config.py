@@ -72,6 +72,8 @@ PREEMPTION_MODES = ("recompute", "swap", "auto", "off")
 SCHEDULING_POLICIES = ("fcfs", "priority", "sjf", "fair")  # engine.policy.POLICIES (torch-free)
 BUDGET_SPLITS = ("decode_first", "prefill_first", "decode_reserve")
 WEIGHT_FORMATS = ("native", "int4", "int4a8", "int8")
+# the output matrix's: the same, or as GGUF's Q8_0 blocks on our kernel (kernels.linear.Q8Output)
+OUTPUT_FORMATS = (*WEIGHT_FORMATS, "q8_0")
 COMPILE_MODES = ("jit", "aot")
 PROFILES = ("fast", "exact")  # engine.profiles
 
@@ -168,12 +170,16 @@ class EngineConfig:
                             "4 (int8, or int4 on torch's kernel) run packed, larger steps a "
                             "dense copy of the same values: engine.quant")
     output_weights: str | None = _setting(None, "how the output matrix (lm_head, or the tied "
-                                   "embedding's values) is held for small decode steps (as "
-                                   "many rows as for weights): native, int4, int4a8 or int8 "
-                                   "as for weights, each row's 64 "
-                                   "highest logits then recomputed from the exact matrix (only "
-                                   "the tail keeps low-bit rounding); larger steps and the "
-                                   "embedding lookup use the exact matrix: "
+                                   "embedding's values) is held: q8_0 (GGUF's Q8_0 blocks, as "
+                                   "stored where the file holds them, else quantized per 32 "
+                                   "inputs; in bfloat16 multiplied as such by our kernel, "
+                                   "every logit from those values, a tied embedding read from "
+                                   "them: kernels.linear.Q8Output), native (the values in "
+                                   "dtype), or for small decode steps (as many rows as for "
+                                   "weights) int4, int4a8 or int8 as for weights, each row's "
+                                   "64 highest logits then recomputed from the exact matrix "
+                                   "(only the tail keeps low-bit rounding); larger steps and "
+                                   "the embedding lookup use the exact matrix: "
                                    "kernels.linear.RescoredOutput")
     kv_cache_mb: int = _setting(512, "paged KV-cache budget in MiB; the block count derives "
                                      "from it")
@@ -243,10 +249,10 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got "
                              f"{self.scheduling_policy!r}")
-        for name in ("weights", "output_weights"):
+        for name, formats in (("weights", WEIGHT_FORMATS), ("output_weights", OUTPUT_FORMATS)):
             value = getattr(self, name)
-            if value not in WEIGHT_FORMATS:
-                raise ValueError(f"{name} must be one of {WEIGHT_FORMATS}, got {value!r}")
+            if value not in formats:
+                raise ValueError(f"{name} must be one of {formats}, got {value!r}")
             if value != "native" and self.batch_invariant:
                 raise ValueError(f"{name}: {value} cannot run batch_invariant: its two "
                                  "kernels (by a step's row count) round differently")

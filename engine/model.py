@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from engine.config import WEIGHT_FORMATS, ModelConfig
-from engine.quant import GROUP, Int4Weight, quantize_int4, quantize_int8
+from engine.config import OUTPUT_FORMATS, WEIGHT_FORMATS, ModelConfig
+from engine.quant import GROUP, Int4Weight, quantize_int4, quantize_int8, quantize_q8_0
 from kernels import invariant, native, reference
 from kernels.invariant import InvariantLinear
-from kernels.linear import Int4Linear, Int8Linear, Int8Rows, Linear, RescoredOutput
+from kernels.linear import Int4Linear, Int8Linear, Int8Rows, Linear, Q8Output, RescoredOutput
 
 WeightSource = torch.Tensor | Callable[[], torch.Tensor]
 
@@ -93,7 +93,10 @@ class LlamaModel:
     output matrix (``lm_head``; with tied embeddings the embedding's values), quantized from its
     values in ``dtype``, with each small step's top logits rescored from them
     (``RescoredOutput``; every step's where the packed matrix keeps no dense copy); the
-    embedding lookup uses those values as they are."""
+    embedding lookup uses those values as they are. ``output_format`` ``q8_0`` holds the output
+    matrix as GGUF's Q8_0 blocks (as stored where it is, the bundled model's tied embedding;
+    else quantized from its values) and in bfloat16 multiplies them as such (``Q8Output``, our
+    kernel), a tied embedding reading its rows from the same codes."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, WeightSource],
                  dtype: torch.dtype = torch.float32, batch_invariant: bool = False,
@@ -105,9 +108,10 @@ class LlamaModel:
         self.batch_invariant = batch_invariant
         self.weight_format = weight_format
         self.output_format = output_format
-        for what, fmt in (("weight_format", weight_format), ("output_format", output_format)):
-            if fmt not in WEIGHT_FORMATS:
-                raise ValueError(f"{what} must be one of {WEIGHT_FORMATS}, got {fmt!r}")
+        for what, fmt, formats in (("weight_format", weight_format, WEIGHT_FORMATS),
+                                   ("output_format", output_format, OUTPUT_FORMATS)):
+            if fmt not in formats:
+                raise ValueError(f"{what} must be one of {formats}, got {fmt!r}")
             if fmt != "native" and batch_invariant:
                 raise ValueError(f"{what} {fmt} cannot run batch_invariant")
         c = config
@@ -155,25 +159,42 @@ class LlamaModel:
 
         # a GGUF's Q8_0 embedding (the bundled model's) is kept as stored where nothing needs
         # all of it in ``dtype`` at once: untied (the lookup reads a row a token), or tied to an
-        # output matrix packed without a dense copy (every step's top logits rescored from it)
+        # output matrix packed without a dense copy (every step's top logits rescored from it),
+        # or multiplied as stored (``Q8Output``)
         src = weights.pop("embed")
         q8 = src.int8_rows() if hasattr(src, "int8_rows") else None
         rows = Int8Rows(*q8, dtype) if q8 is not None else None
         embed: torch.Tensor | Int8Rows = rows if rows is not None else \
             _materialise(src).to(dtype).contiguous()
-        del src
-        if not c.tie_word_embeddings:
-            exact = take("lm_head")
-        else:  # the output matrix is built from the values in ``dtype``
-            exact = rows.dequantize() if rows is not None else embed
-        if output_format == "native":
-            self.lm_head = linear(exact)
-        else:  # low-bit for small steps, the top logits rescored from ``exact``
-            head = packed(output_format, [exact], dense=exact)
-            if c.tie_word_embeddings and rows is not None and head.dense is None:
-                exact = rows  # rescored from the rows: no copy in ``dtype`` kept
-            self.lm_head = RescoredOutput(head, exact)
-        self.embed = exact if c.tie_word_embeddings else embed  # tied: one matrix for both
+        tied = c.tie_word_embeddings
+        out_src = None if tied else weights.pop("lm_head")
+        if output_format == "q8_0":
+            q8_out = q8 if tied else (out_src.int8_rows() if hasattr(out_src, "int8_rows")
+                                      else None)
+            if q8_out is None:  # quantized from the values, as GGUF's Q8_0 rule does
+                q8_out = quantize_q8_0(_materialise(src if tied else out_src).float())
+            # tied: the embedding reads the same values (one matrix for both)
+            if dtype == torch.bfloat16 and native.available():
+                self.lm_head = Q8Output(*q8_out, dtype)
+                self.embed = self.lm_head.embedding() if tied else embed
+            else:  # no kernel for it here: a copy of the same values in ``dtype``
+                exact = Int8Rows(*q8_out, dtype).dequantize()
+                self.lm_head = linear(exact)
+                self.embed = exact if tied else embed
+        else:
+            if not tied:
+                exact = _materialise(out_src).to(dtype).contiguous()
+            else:  # the output matrix is built from the values in ``dtype``
+                exact = rows.dequantize() if rows is not None else embed
+            if output_format == "native":
+                self.lm_head = linear(exact)
+            else:  # low-bit for small steps, the top logits rescored from ``exact``
+                head = packed(output_format, [exact], dense=exact)
+                if tied and rows is not None and head.dense is None:
+                    exact = rows  # rescored from the rows: no copy in ``dtype`` kept
+                self.lm_head = RescoredOutput(head, exact)
+            self.embed = exact if tied else embed  # tied: one matrix for both
+        del src, out_src
         self.final_norm = take("final_norm")
         self.layers = [
             LayerWeights(
@@ -244,7 +265,7 @@ class LlamaModel:
         as their codes and scales (what a small step, on the packed kernel, reads)."""
         packed = [m for lw in self.layers for m in (lw.qkv, lw.o, lw.gate_up, lw.down)
                   if isinstance(m, Int4Linear | Int8Linear)]
-        if isinstance(self.lm_head, RescoredOutput):
+        if isinstance(self.lm_head, RescoredOutput | Q8Output):
             packed.append(self.lm_head)
         rest = self.num_parameters - sum(m.numel for m in packed)
         if not self.config.tie_word_embeddings:  # the lookup reads a row a token, not all
@@ -514,8 +535,11 @@ class LlamaModel:
         return self._logits(h[logits_indices], False)
 
     @torch.inference_mode()
-    def dense_forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """No cache, full recompute: logits ``[n, vocab]`` for every position of one sequence."""
+    def dense_forward(self, input_ids: torch.Tensor, logit_rows: int | None = None
+                      ) -> torch.Tensor:
+        """No cache, full recompute: logits ``[n, vocab]`` for every position of one sequence.
+        ``logit_rows``: the logits computed that many positions at a time, as decode steps of
+        that many sequences compute theirs (a packed output matrix's small-step path)."""
         positions = torch.arange(input_ids.shape[0])
         ropes = self._rope_tables(positions)
         h = self._embed(input_ids)
@@ -524,4 +548,6 @@ class LlamaModel:
             q, k, v = self._qkv(lw, h, rope, positions, triton)
             h = self._mlp_residual(lw, h, kernels.causal_attention(q, k, v, self.scale),
                                    triton)
+        if logit_rows is not None:
+            return torch.cat([self._logits(part, triton) for part in h.split(logit_rows)])
         return self._logits(h, triton)

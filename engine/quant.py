@@ -126,6 +126,18 @@ def quantize_int4(w: torch.Tensor) -> Int4Weight:
     return out
 
 
+def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float ``[N, K]`` matrix as GGUF's Q8_0 blocks (``gguf``'s rule: a float16 scale
+    ``max |w| / 127`` per 32 inputs), as ``q8_0_from_gguf`` returns a stored one."""
+    n, k = w.shape
+    if k % 32:
+        raise ValueError(f"output_weights: q8_0 needs input dimensions divisible by 32; a "
+                         f"{n}x{k} matrix is not")
+    out = q8_0_from_gguf(quantize(w.detach().to(torch.float32).numpy(), Q.Q8_0), Q.Q8_0, (n, k))
+    assert out is not None
+    return out
+
+
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A float ``[N, K]`` matrix as int8 ``q`` and a float32 scale per row, ``w ~ q * scale``
     (symmetric, round to nearest: error at most half a step, ``scale / 2``)."""

@@ -11,10 +11,11 @@ divergence KL(reference || config) per position (mean and 99th percentile), and 
 two agree on the most likely token. The same figures llama.cpp's ``llama-perplexity
 --kl-divergence`` reports against its own float baseline.
 
-What it does not see: the rounding of the packed decode kernels beyond their weights' values,
-and the tail of the 4-bit output matrix used for small decode steps (its top 64 logits are
-recomputed exactly, ``kernels.linear.RescoredOutput``; full-sequence steps use the exact
-matrix).
+Both configs' output matrices are run one position at a time (``logit_rows=1``), as a
+batch-1 decode step runs them: a packed output matrix's small-step path (a 4-bit one's rescored top
+logits and rounded tail) is what the figures see. The decoder layers run the full-sequence
+forward (the same weight formats on the kernels' many-rows paths): what it does not see is
+how a few-rows layer kernel sums in another order, and a compiled step's fused ops.
 
 The shipped text (``evals/data/shakespeare.txt``, ~23k tokens of the bundled tokenizer) is the
 opening of William Shakespeare's *Coriolanus* and what follows it in the "tiny Shakespeare"
@@ -88,8 +89,8 @@ def measure(model, reference, ids: list[int], window: int = 512) -> Fidelity:
         if len(chunk) < 2:
             break
         inputs, targets = chunk[:-1], chunk[1:]
-        lp = model.dense_forward(inputs).float().log_softmax(-1)
-        lr = reference.dense_forward(inputs).float().log_softmax(-1)
+        lp = model.dense_forward(inputs, logit_rows=1).float().log_softmax(-1)
+        lr = reference.dense_forward(inputs, logit_rows=1).float().log_softmax(-1)
         nll -= lp.gather(1, targets[:, None]).sum().item()
         ref_nll -= lr.gather(1, targets[:, None]).sum().item()
         kls.append((lr.exp() * (lr - lp)).sum(-1).clamp_min(0))

@@ -273,6 +273,71 @@ class Int8Rows:
         return torch.bmm(self[idx], x.to(self.dtype).unsqueeze(-1)).squeeze(-1).float()
 
 
+class Q8Output:
+    """The output matrix as GGUF's Q8_0 blocks (the bundled model's tied embedding as stored),
+    multiplied as stored by our kernel (``csrc/q8_gemm.c``: the codes times the inputs exactly,
+    float32 sums, each block's scale once): every logit the model's own, at half a bfloat16
+    copy's bytes (29 MB a step for the bundled model, against 57), with no rescoring. Where the
+    embedding is the same matrix (tied), ``embedding()`` reads its rows from the same codes, so
+    the model keeps one copy. bfloat16 inputs; only where ``native.available()``.
+
+    Why not a 4-bit copy with its top logits rescored (``RescoredOutput``, half these bytes):
+    its tail cost the bundled model ~1.1 % perplexity on the shipped text, the fidelity gate's
+    limit being 1 % (``evals.fidelity``)."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+        """``codes`` [N, K] int8, ``scale`` [N, K / 32] float16 (``engine.quant.q8_0_from_gguf``);
+        ``dtype`` the model's (the embedding's rows are returned in it)."""
+        n, k = codes.shape
+        if codes.dtype != torch.int8 or k % 32 or tuple(scale.shape) != (n, k // 32):
+            raise ValueError("Q8Output: codes [rows, cols] int8 (cols a multiple of 32) and "
+                             f"scale [rows, cols / 32]; got {tuple(codes.shape)} "
+                             f"{codes.dtype} and {tuple(scale.shape)}")
+        self.codes, self.scale = native.pack_q8(codes, scale)
+        self.shape = (n, k)
+        self.dtype = dtype
+
+    @property
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """What a step reads: the codes and the scales."""
+        return self.numel + 2 * self.numel // 32
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits ``[M, N]`` float32 for ``x`` ``[M, K]``."""
+        return native.q8_mm(x.to(torch.bfloat16), self.codes, self.scale, self.shape[0])
+
+    def rows(self, idx: torch.Tensor) -> torch.Tensor:
+        """Rows ``idx`` (any shape) as ``[*idx.shape, K]`` in ``dtype``: ``scale * code`` in
+        float32 (exact), then cast, as ``Int8Rows`` reads them."""
+        tile, lane = idx // 16, idx % 16
+        codes = self.codes[tile, :, :, lane, :]  # [*idx.shape, K / 32, 16 pairs, 2]
+        scale = self.scale[tile, :, lane]  # [*idx.shape, K / 32]
+        values = codes.flatten(-2).float() * scale.float().unsqueeze(-1)
+        return values.flatten(-2).to(self.dtype)
+
+    def embedding(self) -> Q8Embedding:
+        return Q8Embedding(self)
+
+
+class Q8Embedding:
+    """A tied embedding read from its ``Q8Output``'s codes (``embed[ids]``)."""
+
+    def __init__(self, matrix: Q8Output) -> None:
+        self.matrix = matrix
+        self.shape = matrix.shape
+        self.dtype = matrix.dtype
+
+    def numel(self) -> int:
+        return self.matrix.numel
+
+    def __getitem__(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.matrix.rows(idx)
+
+
 class RescoredOutput:
     """The output matrix for ``output_weights: int4 | int8``: a packed low-bit copy scores every
     token in steps of up to ``max_rows`` rows, then each row's ``top_k`` highest logits are

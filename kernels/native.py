@@ -1,10 +1,11 @@
 """Our own C kernels for decode steps, each file saying why it exists: a 4-bit matmul
 (``csrc/q4_gemm.c``), decode attention straight from the paged KV cache
 (``csrc/paged_attention.c``), greedy sampling's argmax (``csrc/argmax.c``), the rescoring
-of top logits from an output matrix kept as Q8_0 blocks (``csrc/q8_rows.c``) and the choice of
-those top logits and their merge into the step's logits (``csrc/topk.c``), registered as the
-torch operators ``tailscope_native::int4_mm``, ``::paged_decode_attention``, ``::argmax``,
-``::q8_rows_dot``, ``::topk_indices`` and ``::rescored_logits`` (``csrc/ops.cpp``), compiled
+of top logits from an output matrix kept as Q8_0 blocks (``csrc/q8_rows.c``), the whole
+matmul with such a matrix (``csrc/q8_gemm.c``), and the choice of top logits and their merge
+into the step's logits (``csrc/topk.c``), registered as the torch operators
+``tailscope_native::int4_mm``, ``::paged_decode_attention``, ``::argmax``, ``::q8_rows_dot``,
+``::q8_mm``, ``::topk_indices`` and ``::rescored_logits`` (``csrc/ops.cpp``), compiled
 on first use with the system C and C++ compilers against the installed torch's headers (~10 s).
 
 On a CPU without AVX-512 BF16 a second library of one operator,
@@ -47,7 +48,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 C_SOURCES = (CSRC / "q4_gemm.c", CSRC / "paged_attention.c", CSRC / "argmax.c",
-             CSRC / "q8_rows.c", CSRC / "topk.c")
+             CSRC / "q8_rows.c", CSRC / "q8_gemm.c", CSRC / "topk.c")
 # what the build's cache key hashes
 SOURCES = (*C_SOURCES, CSRC / "bf16.h", CSRC / "q4_operands.h", CSRC / "ops.cpp")
 C_FLAGS = ["-O3", "-std=c11", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16",
@@ -138,7 +139,7 @@ def available() -> bool:
     if compilers is None:
         log.info("native kernels not used: no C / C++ compiler (cc, c++) on PATH")
         return False
-    if hasattr(torch.ops.tailscope_native, "int4_mm_a8"):  # loaded already (cache_clear)
+    if hasattr(torch.ops.tailscope_native, "q8_mm"):  # loaded already (cache_clear)
         return True
     try:
         path = _load("tailscope_native", SOURCES, C_SOURCES, C_FLAGS, CSRC / "ops.cpp",
@@ -154,6 +155,8 @@ def available() -> bool:
         lambda x: x.new_empty(x.shape[:1], dtype=torch.long))
     torch.library.register_fake("tailscope_native::q8_rows_dot")(
         lambda x, codes, scale, idx: x.new_empty(idx.shape, dtype=torch.float32))
+    torch.library.register_fake("tailscope_native::q8_mm")(
+        lambda x, codes, scale, n: x.new_empty((x.shape[0], n), dtype=torch.float32))
     torch.library.register_fake("tailscope_native::topk_indices")(
         lambda x, k: x.new_empty((x.shape[0], k), dtype=torch.long))
     torch.library.register_fake("tailscope_native::rescored_logits")(
@@ -273,6 +276,27 @@ def q8_rows_dot(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, idx: 
     weight rounded to bfloat16 as a bfloat16 copy of the matrix holds it; ``x`` [B, H]
     bfloat16, ``idx`` [B, k] int64 (``csrc/q8_rows.c``). Only where ``available()``."""
     return torch.ops.tailscope_native.q8_rows_dot(x, codes, scale, idx)
+
+
+def pack_q8(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 matrix (``codes`` [N, K] int8, ``scale`` [N, K / 32] float16) in ``q8_mm``'s
+    layout: codes as [ceil(N / 16), K / 32, 16, 16, 2] (tile, group, input pair, output, input
+    of the pair), scales as [ceil(N / 16), K / 32, 16]; rows past N zero."""
+    n, k = codes.shape
+    pad = -n % 16
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad, k)])
+        scale = torch.cat([scale, scale.new_zeros(pad, k // 32)])
+    t = (n + pad) // 16
+    tiled = codes.view(t, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+    return tiled, scale.to(torch.float16).view(t, 16, k // 32).permute(0, 2, 1).contiguous()
+
+
+def q8_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, out_features: int
+          ) -> torch.Tensor:
+    """``x`` [M, K] bfloat16 times a Q8_0 matrix packed by ``pack_q8``: [M, N] float32, the
+    products exact and summed in float32 (``csrc/q8_gemm.c``). Only where ``available()``."""
+    return torch.ops.tailscope_native.q8_mm(x, codes, scale, out_features)
 
 
 def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:

@@ -1,6 +1,7 @@
-// Registers csrc/q4_gemm.c, csrc/paged_attention.c, csrc/argmax.c, csrc/q8_rows.c and csrc/topk.c
-// as torch operators, tailscope_native::int4_mm, ::paged_decode_attention, ::argmax,
-// ::q8_rows_dot, ::topk_indices and ::rescored_logits, so eager code and
+// Registers csrc/q4_gemm.c, csrc/paged_attention.c, csrc/argmax.c, csrc/q8_rows.c,
+// csrc/q8_gemm.c and csrc/topk.c as torch operators, tailscope_native::int4_mm,
+// ::paged_decode_attention, ::argmax, ::q8_rows_dot, ::q8_mm, ::topk_indices and
+// ::rescored_logits, so eager code and
 // torch.compile'd graphs call them through the dispatcher like aten ops: ~4.6 us a call here,
 // against ~17 for a Python custom op (121 calls in a batch-1 step of the bundled model).
 // Their fake (shape) functions are registered from Python (kernels/native.py).
@@ -30,6 +31,8 @@ extern "C" void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t ld,
 extern "C" int q8_rows_dot(const uint16_t *x, int64_t B, int64_t H, const int8_t *codes,
                            const uint16_t *scale, int64_t V, const int64_t *idx, int64_t k,
                            float *out, int threads);
+extern "C" int q8_gemm(const uint16_t *x, int M, int K, int N, const int8_t *codes,
+                       const uint16_t *scale, float *out, int threads);
 extern "C" int topk_rows(const uint16_t *x, int64_t rows, int64_t n, int64_t ld, int64_t k,
                          int64_t *out, int threads);
 extern "C" int merge_rows(const uint16_t *y, int64_t rows, int64_t n, int64_t ld,
@@ -143,6 +146,28 @@ at::Tensor q8_rows_dot_op(const at::Tensor &x, const at::Tensor &codes, const at
     return out;
 }
 
+at::Tensor q8_mm(const at::Tensor &x, const at::Tensor &codes, const at::Tensor &scale,
+                 int64_t out_features) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: [M, K] bfloat16");
+    const int64_t m = x.size(0), k = x.size(1), tiles = (out_features + 15) / 16;
+    TORCH_CHECK(out_features > 0 && k % 32 == 0, "q8_mm: K a multiple of 32, out_features > 0");
+    TORCH_CHECK(codes.scalar_type() == at::kChar && codes.is_contiguous() &&
+                    codes.numel() == tiles * 16 * k,
+                "codes: contiguous int8 holding [", out_features, ", ", k, "] in tiles of 16");
+    TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() &&
+                    scale.numel() == tiles * 16 * (k / 32),
+                "scale: contiguous float16 holding [", out_features, ", ", k / 32, "] blocks");
+    const at::Tensor xc = x.contiguous();
+    at::Tensor out = at::empty({m, out_features}, x.options().dtype(at::kFloat));
+    if (m == 0) return out;
+    const int rc = q8_gemm(reinterpret_cast<const uint16_t *>(xc.data_ptr()), (int)m, (int)k,
+                           (int)out_features, codes.data_ptr<int8_t>(),
+                           reinterpret_cast<const uint16_t *>(scale.data_ptr()),
+                           out.data_ptr<float>(), at::get_num_threads());
+    TORCH_CHECK(rc == 0, "q8_gemm failed (", rc, ")");
+    return out;
+}
+
 at::Tensor topk_indices(const at::Tensor &x, int64_t k) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: [rows, n] bfloat16");
     TORCH_CHECK(k > 0 && k <= x.size(1), "k must be in 1 .. ", x.size(1), ", not ", k);
@@ -186,6 +211,7 @@ TORCH_LIBRARY(tailscope_native, m) {
           "Tensor context_lens, float scale) -> Tensor");
     m.def("argmax(Tensor x) -> Tensor");
     m.def("q8_rows_dot(Tensor x, Tensor codes, Tensor scale, Tensor idx) -> Tensor");
+    m.def("q8_mm(Tensor x, Tensor codes, Tensor scale, int out_features) -> Tensor");
     m.def("topk_indices(Tensor x, int k) -> Tensor");
     m.def("rescored_logits(Tensor y, Tensor idx, Tensor top) -> Tensor");
 }
@@ -196,6 +222,7 @@ TORCH_LIBRARY_IMPL(tailscope_native, CPU, m) {
     m.impl("paged_decode_attention", paged_decode);
     m.impl("argmax", argmax);
     m.impl("q8_rows_dot", q8_rows_dot_op);
+    m.impl("q8_mm", q8_mm);
     m.impl("topk_indices", topk_indices);
     m.impl("rescored_logits", rescored_logits);
 }

@@ -19,7 +19,7 @@ from engine import Engine, EngineConfig, SamplingParams, aot, load_model
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [[5, 17, 300, 42, 9, 88, 123, 7], [3, 4, 5], list(range(40, 70)),
            [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]]
-CONFIG = dict(dtype="bfloat16", weights="int4", output_weights="int4", kv_cache_mb=4,
+CONFIG = dict(dtype="bfloat16", weights="int4", output_weights="q8_0", kv_cache_mb=4,
               max_num_seqs=8, compile=True)
 
 
@@ -37,7 +37,7 @@ def cache(tmp_path_factory) -> Path:
 
 
 def tiny():
-    return load_model("tiny", "bfloat16", weights="int4", output_weights="int4")
+    return load_model("tiny", "bfloat16", weights="int4", output_weights="q8_0")
 
 
 def engine(mode: str) -> Engine:
@@ -124,7 +124,7 @@ def test_a_replica_process_on_the_aot_step_never_imports_dynamo(cache):
     engine("aot")  # built (or already there)
     code = ("import sys, json; from engine import Engine, EngineConfig, SamplingParams, "
             "load_model\n"
-            "m = load_model('tiny', 'bfloat16', weights='int4', output_weights='int4')\n"
+            "m = load_model('tiny', 'bfloat16', weights='int4', output_weights='q8_0')\n"
             f"e = Engine(m, EngineConfig(**json.loads({json.dumps(json.dumps(CONFIG))}), "
             "compile_mode='aot'))\n"
             "r = e.generate([[5, 6, 7]], SamplingParams(max_tokens=8, ignore_eos=True))\n"
@@ -263,7 +263,7 @@ def test_a_replica_prepared_ahead_loads_its_build_without_building(cache, tmp_pa
     (built,) = [p.parent for p in fresh.glob("*/ranges.json")]
     mtime = (built / "ranges.json").stat().st_mtime_ns
     monkeypatch.setenv("TAILSCOPE_AOT_CACHE_DIR", str(fresh))
-    e = Engine(load_model(model, "bfloat16", weights="int4", output_weights="int4"),
+    e = Engine(load_model(model, "bfloat16", weights="int4", output_weights="q8_0"),
                EngineConfig(**config))
     assert e.runner.compile_s < 5  # loaded, not built
     assert (built / "ranges.json").stat().st_mtime_ns == mtime

@@ -19,7 +19,7 @@ AVX2 = {"avx2", "fma", "f16c"}
 
 def test_fast_is_chosen_per_cpu_and_exact_is_the_float32_path():
     fast, why = choose("fast", BF16)
-    assert fast == {"dtype": "bfloat16", "weights": "int4", "output_weights": "int4",
+    assert fast == {"dtype": "bfloat16", "weights": "int4", "output_weights": "q8_0",
                     "compile": True, "compile_mode": "aot"}
     assert "avx512_bf16" in why
     assert choose("fast", {"amx_bf16", "amx_tile"})[0]["dtype"] == "bfloat16"

@@ -67,6 +67,18 @@ def test_products_equal_the_dequantized_matrix_in_float32(rows, fp16_scales):
 
 
 @needs_kernel
+def test_a_few_rows_step_gives_each_row_what_it_gives_it_alone():
+    """Up to 31 rows the sums run in the same order at every step size: a row's outputs in a
+    step of 31 are bitwise its outputs alone."""
+    codes, scale, zero, _ = _weights(208, 320, True, seed=5)
+    packed = native.pack_int4(codes, scale, zero, 32)
+    x = torch.randn(31, 320, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    whole = native.int4_mm(x, *packed, 208, torch.float32)
+    assert all(torch.equal(whole[i], native.int4_mm(x[i:i + 1], *packed, 208, torch.float32)[0])
+               for i in range(31))
+
+
+@needs_kernel
 @pytest.mark.parametrize("fp16_scales", [True, False])
 @pytest.mark.parametrize("rows", [32, 33, 47, 64, 130])
 def test_many_rows_multiply_the_weights_rounded_to_bfloat16(rows, fp16_scales):
