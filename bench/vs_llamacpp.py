@@ -29,14 +29,15 @@ the rounds are printed: this machine's speed drifts 15-50% over minutes, and tur
 drift over every server alike instead of handing one server a slow stretch. Each measurement
 starts with a short warm-up request.
 
-``--fidelity`` (about 15 minutes more) compares the two 4-bit paths' fidelity on the same terms:
-``tailscope eval fidelity --config fast --reference exact`` on the shipped text
-(``evals/data/shakespeare.txt``), and llama.cpp's ``llama-perplexity --kl-divergence`` of the
-same GGUF against its own float baseline (the GGUF's values in float32, made with
-``llama-quantize --allow-requantize ... F32``), on the same text in windows of 512 (llama.cpp
-scores each window's second half, ``evals.fidelity`` every position). Printed: perplexity
-against the baseline, mean and 99th-percentile KL divergence, top-1 agreement, and the
-issue's gates (``fast`` within 1 % of ``exact``'s perplexity, its KL no worse than llama.cpp's).
+``--fidelity`` (about 15 minutes more; with ``--dtypes "" --no-avx2``, alone) compares the two
+4-bit paths' fidelity on the same terms: ``tailscope eval fidelity --config fast --reference
+exact`` on the shipped text (``evals/data/shakespeare.txt``), and llama.cpp's
+``llama-perplexity --kl-divergence`` of the same GGUF against its own float baseline (the
+GGUF's values in float32, made with ``llama-quantize --allow-requantize ... F32``), on the same
+text in windows of 512 (llama.cpp scores each window's second half, ``evals.fidelity`` every
+position). Printed: perplexity against the baseline, mean and 99th-percentile KL divergence,
+top-1 agreement, and the issue's gates (``fast`` within 1 % of ``exact``'s perplexity, its KL
+no worse than llama.cpp's).
 
 The workload is ``bench/engine_throughput.workload`` (random token-id prompts, a fixed seed per
 round, so no round repeats an earlier one's prompts),
@@ -284,8 +285,8 @@ def report(results: dict[str, dict], avx2: bool = False) -> None:
                   f"({'met' if streams >= 1 else 'not met'}); batch 1 within 1.25x of it: "
                   f"{b1:.2f}x its time ({'met' if b1 <= 1.25 else 'not met'})")
         return
-    print("\ntargets (issue 71; the batch-1 floor: the fast profile's ~84 MB of weights a token "
-          f"at {FLOOR_GB_S:.0f} GB/s, {FLOOR_MS:.1f} ms):")
+    print(f"\ntargets (issue 71; the batch-1 floor: {FLOOR_MB:.1f} MB of weights a token, the "
+          f"fast profile's, at {FLOOR_GB_S:.0f} GB/s: {FLOOR_MS:.2f} ms):")
     for n in names[1:]:
         r = results[n]
         checks = [("8 streams >= 4x llama-server", r["streams_tok_s"] / base["streams_tok_s"],
@@ -301,11 +302,13 @@ def report(results: dict[str, dict], avx2: bool = False) -> None:
               f"({'met' if floor <= 1.6 else 'not met'})")
 
 
-# The bandwidth floor the issue names: the bundled model's packed decoder weights and 4-bit
-# output matrix (~84 MB read once a token at batch 1) over this machine kind's measured read
+# The bandwidth floor the issue names: what a batch-1 step of the fast profile reads once a
+# token (LlamaModel.weight_bytes: the packed decoder weights and the Q8_0 output matrix, 96.5 MB;
+# the issue counted 84 with a 4-bit output matrix) over this machine kind's measured read
 # bandwidth with 2 threads (~35 GB/s).
 FLOOR_GB_S = 35.0
-FLOOR_MS = 84e6 / (FLOOR_GB_S * 1e9) * 1e3
+FLOOR_MB = 96.5
+FLOOR_MS = FLOOR_MB * 1e6 / (FLOOR_GB_S * 1e9) * 1e3
 
 
 def main() -> int:
@@ -332,11 +335,14 @@ def main() -> int:
                          "4-bit path against its float baseline (llama-perplexity "
                          "--kl-divergence)")
     args = ap.parse_args()
-    exe = build_llama_server(args.llama_cpp_python)
-    results = compare(exe, args.dtypes.split(","), args)
-    print(f"# vs_llamacpp  llama-server {exe.parent.parent.parent.name}/{exe.parent.parent.name}, "
-          f"threads={args.threads}, bundled Q4_1 GGUF; {_shape(args.quick)}")
-    report(results)
+    results: dict[str, dict] = {}
+    if args.dtypes:  # --dtypes "" --no-avx2 --fidelity: the fidelity comparison alone
+        exe = build_llama_server(args.llama_cpp_python)
+        results = compare(exe, args.dtypes.split(","), args)
+        print(f"# vs_llamacpp  llama-server {exe.parent.parent.parent.name}/"
+              f"{exe.parent.parent.name}, threads={args.threads}, bundled Q4_1 GGUF; "
+              f"{_shape(args.quick)}")
+        report(results)
     if not args.no_avx2:
         avx2_exe = build_llama_server_avx2(args.llama_cpp_python)
         avx2 = compare(avx2_exe, ["avx2"], args)
