@@ -95,8 +95,9 @@ class LlamaModel:
     (``RescoredOutput``; every step's where the packed matrix keeps no dense copy); the
     embedding lookup uses those values as they are. ``output_format`` ``q8_0`` holds the output
     matrix as GGUF's Q8_0 blocks (as stored where it is, the bundled model's tied embedding;
-    else quantized from its values) and in bfloat16 multiplies them as such (``Q8Output``, our
-    kernel), a tied embedding reading its rows from the same codes."""
+    else quantized from its values) and multiplies them as such on our kernels (``Q8Output``:
+    bfloat16 on AVX-512 BF16, float32 on AVX2), a tied embedding reading its rows from the same
+    codes."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, WeightSource],
                  dtype: torch.dtype = torch.float32, batch_invariant: bool = False,
@@ -174,7 +175,8 @@ class LlamaModel:
             if q8_out is None:  # quantized from the values, as GGUF's Q8_0 rule does
                 q8_out = quantize_q8_0(_materialise(src if tied else out_src).float())
             # tied: the embedding reads the same values (one matrix for both)
-            if dtype == torch.bfloat16 and native.available():
+            if (dtype == torch.bfloat16 and native.available()) or (
+                    dtype == torch.float32 and native.avx2_available()):
                 self.lm_head = Q8Output(*q8_out, dtype)
                 self.embed = self.lm_head.embedding() if tied else embed
             else:  # no kernel for it here: a copy of the same values in ``dtype``

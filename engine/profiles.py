@@ -15,7 +15,8 @@ overrides it. ``fast`` is chosen per CPU from the flags in /proc/cpuinfo:
   leaves compile off (AOT runs packed 4-bit weights only).
 - AVX2 with FMA and F16C (and AVX-512 without BF16): float32 activations, the model's own
   4-bit weights on our AVX2 kernel (``kernels/csrc/q4_gemm_avx2.c``: exact products, float32
-  sums) and the rescored 4-bit output matrix; not compiled (AOT runs bfloat16 only). Without
+  sums) and the output matrix as Q8_0 blocks on its AVX2 kernel (``q8_gemm_avx2.c``);
+  not compiled (AOT runs bfloat16 only). Without
   a native bf16 multiply bf16 is emulated, slower than float32. Only where our kernels can be
   built (a C and a C++ compiler, ``TAILSCOPE_NATIVE_KERNELS`` not off): torch's own 4-bit
   kernel takes bf16 inputs.
@@ -90,11 +91,10 @@ def _choose(profile: str, flags: set[str] | None) -> tuple[dict[str, str], str]:
     bare = "fast: no native bf16 multiply on this CPU (neither avx512_bf16 nor amx_bf16)"
     if AVX2_FLAGS <= flags:
         if _kernels_buildable():
-            return ({"dtype": "float32", "weights": "int4", "output_weights": "int4",
+            return ({"dtype": "float32", "weights": "int4", "output_weights": "q8_0",
                      "compile": False, "compile_mode": "jit"},
                     f"{bare}; {', '.join(sorted(AVX2_FLAGS))}: float32 activations, packed "
-                    "4-bit weights on the AVX2 kernel, 4-bit output matrix with exact "
-                    "rescoring")
+                    "4-bit weights and the output matrix as Q8_0 blocks on the AVX2 kernels")
         return dict(_EXACT), (f"{bare}, and our AVX2 kernel cannot be built here (no C / C++ "
                               "compiler, or TAILSCOPE_NATIVE_KERNELS off): float32 with native "
                               "weights, as exact")

@@ -279,7 +279,9 @@ class Q8Output:
     float32 sums, each block's scale once): every logit the model's own, at half a bfloat16
     copy's bytes (29 MB a step for the bundled model, against 57), with no rescoring. Where the
     embedding is the same matrix (tied), ``embedding()`` reads its rows from the same codes, so
-    the model keeps one copy. bfloat16 inputs; only where ``native.available()``.
+    the model keeps one copy. A bfloat16 model's inputs on ``csrc/q8_gemm.c`` (only where
+    ``native.available()``), a float32 model's on ``csrc/q8_gemm_avx2.c`` (only where
+    ``native.avx2_available()``: CPUs without AVX-512 BF16).
 
     Why not a 4-bit copy with its top logits rescored (``RescoredOutput``, half these bytes):
     its tail cost the bundled model ~1.1 % perplexity on the shipped text, the fidelity gate's
@@ -296,6 +298,8 @@ class Q8Output:
         self.codes, self.scale = native.pack_q8(codes, scale)
         self.shape = (n, k)
         self.dtype = dtype
+        # float32 inputs on the AVX2 kernel, bfloat16 ones on the AVX-512 BF16 one
+        self._f32 = dtype == torch.float32
 
     @property
     def numel(self) -> int:
@@ -308,6 +312,8 @@ class Q8Output:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Logits ``[M, N]`` float32 for ``x`` ``[M, K]``."""
+        if self._f32:
+            return native.q8_mm_f32(x.float(), self.codes, self.scale, self.shape[0])
         return native.q8_mm(x.to(torch.bfloat16), self.codes, self.scale, self.shape[0])
 
     def rows(self, idx: torch.Tensor) -> torch.Tensor:

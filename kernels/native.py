@@ -8,9 +8,10 @@ into the step's logits (``csrc/topk.c``), registered as the torch operators
 ``::q8_mm``, ``::topk_indices`` and ``::rescored_logits`` (``csrc/ops.cpp``), compiled
 on first use with the system C and C++ compilers against the installed torch's headers (~10 s).
 
-On a CPU without AVX-512 BF16 a second library of one operator,
-``tailscope_avx2::int4_mm_f32`` (``csrc/q4_gemm_avx2.c``, AVX2 + FMA + F16C), runs the 4-bit
-matmul on float32 activations (``avx2_available()``; ``TAILSCOPE_NATIVE_KERNELS=avx2`` selects
+On a CPU without AVX-512 BF16 a second library, ``tailscope_avx2::int4_mm_f32`` and
+``::q8_mm_f32`` (``csrc/q4_gemm_avx2.c``, ``csrc/q8_gemm_avx2.c``, AVX2 + FMA + F16C), runs
+the 4-bit and the Q8_0 matmuls on float32 activations (``avx2_available()``;
+``TAILSCOPE_NATIVE_KERNELS=avx2`` selects
 it alone on any CPU that has those).
 
 They are accelerators, never a requirement: without compilers, on a CPU without AVX-512 BF16,
@@ -55,9 +56,9 @@ C_FLAGS = ["-O3", "-std=c11", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512
            "-mavx512vnni", "-mf16c", "-mfma", "-fopenmp", "-fPIC"]
 CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "f16c", "fma"}
 
-# The AVX2 library: the 4-bit matmul on float32 activations (csrc/q4_gemm_avx2.c), for CPUs
+# The AVX2 library: the 4-bit and Q8_0 matmuls on float32 activations, for CPUs
 # without AVX-512 BF16, a library of its own so that it loads where the one above cannot.
-AVX2_C_SOURCES = (CSRC / "q4_gemm_avx2.c",)
+AVX2_C_SOURCES = (CSRC / "q4_gemm_avx2.c", CSRC / "q8_gemm_avx2.c")
 AVX2_SOURCES = (*AVX2_C_SOURCES, CSRC / "q4_operands.h", CSRC / "ops_avx2.cpp")
 AVX2_C_FLAGS = ["-O3", "-std=c11", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC"]
 AVX2_CPU_FLAGS = AVX2_FLAGS
@@ -167,9 +168,10 @@ def available() -> bool:
 
 @functools.cache
 def avx2_available() -> bool:
-    """The ``torch.ops.tailscope_avx2`` operator (``int4_mm_f32``) is loaded, built first if
-    need be: where the AVX-512 library is not (``available()`` False: this CPU lacks AVX-512
-    BF16, or ``TAILSCOPE_NATIVE_KERNELS=avx2``) and the CPU has AVX2, FMA and F16C."""
+    """The ``torch.ops.tailscope_avx2`` operators (``int4_mm_f32``, ``q8_mm_f32``) are
+    loaded, built first if need be: where the AVX-512 library is not (``available()`` False:
+    this CPU lacks AVX-512 BF16, or ``TAILSCOPE_NATIVE_KERNELS=avx2``) and the CPU has AVX2,
+    FMA and F16C."""
     if native_kernels_switch() == "off" or available():
         return False
     ok, why = cpu_supported(AVX2_CPU_FLAGS)
@@ -177,7 +179,7 @@ def avx2_available() -> bool:
     if not ok or compilers is None:
         log.info("AVX2 kernels not used: %s", why or "no C / C++ compiler (cc, c++) on PATH")
         return False
-    if hasattr(torch.ops.tailscope_avx2, "int4_mm_f32"):  # loaded already (cache_clear)
+    if hasattr(torch.ops.tailscope_avx2, "q8_mm_f32"):  # loaded already (cache_clear)
         return True
     try:
         path = _load("tailscope_avx2", AVX2_SOURCES, AVX2_C_SOURCES, AVX2_C_FLAGS,
@@ -187,6 +189,8 @@ def avx2_available() -> bool:
         return False
     torch.library.register_fake("tailscope_avx2::int4_mm_f32")(
         lambda x, packed, scale, zero, n: x.new_empty((x.shape[0], n)))
+    torch.library.register_fake("tailscope_avx2::q8_mm_f32")(
+        lambda x, codes, scale, n: x.new_empty((x.shape[0], n)))
     log.info("AVX2 kernels loaded (%s)", path)
     return True
 
@@ -196,6 +200,13 @@ def int4_mm_f32(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
     """``x`` [M, K] float32 times the packed matrix (``pack_int4``), [M, N] float32, on AVX2
     (``csrc/q4_gemm_avx2.c``: exact products, float32 sums). Only where ``avx2_available()``."""
     return torch.ops.tailscope_avx2.int4_mm_f32(x, packed, scale, zero, out_features)
+
+
+def q8_mm_f32(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, out_features: int
+              ) -> torch.Tensor:
+    """``q8_mm`` on float32 inputs, AVX2 (``csrc/q8_gemm_avx2.c``). Only where
+    ``avx2_available()``."""
+    return torch.ops.tailscope_avx2.q8_mm_f32(x, codes, scale, out_features)
 
 
 def _int4_mm_fake(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,

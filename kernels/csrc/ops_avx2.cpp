@@ -1,6 +1,7 @@
-// Registers csrc/q4_gemm_avx2.c as the torch operator tailscope_avx2::int4_mm_f32 (a library of
-// its own, built with AVX2 flags only: it must load on CPUs the AVX-512 library cannot run on).
-// Its fake (shape) function is registered from Python (kernels/native.py).
+// Registers csrc/q4_gemm_avx2.c and csrc/q8_gemm_avx2.c as the torch operators
+// tailscope_avx2::int4_mm_f32 and ::q8_mm_f32 (a library of its own, built with AVX2 flags only:
+// it must load on CPUs the AVX-512 library cannot run on). Their fake (shape) functions are
+// registered from Python (kernels/native.py).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -12,6 +13,9 @@
 extern "C" int q4_gemm_f32(const float *x, int M, int K, int N, const uint8_t *codes,
                            const void *scale, const void *zero, int scale_f32, float *out,
                            int threads);
+
+extern "C" int q8_gemm_f32(const float *x, int M, int K, int N, const int8_t *codes,
+                           const uint16_t *scale, float *out, int threads);
 
 namespace {
 
@@ -31,11 +35,37 @@ at::Tensor int4_mm_f32(const at::Tensor &x, const at::Tensor &packed, const at::
     return out;
 }
 
+at::Tensor q8_mm_f32(const at::Tensor &x, const at::Tensor &codes, const at::Tensor &scale,
+                     int64_t out_features) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: [M, K] float32");
+    const int64_t m = x.size(0), k = x.size(1), tiles = (out_features + 15) / 16;
+    TORCH_CHECK(out_features > 0 && k % 32 == 0, "q8_mm_f32: K a multiple of 32, N > 0");
+    TORCH_CHECK(codes.scalar_type() == at::kChar && codes.is_contiguous() &&
+                    codes.numel() == tiles * 16 * k,
+                "codes: contiguous int8 holding [", out_features, ", ", k, "] in tiles of 16");
+    TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() &&
+                    scale.numel() == tiles * 16 * (k / 32),
+                "scale: contiguous float16 holding [", out_features, ", ", k / 32, "] blocks");
+    const at::Tensor xc = x.contiguous();
+    at::Tensor out = at::empty({m, out_features}, x.options());
+    if (m == 0) return out;
+    const int rc = q8_gemm_f32(xc.data_ptr<float>(), (int)m, (int)k, (int)out_features,
+                               codes.data_ptr<int8_t>(),
+                               reinterpret_cast<const uint16_t *>(scale.data_ptr()),
+                               out.data_ptr<float>(), at::get_num_threads());
+    TORCH_CHECK(rc == 0, "q8_gemm_f32 failed (", rc, ")");
+    return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tailscope_avx2, m) {
     m.def("int4_mm_f32(Tensor x, Tensor packed, Tensor scale, Tensor zero, int out_features) "
           "-> Tensor");
+    m.def("q8_mm_f32(Tensor x, Tensor codes, Tensor scale, int out_features) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tailscope_avx2, CPU, m) { m.impl("int4_mm_f32", int4_mm_f32); }
+TORCH_LIBRARY_IMPL(tailscope_avx2, CPU, m) {
+    m.impl("int4_mm_f32", int4_mm_f32);
+    m.impl("q8_mm_f32", q8_mm_f32);
+}

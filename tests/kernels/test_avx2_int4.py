@@ -1,7 +1,8 @@
-"""Our AVX2 4-bit kernel (``kernels/csrc/q4_gemm_avx2.c``: float32 activations, for CPUs
-without AVX-512 BF16) against the exact product of the dequantized weights, and a float32 model
-served on it. Run in a child process with ``TAILSCOPE_NATIVE_KERNELS=avx2`` (the AVX2 library
-alone), as on an AVX2 machine: this process has the AVX-512 library loaded."""
+"""Our AVX2 kernels (``kernels/csrc/q4_gemm_avx2.c`` and ``q8_gemm_avx2.c``: float32
+activations, for CPUs without AVX-512 BF16) against the exact products of the dequantized
+weights, and a float32 model served on them. Run in a child process with
+``TAILSCOPE_NATIVE_KERNELS=avx2`` (the AVX2 library alone), as on an AVX2 machine: this process
+has the AVX-512 library loaded."""
 
 from __future__ import annotations
 
@@ -33,6 +34,19 @@ for rows in (1, 3, 4, 5, 8, 9):
         got = native.int4_mm_f32(x, *packed, n)
         out["err"][f"{rows}-{fp16}"] = float((got.double() - want).abs().max()
                                              / want.abs().max())
+# the Q8_0 output matrix on float32 inputs (csrc/q8_gemm_avx2.c): a row count that is not a
+# multiple of its 16-output tiles, every step size; each row's logits as it gets them alone
+from kernels.linear import Q8Output
+from tests.kernels.test_q8_output import _matrix
+values, _ = _matrix(1000, 576)
+q8 = Q8Output(*_matrix(1000, 576, raw=True), torch.float32)
+out["q8_err"], out["q8_alone"] = {}, []
+for rows in (1, 2, 3, 8, 9):
+    x = torch.randn(rows, 576)
+    want = x.double() @ values.double().T
+    got = q8(x)
+    out["q8_err"][rows] = float((got.double() - want).abs().max() / want.abs().max())
+    out["q8_alone"].append(all(torch.equal(got[i], q8(x[i:i + 1])[0]) for i in range(rows)))
 # a float32 model on 4-bit weights: steps up to AVX2_MAX_ROWS rows on the kernel, larger ones
 # on the dense copy of the same values; greedy tokens against the dense model's recompute
 from engine import Engine, EngineConfig, SamplingParams, load_model
@@ -72,6 +86,8 @@ def test_the_avx2_kernel_gives_the_dequantized_products_and_serves_a_float32_mod
         "AVX2_MAX_ROWS"], "dense": True, "AVX2_MAX_ROWS": got["layer"]["AVX2_MAX_ROWS"]}
     assert got["layer_err"] < 1e-4
     assert got["same"] == [True, True, True]
+    assert max(got["q8_err"].values()) < 1e-5, got["q8_err"]
+    assert all(got["q8_alone"])
 
 
 def test_with_the_avx512_library_the_avx2_one_stays_unloaded():

@@ -19,10 +19,13 @@ from kernels.linear import Q8Output
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels not built here")
 
 
-def _matrix(rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, Q8Output]:
+def _matrix(rows: int, cols: int, seed: int = 0, raw: bool = False):
+    """(the dequantized values, a bfloat16 ``Q8Output``), or with ``raw`` (codes, scales)."""
     w = np.random.default_rng(seed).normal(0, 0.05, (rows, cols)).astype(np.float32)
     blocks = gguf.quantize(w, Q.Q8_0)
     codes, scale = q8_0_from_gguf(blocks, Q.Q8_0, (rows, cols))
+    if raw:
+        return codes, scale
     values = torch.from_numpy(gguf.dequantize(blocks, Q.Q8_0).reshape(rows, cols))
     return values, Q8Output(codes, scale, torch.bfloat16)
 
