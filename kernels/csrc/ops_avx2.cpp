@@ -38,14 +38,8 @@ at::Tensor int4_mm_f32(const at::Tensor &x, const at::Tensor &packed, const at::
 at::Tensor q8_mm_f32(const at::Tensor &x, const at::Tensor &codes, const at::Tensor &scale,
                      int64_t out_features) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: [M, K] float32");
-    const int64_t m = x.size(0), k = x.size(1), tiles = (out_features + 15) / 16;
-    TORCH_CHECK(out_features > 0 && k % 32 == 0, "q8_mm_f32: K a multiple of 32, N > 0");
-    TORCH_CHECK(codes.scalar_type() == at::kChar && codes.is_contiguous() &&
-                    codes.numel() == tiles * 16 * k,
-                "codes: contiguous int8 holding [", out_features, ", ", k, "] in tiles of 16");
-    TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() &&
-                    scale.numel() == tiles * 16 * (k / 32),
-                "scale: contiguous float16 holding [", out_features, ", ", k / 32, "] blocks");
+    const int64_t m = x.size(0), k = x.size(1);
+    check_q8_operands("q8_mm_f32", codes, scale, out_features, k);
     const at::Tensor xc = x.contiguous();
     at::Tensor out = at::empty({m, out_features}, x.options());
     if (m == 0) return out;
