@@ -81,6 +81,7 @@ class Panel:
     unit: str = "ms"
     stacked: bool = False
     link_trace: bool = False  # a data link from trace_id to the Streamlit trace view
+    shows: str = ""  # its description: Grafana's info tooltip and the docs' panel reference
 
 
 def _pct(metric: str, value: str) -> str:
@@ -91,67 +92,83 @@ def _pct(metric: str, value: str) -> str:
 
 
 PANELS: list[Panel] = [
-    Panel("TTFT percentiles by replica", _pct("ttft_ms", "ttft_ms")),
-    Panel("TPOT percentiles by replica", _pct("tpot_ms", "tpot_ms")),
+    Panel("TTFT percentiles by replica", _pct("ttft_ms", "ttft_ms"),
+          shows="p50/p95/p99 time to first token per replica"),
+    Panel("TPOT percentiles by replica", _pct("tpot_ms", "tpot_ms"),
+          shows="p50/p95/p99 time per output token per replica"),
     Panel("ITL percentiles by replica",
           "SELECT $__timeInterval(arrival_ts) AS time, replica, quantile(0.5)(gap) AS p50, "
           "quantile(0.95)(gap) AS p95, quantile(0.99)(gap) AS p99 FROM tailscope.requests "
-          f"ARRAY JOIN itl_ms AS gap WHERE {REQ_FILTER} GROUP BY time, replica ORDER BY time"),
-    Panel("E2E percentiles by replica", _pct("e2e_ms", "e2e_ms")),
+          f"ARRAY JOIN itl_ms AS gap WHERE {REQ_FILTER} GROUP BY time, replica ORDER BY time",
+          shows="p50/p95/p99 gap between content flushes per replica"),
+    Panel("E2E percentiles by replica", _pct("e2e_ms", "e2e_ms"),
+          shows="p50/p95/p99 end-to-end latency per replica"),
     Panel("Where the time goes (mean per request, stacked)",
           "SELECT $__timeInterval(arrival_ts) AS time, "
           + "".join(f"avg({s.column}) AS `{s.label}`, " for s in timing.STAGES)
           + f"avg(greatest(0, e2e_ms - {' - '.join(timing.E2E_STAGES)})) AS "
           f"`{timing.STREAMING.label}` FROM tailscope.requests WHERE {REQ_FILTER} "
-          "GROUP BY time ORDER BY time", stacked=True),
+          "GROUP BY time ORDER BY time", stacked=True,
+          shows="mean stage durations per request"),
     Panel("Requests by finish reason (req/s)",
           "SELECT $__timeInterval(arrival_ts) AS time, finish_reason, count() / $__interval_s "
           f"AS rps FROM tailscope.requests WHERE {REQ_FILTER} GROUP BY time, finish_reason "
-          "ORDER BY time", unit="reqps"),
+          "ORDER BY time", unit="reqps",
+          shows="request rate by how requests ended"),
     Panel("Responses by HTTP status (req/s)",
           "SELECT $__timeInterval(arrival_ts) AS time, toString(http_status) AS status, "
           f"count() / $__interval_s AS rps FROM tailscope.requests WHERE {REQ_FILTER} "
-          "GROUP BY time, status ORDER BY time", unit="reqps"),
+          "GROUP BY time, status ORDER BY time", unit="reqps",
+          shows="response rate by HTTP status"),
     Panel("Engine queue depth and running batch",
           "SELECT $__timeInterval(ts) AS time, replica, avg(waiting) AS waiting, "
           f"avg(running) AS running FROM tailscope.engine_steps WHERE {STEP_FILTER} "
-          "GROUP BY time, replica ORDER BY time", unit="short"),
+          "GROUP BY time, replica ORDER BY time", unit="short",
+          shows="waiting and running sequences per replica"),
     Panel("KV cache usage",
           "SELECT $__timeInterval(ts) AS time, replica, avg(kv_blocks_used / "
           f"kv_blocks_total) AS kv_usage FROM tailscope.engine_steps WHERE {STEP_FILTER} "
-          "GROUP BY time, replica ORDER BY time", unit="percentunit"),
+          "GROUP BY time, replica ORDER BY time", unit="percentunit",
+          shows="share of KV blocks in use per replica"),
     Panel("Prefix-cache hit rate",
           "SELECT $__timeInterval(arrival_ts) AS time, if(sum(prompt_tokens) = 0, 0, "
           "sum(cached_tokens) / sum(prompt_tokens)) AS hit_rate FROM tailscope.requests "
-          f"WHERE {REQ_FILTER} GROUP BY time ORDER BY time", unit="percentunit"),
+          f"WHERE {REQ_FILTER} GROUP BY time ORDER BY time", unit="percentunit",
+          shows="share of prompt tokens served from the prefix cache"),
     Panel("SLO attainment (TTFT <= $ttft_slo ms, TPOT <= $tpot_slo ms)",
           "SELECT $__timeInterval(arrival_ts) AS time, "
           f"countIf({timing.slo_sql(TTFT_SLO, TPOT_SLO)}) / count() AS attainment FROM "
           f"tailscope.requests WHERE {REQ_FILTER} GROUP BY time ORDER BY time",
-          unit="percentunit"),
+          unit="percentunit",
+          shows="share of requests within both targets"),
     Panel("Goodput (req/s within the SLO)",
           "SELECT $__timeInterval(arrival_ts) AS time, "
           f"countIf({timing.slo_sql(TTFT_SLO, TPOT_SLO)}) / $__interval_s AS goodput FROM "
-          f"tailscope.requests WHERE {REQ_FILTER} GROUP BY time ORDER BY time", unit="reqps"),
+          f"tailscope.requests WHERE {REQ_FILTER} GROUP BY time ORDER BY time", unit="reqps",
+          shows="rate of requests within both targets"),
     Panel("TTFT p99 by tenant (one tenant's burst in another's tail?)",
           "SELECT $__timeInterval(arrival_ts) AS time, tenant, quantile(0.99)(ttft_ms) AS p99 "
           f"FROM tailscope.requests WHERE {REQ_FILTER} AND ttft_ms IS NOT NULL "
-          "GROUP BY time, tenant ORDER BY time"),
+          "GROUP BY time, tenant ORDER BY time",
+          shows="p99 TTFT per tenant"),
     Panel("Tail by priority and lane (scheduling policy; degraded admission)",
           "SELECT priority, lane, count() AS requests, quantile(0.5)(ttft_ms) AS ttft_p50, "
           "quantile(0.99)(ttft_ms) AS ttft_p99, quantile(0.99)(e2e_ms) AS e2e_p99, "
           "avg(engine_queue_ms) AS queue_ms, avg(wait_share_ms) AS fair_share_wait_ms, "
           f"countIf(degraded != '') AS degraded FROM tailscope.requests WHERE {REQ_FILTER} "
-          "GROUP BY priority, lane ORDER BY priority, lane", kind="table"),
+          "GROUP BY priority, lane ORDER BY priority, lane", kind="table",
+          shows="latency and waits per priority and lane"),
     Panel("Errors and rejections by tenant",
           "SELECT tenant, countIf(final_state = 'REJECTED') AS rejected, countIf(final_state "
           "IN ('FAILED', 'TIMED_OUT')) AS errors, countIf(final_state = 'CANCELLED') AS "
           f"cancelled, count() AS requests FROM tailscope.requests WHERE {REQ_FILTER} "
-          "GROUP BY tenant ORDER BY errors + rejected DESC", kind="table", unit="short"),
+          "GROUP BY tenant ORDER BY errors + rejected DESC", kind="table", unit="short",
+          shows="rejected, failed and cancelled requests per tenant"),
     Panel("Slowest requests (click a trace id for its trace view)",
           "SELECT trace_id, arrival_ts, replica, tenant, final_state, ttft_ms, e2e_ms, "
           f"engine_queue_ms, prefill_ms, decode_ms FROM tailscope.requests WHERE {REQ_FILTER} "
-          "ORDER BY e2e_ms DESC LIMIT 50", kind="table", link_trace=True),
+          "ORDER BY e2e_ms DESC LIMIT 50", kind="table", link_trace=True,
+          shows="the 50 slowest, linked to the drill-down"),
 ]
 
 
@@ -183,15 +200,16 @@ def build() -> dict:
     for p in PANELS:
         ref = "A"
         if p.kind == "table":
-            panel = table.Panel().title(p.title).datasource(DS).unit(p.unit).span(24).height(9)
+            panel = (table.Panel().title(p.title).description(p.shows).datasource(DS)
+                     .unit(p.unit).span(24).height(9))
             if p.link_trace:
                 panel = panel.data_links([
                     dash.DashboardLink("Trace view").type(DashboardLinkType.LINK)
                     .url(f"{DRILL_URL}/?page=Requests&trace=${{__data.fields.trace_id}}")
                     .target_blank(True)])
         else:
-            panel = (timeseries.Panel().title(p.title).datasource(DS).unit(p.unit)
-                     .span(12).height(8))
+            panel = (timeseries.Panel().title(p.title).description(p.shows).datasource(DS)
+                     .unit(p.unit).span(12).height(8))
             if p.stacked:
                 panel = panel.stacking(StackingConfig().mode(StackingMode.NORMAL))
         d = d.with_panel(panel.with_target(ClickHouseQueryBuilder(ref, p.sql, p.kind)))

@@ -973,23 +973,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"tailscope {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text for one prompt with the engine")
-    g.add_argument("prompt")
-    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("prompt", help="the prompt text")
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("--model", help="'bundled' (default), a .gguf file or an HF directory")
     add_engine_flags(g)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--seed", type=int)
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    g.add_argument("--top-k", type=int, default=-1, help="-1: all tokens")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens below this share of the top one's probability")
+    g.add_argument("--seed", type=int, help="sampling seed")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--json-schema", nargs="?", const="", metavar="SCHEMA",
                    help="constrain output to JSON (optionally to this JSON schema)")
     g.set_defaults(func=cmd_generate)
     sv = sub.add_parser("serve", help="start the OpenAI-compatible gateway and its replicas")
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--host", default="127.0.0.1", help="listen address")
+    sv.add_argument("--port", type=int, default=8000, help="listen port")
     sv.add_argument("--model", help="'bundled' (default), a .gguf file, an HF dir, or tiny:<vocab>")
     sv.add_argument("--tokenizer", help="tokenizer: an HF directory, a GGUF file or `bundled` "
                     "(defaults to the model's)")
@@ -1028,24 +1029,24 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--dsn", help="store DSN (default TAILSCOPE_STORE_DSN)")
     sst = st.add_subparsers(dest="store_command", required=True)
     q = sst.add_parser("query", help="run one read-only SELECT")
-    q.add_argument("sql")
+    q.add_argument("sql", help="one SELECT; {name:Type} placeholders bound by --param")
     q.add_argument("--param", action="append", metavar="NAME=VALUE",
                    help="bind {NAME:Type} in the SQL (repeatable)")
-    q.add_argument("--format", choices=["table", "json"], default="table")
+    q.add_argument("--format", choices=["table", "json"], default="table", help="output form")
     d = sst.add_parser("delete", help="delete every stored row of a tenant")
-    d.add_argument("--tenant", required=True)
+    d.add_argument("--tenant", required=True, help="whose rows and events to delete")
     si = sst.add_parser("init", help="create or upgrade the store's tables (--cluster: on a "
                                      "ClickHouse cluster, ReplicatedMergeTree + Distributed)")
     si.add_argument("--cluster", metavar="NAME", help="the cluster in the servers' "
                     "remote_servers config; ON CLUSTER DDL")
     si.add_argument("--shard-by", choices=["instance", "trace"], default="instance",
-                    help="the sharding key of requests, events and steps (README \"Scaling "
-                         "out\")")
+                    help="the sharding key of requests, events and steps "
+                         "(docs/guides/scaling-out.md)")
     si.add_argument("--print", action="store_true", help="print the DDL; apply nothing")
     ss = sst.add_parser("serve", help="own an embedded (chDB) store and serve it to several "
                                       "gateways (their TAILSCOPE_STORE_DSN=tailscope://HOST:PORT)")
-    ss.add_argument("--host", default="127.0.0.1")
-    ss.add_argument("--port", type=int, default=8124)
+    ss.add_argument("--host", default="127.0.0.1", help="listen address")
+    ss.add_argument("--port", type=int, default=8124, help="listen port")
     ss.add_argument("--parent-pid", type=int, help="exit when this process is gone (a gateway "
                     "running its store as a child passes its own pid)")
     ss.add_argument("--inbox", help="a directory from which it inserts Arrow files that clients "
@@ -1054,7 +1055,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.set_defaults(func=cmd_store)
     w = sub.add_parser("why", help="why a request was slow: its slowest gaps, the engine steps "
                                    "and the other requests (and tenants) inside them")
-    w.add_argument("trace_id")
+    w.add_argument("trace_id", help="the slow request's trace id")
     w.add_argument("--top", type=int, default=5, help="how many of its slowest gaps")
     w.add_argument("--url", help="a gateway to go through (default: the running one, if any)")
     w.add_argument("--dsn", help="store DSN (default TAILSCOPE_STORE_DSN)")
@@ -1105,8 +1106,10 @@ def build_parser() -> argparse.ArgumentParser:
     sz = sub.add_parser("size", help="replicas for a peak rate under an SLO, from one replica's "
                         "goodput on recorded traffic, confirmed by what-if runs")
     window_args(sz)
-    sz.add_argument("--slo", required=True, metavar="ttft_ms=N,tpot_ms=N")
-    sz.add_argument("--peak-rate", type=float, required=True, metavar="REQ/S")
+    sz.add_argument("--slo", required=True, metavar="ttft_ms=N,tpot_ms=N",
+                    help="the latency targets a request must meet")
+    sz.add_argument("--peak-rate", type=float, required=True, metavar="REQ/S",
+                    help="the arrival rate to size for")
     sz.add_argument("--utilisation", type=float, default=0.8, metavar="RHO",
                     help="the share of a replica's goodput to plan for (default 0.8)")
     sz.add_argument("--attainment", type=float, default=0.99,
@@ -1115,7 +1118,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     rp = sub.add_parser("replay", help="run a recorded request again (same tokens, sampling "
                                        "and config) and report whether it came out the same")
-    rp.add_argument("trace_id")
+    rp.add_argument("trace_id", help="the recorded request to run again")
     rp.add_argument("--url", help="run it on this gateway")
     rp.add_argument("--engine-config", metavar="FILE",
                     help="run it on a gateway started with this config (try another config)")
@@ -1139,15 +1142,16 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--source", help="chdb:///path or http(s)://host:8123 DSN, or "
                                      "gateway:URL (default: the gateway at TAILSCOPE_GATEWAY_URL)")
     dr.add_argument("--url", help="the gateway to read through (shorthand for gateway:URL)")
-    dr.add_argument("--host", default="127.0.0.1")
-    dr.add_argument("--port", type=int, default=8501)
+    dr.add_argument("--host", default="127.0.0.1", help="listen address")
+    dr.add_argument("--port", type=int, default=8501, help="listen port")
     dr.set_defaults(func=cmd_drill)
     b = sub.add_parser("bench", help="load-test an OpenAI-compatible endpoint")
     b.add_argument("--url", default="http://127.0.0.1:8000", help="base URL, with or without /v1")
-    b.add_argument("--api-key")
-    b.add_argument("--model", default="SmolLM2-135M-Instruct")
+    b.add_argument("--api-key", help="Bearer key for the gateway (a tenant's)")
+    b.add_argument("--model", default="SmolLM2-135M-Instruct", help="the model to ask")
     b.add_argument("--mode", choices=["serial", "burst", "rate", "sweep", "closed"],
-                   default="rate")
+                   default="rate", help="one at a time, all at once, an open-loop rate, a "
+                   "sweep of rates, or a fixed number of streams")
     b.add_argument("--rate", type=float, help="requests/s (mode rate)")
     b.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the arrival gaps: 1 = Poisson, <1 burstier")
@@ -1158,7 +1162,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--steps", type=int, default=5, help="rates in a sweep")
     b.add_argument("--prompt-len", default="lognormal:128:0.6",
                    help="fixed:N | uniform:A:B | lognormal:MEDIAN:SIGMA (tokens)")
-    b.add_argument("--output-len", default="uniform:16:64")
+    b.add_argument("--output-len", default="uniform:16:64",
+                   help="max_tokens distribution, as --prompt-len")
     b.add_argument("--shared-prefix", type=float, default=0.0,
                    help="fraction of prompts starting with the same 64 tokens")
     b.add_argument("--tenant-keys", help="comma-separated API keys, used round-robin")
@@ -1166,7 +1171,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=int, default=2, help="serial requests reported apart")
     b.add_argument("--slo", help="ttft_ms=N,tpot_ms=N: report attainment and goodput")
     b.add_argument("--out", help="directory for results.json, summary.md and plots")
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrivals")
     b.add_argument("--no-record", action="store_true",
                    help="do not store the run in the gateway's bench_runs table")
     b.set_defaults(func=cmd_bench)
@@ -1188,7 +1193,8 @@ def _eval_parser(sub) -> None:
     r.add_argument("--url", help="run against this gateway instead (its own config is used)")
     r.add_argument("--model", help="with --url: which of its served models (default its "
                    "bundled model), e.g. an external backend's")
-    r.add_argument("--concurrency", type=int, default=8)
+    r.add_argument("--concurrency", type=int, default=8,
+                   help="cases in flight at once")
     r.add_argument("--api-key", help="tenant key for the requests")
     r.add_argument("--gateway-log", metavar="FILE", help="the started gateway's output")
     fi = es.add_parser("fidelity", help="how far a config's next-token distributions are "
@@ -1202,7 +1208,7 @@ def _eval_parser(sub) -> None:
                     "public-domain one of ~23k tokens)")
     fi.add_argument("--window", type=int, default=512, help="tokens run from scratch at once")
     fi.add_argument("--max-tokens", type=int, help="only the text's first N tokens")
-    fi.add_argument("--json", action="store_true")
+    fi.add_argument("--json", action="store_true", help="print the report as JSON")
     for name, help_ in (("compare", "compare run B against baseline run A; exit 1 on a "
                          "regression"), ("list", "the latest stored runs")):
         c = es.add_parser(name, help=help_)
@@ -1210,7 +1216,7 @@ def _eval_parser(sub) -> None:
                        "if any)")
         c.add_argument("--dsn", help="store DSN (default TAILSCOPE_STORE_DSN)")
         if name == "list":
-            c.add_argument("--limit", type=int, default=20)
+            c.add_argument("--limit", type=int, default=20, help="most runs listed")
             continue
         c.add_argument("run_a", help="baseline run id")
         c.add_argument("run_b", help="candidate run id")

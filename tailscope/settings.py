@@ -38,65 +38,88 @@ def engine_env() -> dict:
     return out
 
 
+def _setting(default, help: str):
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class Settings:
-    model: str = "bundled"  # TAILSCOPE_MODEL: 'bundled', 'tiny', a .gguf file or an HF dir
-    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)  # see the doc
-    threads: int = 0  # TAILSCOPE_THREADS: torch intra-op threads (0 = torch's default)
-    # TAILSCOPE_REPLICA_CPUS: CPUs of each local replica ("0-3|4-7", one list for all, auto)
-    replica_cpus: str = ""
-    config: str = ""  # TAILSCOPE_CONFIG: gateway TOML (tenants, API keys, limits)
-    queue_timeout_s: float = 60.0  # TAILSCOPE_QUEUE_TIMEOUT_S: engine queue wait -> 504 (0 = none)
-    max_buffered_deltas: int = 256  # TAILSCOPE_MAX_BUFFERED_DELTAS: per request, then pause
-    slow_client_timeout_s: float = 30.0  # TAILSCOPE_SLOW_CLIENT_TIMEOUT_S: paused -> cancelled
-    records_jsonl: str = ""  # TAILSCOPE_RECORDS_JSONL: append each request record here
-    record_token_ids: bool = True  # TAILSCOPE_RECORD_TOKEN_IDS: 0 keeps ids out of records
-    detail_sample: float = 1.0  # TAILSCOPE_DETAIL_SAMPLE: share of non-tail requests keeping detail
-    detail_quantile: float = 0.99  # TAILSCOPE_DETAIL_QUANTILE: at/above it, detail is kept
-    detail_warmup: int = 100  # TAILSCOPE_DETAIL_WARMUP: first requests per model all kept
-    store_dsn: str = "chdb://./.tailscope/store"  # TAILSCOPE_STORE_DSN ("none": no store)
-    store_key: str = ""  # TAILSCOPE_STORE_KEY: a store process's key (tailscope:// DSNs)
-    store_process: bool = True  # TAILSCOPE_STORE_PROCESS: the embedded store in a child process
-    spool_dir: str = ""  # TAILSCOPE_SPOOL_DIR: failed batches wait here (default beside store)
-    store_ttl_days: int = 30  # TAILSCOPE_STORE_TTL_DAYS: default row TTL
-    store_flush_s: float = 5.0  # TAILSCOPE_STORE_FLUSH_S: oldest record waits this long at most
-    admin_key: str = ""  # TAILSCOPE_ADMIN_KEY: Bearer key for /debug/* endpoints
-    # TAILSCOPE_INSTANCE_ID: this gateway's id on every record, event and step row and the
-    # prefix of its replica ids; "auto" is <host name>:<port>, "" none (one gateway per store)
-    instance_id: str = "auto"
-    # replicas on other hosts (README "Scaling out")
-    remote_replicas: str = ""  # TAILSCOPE_REMOTE_REPLICAS: "ID=tcp://HOST:PORT,..." (inboxes)
-    replica_outbox: str = ""  # TAILSCOPE_REPLICA_OUTBOX: tcp://HOST:PORT they connect to
-    replica_key: str = ""  # TAILSCOPE_REPLICA_KEY: signs every replica message (HMAC-SHA256)
-    gateway_url: str = "http://127.0.0.1:8000"  # TAILSCOPE_GATEWAY_URL: for `tailscope store`
-    otlp_endpoint: str = ""  # TAILSCOPE_OTLP_ENDPOINT: OTLP collector (spans off when empty)
-    otlp_protocol: str = "http/protobuf"  # TAILSCOPE_OTLP_PROTOCOL: http/protobuf | grpc
+    """The gateway's and the CLI's settings, each read from ``TAILSCOPE_<FIELD NAME>``; the
+    help in each field's metadata is what the settings reference in the docs shows."""
 
-    # limits (README "Security and limits")
-    request_timeout_s: float = 600.0  # TAILSCOPE_REQUEST_TIMEOUT_S: gateway deadline -> 504
-    heartbeat_timeout_s: float = 30.0  # TAILSCOPE_HEARTBEAT_TIMEOUT_S: silent replica restarted
-    max_body_bytes: int = 1 << 20  # TAILSCOPE_MAX_BODY_BYTES: request body -> 413
-    max_messages: int = 2048  # TAILSCOPE_MAX_MESSAGES
-    max_stop_strings: int = 16  # TAILSCOPE_MAX_STOP_STRINGS
-    max_stop_chars: int = 256  # TAILSCOPE_MAX_STOP_CHARS: per stop string
-    max_logit_bias: int = 1024  # TAILSCOPE_MAX_LOGIT_BIAS: entries
-    max_stop_token_ids: int = 1024  # TAILSCOPE_MAX_STOP_TOKEN_IDS
-    max_allowed_token_ids: int = 4096  # TAILSCOPE_MAX_ALLOWED_TOKEN_IDS
-    max_json_depth: int = 64  # TAILSCOPE_MAX_JSON_DEPTH: nesting of a request body
-    max_schema_bytes: int = 65536  # TAILSCOPE_MAX_SCHEMA_BYTES: response_format schema
-    max_batch_prompts: int = 64  # TAILSCOPE_MAX_BATCH_PROMPTS: a completions batch x n
-    responses_store_mb: float = 64.0  # TAILSCOPE_RESPONSES_STORE_MB: kept /v1/responses
-    query_max_execution_s: float = 30.0  # TAILSCOPE_QUERY_MAX_EXECUTION_S: /debug/query
-    query_max_result_rows: int = 500_000  # TAILSCOPE_QUERY_MAX_RESULT_ROWS
-    query_max_rows_to_read: int = 2_000_000_000  # TAILSCOPE_QUERY_MAX_ROWS_TO_READ
-    query_max_memory_mb: int = 2048  # TAILSCOPE_QUERY_MAX_MEMORY_MB
-    store_max_queue_mb: int = 256  # TAILSCOPE_STORE_MAX_QUEUE_MB: record writer queue
-    # TAILSCOPE_GC_THRESHOLD: the gateway's generation-0 collection threshold (0: Python's 700)
-    gc_threshold: int = 20000
-    key_id_secret: str = ""  # TAILSCOPE_KEY_ID_SECRET: keys the api_key_id hash
-    # TAILSCOPE_CORS_ORIGINS: origins (comma-separated, or "*") whose browser pages may call the
-    # API paths; empty: none (README "Security and limits")
-    cors_origins: str = ""
+    model: str = _setting("bundled", "the model: `bundled`, `tiny:<vocab>` (a random test "
+                          "model), a `.gguf` file or a Hugging Face directory")
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)  # its own fields
+    threads: int = _setting(0, "torch intra-op threads of each replica (0: torch's default)")
+    replica_cpus: str = _setting("", "CPUs of each local replica: `0-3|4-7` (a list per "
+                                 "replica), one list for all, or `auto`; empty: not pinned")
+    config: str = _setting("", "the gateway's TOML file: tenants, API keys and limits")
+    queue_timeout_s: float = _setting(60.0, "seconds a request may wait in an engine queue "
+                                      "before it ends TIMED_OUT with a 504 (0: no limit)")
+    max_buffered_deltas: int = _setting(256, "token deltas buffered for a slow client before "
+                                        "its request is paused in the engine")
+    slow_client_timeout_s: float = _setting(30.0, "seconds a request may stay paused for a "
+                                            "slow client before it is cancelled")
+    records_jsonl: str = _setting("", "append every request's record to this file, one JSON "
+                                  "object a line")
+    record_token_ids: bool = _setting(True, "keep prompt and output token ids in records "
+                                      "(false: counts only)")
+    detail_sample: float = _setting(1.0, "share of requests outside the tail that keep their "
+                                    "token ids, ITLs and steps (tail-based retention)")
+    detail_quantile: float = _setting(0.99, "a request at or above this latency quantile of "
+                                      "its model always keeps its detail")
+    detail_warmup: int = _setting(100, "a model's first requests all keep their detail")
+    store_dsn: str = _setting("chdb://./.tailscope/store", "where records go: `chdb://DIR` "
+                              "(embedded), `http://user:pw@host:8123/db` (a ClickHouse "
+                              "server), `tailscope://…` (a store process) or `none`")
+    store_key: str = _setting("", "the key a store process (`tailscope://` DSN) requires")
+    store_process: bool = _setting(True, "run the embedded store in a child process")
+    spool_dir: str = _setting("", "where batches wait while the store is down (default: "
+                              "beside the chDB directory, or `.tailscope/spool`)")
+    store_ttl_days: int = _setting(30, "days a stored row lives unless its tenant says less")
+    store_flush_s: float = _setting(5.0, "seconds the oldest queued record waits at most "
+                                    "before its batch is inserted")
+    admin_key: str = _setting("", "Bearer key for the `/debug/*` endpoints")
+    instance_id: str = _setting("auto", "this gateway's id on every record, event and step "
+                                "row, and the prefix of its replica ids; `auto`: "
+                                "`<host name>:<port>`; empty: none (one gateway per store)")
+    remote_replicas: str = _setting("", "replicas on other hosts: `ID=tcp://HOST:PORT,…` "
+                                    "(their inboxes)")
+    replica_outbox: str = _setting("", "`tcp://HOST:PORT` the remote replicas connect to")
+    replica_key: str = _setting("", "signs every replica message (HMAC-SHA256); needed for "
+                                "tcp:// replicas")
+    gateway_url: str = _setting("http://127.0.0.1:8000", "the gateway the CLI's `store`, "
+                                "`why`, `drill` and `eval` commands talk to")
+    otlp_endpoint: str = _setting("", "OTLP collector for a span per request (off when empty)")
+    otlp_protocol: str = _setting("http/protobuf", "OTLP protocol: `http/protobuf` or `grpc`")
+    request_timeout_s: float = _setting(600.0, "the gateway's own deadline for a request "
+                                        "(504 past it)")
+    heartbeat_timeout_s: float = _setting(30.0, "seconds of replica silence before it is "
+                                          "restarted")
+    max_body_bytes: int = _setting(1 << 20, "largest request body (413 over it)")
+    max_messages: int = _setting(2048, "most messages in a chat request")
+    max_stop_strings: int = _setting(16, "most stop strings in a request")
+    max_stop_chars: int = _setting(256, "longest stop string, in characters")
+    max_logit_bias: int = _setting(1024, "most `logit_bias` entries")
+    max_stop_token_ids: int = _setting(1024, "most `stop_token_ids`")
+    max_allowed_token_ids: int = _setting(4096, "most `allowed_token_ids`")
+    max_json_depth: int = _setting(64, "deepest nesting of a request body")
+    max_schema_bytes: int = _setting(65536, "largest `response_format` JSON schema, in bytes")
+    max_batch_prompts: int = _setting(64, "most prompts × `n` in one completions request")
+    responses_store_mb: float = _setting(64.0, "memory for stored `/v1/responses` (0: none "
+                                         "kept)")
+    query_max_execution_s: float = _setting(30.0, "`/debug/query`: seconds a query may run")
+    query_max_result_rows: int = _setting(500_000, "`/debug/query`: most rows returned")
+    query_max_rows_to_read: int = _setting(2_000_000_000, "`/debug/query`: most rows read")
+    query_max_memory_mb: int = _setting(2048, "`/debug/query`: most memory a query may use")
+    store_max_queue_mb: int = _setting(256, "the record writer's queue, in MB (records past "
+                                       "it are dropped and counted)")
+    gc_threshold: int = _setting(20000, "the gateway's generation-0 collection threshold "
+                                 "(0: Python's 700)")
+    key_id_secret: str = _setting("", "keys the HMAC that turns an API key into the "
+                                  "record's `api_key_id`")
+    cors_origins: str = _setting("", "origins (comma-separated, or `*`) whose browser pages "
+                                 "may call the API paths; empty: none")
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -107,3 +130,36 @@ class Settings:
             if raw is not None and f.name != "engine":
                 values[f.name] = parse_env(f.name, raw, _TYPES[f.type])
         return cls(**values)
+
+
+# Read where they are used, before any settings exist (a kernel build, a cache path, a child
+# process's own environment); listed here so that every TAILSCOPE_* variable is documented.
+PROCESS_VARIABLES: dict[str, str] = {
+    "TAILSCOPE_NATIVE_KERNELS": "`on` (default): build and use our C kernels where the CPU "
+    "runs them; `off`: torch's kernels only; `avx2`: the AVX2 library alone",
+    "TAILSCOPE_KERNELS": "the kernel backend: `auto` (default: Triton on CUDA tensors when "
+    "installed, else torch), `torch`, or `triton` (on a CPU only under `TRITON_INTERPRET=1`)",
+    "TAILSCOPE_CACHE_DIR": "where built kernels and compiled steps are kept (default "
+    "`~/.cache/tailscope`)",
+    "TAILSCOPE_AOT_CACHE_DIR": "where ahead-of-time compiled decode steps are kept (default "
+    "`$TAILSCOPE_CACHE_DIR/aot`)",
+    "TAILSCOPE_REPLICA_LINK_KEY": "a replica's own link key, set by the gateway for the "
+    "replicas it starts (derived from `TAILSCOPE_REPLICA_KEY`)",
+    "TAILSCOPE_DRILL_SOURCE": "the drill-down's data source (`gateway:URL`, `chdb://DIR` or a "
+    "ClickHouse DSN), set by `tailscope drill`",
+    "TAILSCOPE_DRILL_TOKENIZERS": "tokenizer paths (`os.pathsep`-separated) the drill-down "
+    "tries to show a record's text",
+    "TAILSCOPE_FAULT_STORE_DOWN_FILE": "tests only: while this file exists the store child "
+    "refuses inserts (fault injection)",
+}
+
+
+def variables() -> dict[str, str]:
+    """Every TAILSCOPE_* variable and its help: the gateway's settings, the engine's, and the
+    process-level ones above."""
+    out = {f"TAILSCOPE_{f.name.upper()}": f.metadata["help"]
+           for f in dataclasses.fields(Settings) if f.name != "engine"}
+    out.update({f"TAILSCOPE_{f.name.upper()}": f.metadata["help"]
+                for f in dataclasses.fields(EngineConfig)})
+    out.update(PROCESS_VARIABLES)
+    return out

@@ -1,4 +1,4 @@
-"""The trace record: one row per request (DESIGN.md §4), in one place.
+"""The trace record: one row per request (docs/design/record-contract.md), in one place.
 
 ``RequestRecord`` holds the contract's columns (plus a few extras); ``RecordEvent`` is one row of
 the request's timeline. The gateway assembles them; sinks (``tracing.sinks``) and, later, the
@@ -32,7 +32,7 @@ class RecordEvent(msgspec.Struct, gc=False):
     the record writer's flush (``TAILSCOPE_STORE_FLUSH_S``), and as tracked objects each was
     walked by every collection it lived through: with them untracked, a tiny-model gateway's
     collections under load cost 54-66 us of CPU a request against 89 (37 with capture off;
-    2026-12-05, ``tailscope:gc_pause_seconds``' callback per collection, 2,250 requests)."""
+    ``tailscope:gc_pause_seconds``' callback per collection, 2,250 requests)."""
 
     ts_us: int  # wall clock, microseconds since the epoch
     state: str  # RECEIVED, ADMITTED, TOKENIZED, ROUTED, QUEUED, ..., FIRST_FLUSH, END
@@ -43,19 +43,19 @@ class RecordEvent(msgspec.Struct, gc=False):
 class RequestRecord:
     # identity
     trace_id: str
-    span_id: str
-    request_id: str
+    span_id: str  # the gateway's span for this request (in the response's traceparent)
+    request_id: str  # x-request-id: the caller's when sent, else generated
     response_id: str = ""  # the id in the response body the client got (chatcmpl-..., cmpl-...)
     parent_span_id: str = ""  # the caller's span when a traceparent was sent
     tenant: str = ""
-    api_key_id: str = ""
+    api_key_id: str = ""  # HMAC-SHA256 of the API key (TAILSCOPE_KEY_ID_SECRET): never the key
     endpoint: str = ""  # /v1/chat/completions, ...
     bench_run: str = ""  # the x-tailscope-bench-run header: joins the record to a bench run
     # who the client says the request is for (OpenAI's safety_identifier, else its older user
     # field), and the request's OpenAI metadata (at most 16 string pairs) as a JSON object ("":
     # none): what a client tags its requests with, to find them again
     end_user: str = ""
-    metadata: str = ""
+    metadata: str = ""  # the request's OpenAI metadata as a JSON object ("": none)
     arrival_ts_us: int = 0
     # how it ended
     final_state: str = ""  # FINISHED, CANCELLED, TIMED_OUT, FAILED, REJECTED
@@ -65,11 +65,11 @@ class RequestRecord:
     error_message: str = ""
     # versions
     model: str = ""
-    model_revision: str = ""
-    engine_version: str = ""
-    tokenizer_revision: str = ""
-    gateway_version: str = ""
-    config_id: str = ""
+    model_revision: str = ""  # hash of the model's weights file or directory
+    engine_version: str = ""  # the engine package version that ran it
+    tokenizer_revision: str = ""  # hash of the tokenizer files
+    gateway_version: str = ""  # the gateway package version
+    config_id: str = ""  # hash of the resolved engine config (see /debug/config)
     # where it ran
     instance: str = ""  # the gateway that served it (TAILSCOPE_INSTANCE_ID)
     replica: str = ""
@@ -83,25 +83,25 @@ class RequestRecord:
     timing_source: str = ""
     # counts
     prompt_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
     generated_tokens: int = 0  # sampled by the engine (all choices)
     emitted_tokens: int = 0  # sent to the client (billing); excludes a stop string's tokens
-    n: int = 1
+    n: int = 1  # choices asked for
     # a /v1/completions batch of k prompts is k records (one per prompt, each its own trace id,
     # sharing request_id and response_id): this one's place in the batch (0 when not a batch)
     prompt_index: int = 0
-    input_token_ids: list[int] = field(default_factory=list)
+    input_token_ids: list[int] = field(default_factory=list)  # the prompt as the model saw it
     output_token_ids: list[int] = field(default_factory=list)  # choice 0
     # choice 0: the engine step (engine_steps.step on its replica) that produced each token
     token_steps: list[int] = field(default_factory=list)
     # sampling params
     temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    max_tokens: int | None = None
-    stream: bool = False
+    top_p: float | None = None  # as requested (None: not given)
+    top_k: int | None = None  # as requested (None: not given)
+    min_p: float | None = None  # as requested (None: not given)
+    seed: int | None = None  # as requested (None: not given)
+    max_tokens: int | None = None  # as requested (None: not given)
+    stream: bool = False  # whether the response was streamed
     # everything the engine was given besides the prompt, JSON (tracing.replay rebuilds the
     # request from it and input_token_ids): {"engine": SamplingParams fields, "n", "stop",
     # "include_stop_str_in_output", "scoring"}; empty when the record keeps no token ids
@@ -115,7 +115,7 @@ class RequestRecord:
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
     preempted_ms: float = 0.0
-    preemptions: int = 0
+    preemptions: int = 0  # times the engine preempted it
     backpressured_ms: float = 0.0
     # why it waited (tracing.timing.CAUSES): engine_queue_ms + preempted_ms split by cause
     wait_step_ms: float = 0.0  # the step in progress (and the way to the replica)
@@ -127,24 +127,24 @@ class RequestRecord:
     # who shared its steps: the tenant whose requests' prefill chunks brought the most prompt
     # tokens into the engine steps it ran in ("" when none did), and those tokens in all
     neighbour_tenant: str = ""
-    neighbour_prefill_tokens: int = 0
+    neighbour_prefill_tokens: int = 0  # those tokens, summed over its steps
     # tail-based retention (tracing.retention): whether token ids, the ITL array and token
     # steps were kept, and why (all, tail_e2e, tail_ttft, not_finished, warmup, sampled,
     # dropped)
     detail_kept: bool = True
-    detail_reason: str = ""
+    detail_reason: str = ""  # why detail was kept or dropped
     priority: int = 0  # its place under the priority scheduling policy (lower first)
     # degraded admission (gateway.degrade): "degraded" when the gateway admitted it with
     # reductions under load instead of queueing or refusing it, else "standard"; what changed
     # ("max_tokens 512->64; n 4->1; priority 0->5"), "" when nothing did
     lane: str = "standard"
-    degraded: str = ""
+    degraded: str = ""  # what degraded admission changed ("" when nothing)
     # client-side timings
     ttft_ms: float | None = None
-    tpot_ms: float | None = None
-    e2e_ms: float = 0.0
-    tail_ms: float = 0.0
-    itl_ms: list[float] = field(default_factory=list)
+    tpot_ms: float | None = None  # time per output token after the first
+    e2e_ms: float = 0.0  # arrival to the end of the response
+    tail_ms: float = 0.0  # last content flush to the end of the response
+    itl_ms: list[float] = field(default_factory=list)  # gaps between content flushes
     events: list[RecordEvent] = field(default_factory=list)
     ttl_days: int = 30  # how long the store keeps the row (the tenant's privacy setting)
 
