@@ -15,19 +15,7 @@ the bundled tokenizer) with the same prompts (token ids) and 4 output tokens (``
 * gateway: ``tailscope serve`` with one replica; streamed ``/v1/completions`` over loopback HTTP
   with one httpx connection pool; latency to the first content chunk and to ``[DONE]``.
 
-Load is open loop: the send times are fixed up front (evenly spaced at each rate) and latency is
-measured from the *scheduled* time, so a stalled server cannot hide its stall; the report says
-how far the client itself fell behind. The figures include the client's own cost, which is
-larger for HTTP than for ZeroMQ, so "added" is an upper bound on the gateway's share. The
-gateway runs with full capture into a fresh embedded chDB store; its CPU and peak RSS are the
-gateway process's with its store child's (where the store runs by default), its replica apart.
-No pass/fail here.
-
-The replica runs with one torch thread on both paths (``--replica-threads``, default 1): on a
-small machine the load generator, the gateway and the replica share the cores, and a replica
-spinning on every core would measure CPU contention rather than the gateway. The gateway's own
-CPU time per request is printed too (from the process's CPU counters).
-"""
+More: docs/benchmarks/methods.md#benchgateway_overhead."""
 
 from __future__ import annotations
 

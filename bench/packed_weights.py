@@ -6,25 +6,7 @@ falls on all of them alike.
     python bench/packed_weights.py [--dtype bfloat16] [--rounds 5] [--tokens 48] [--threads 2]
         [--engines native,int4,int8,int4+out=int4+compile] [--streams 1] [--prompt-tokens 64]
 
-``--engines``: comma-separated ``WEIGHTS`` or ``WEIGHTS+compile`` (``int4+compile``: the
-``compile`` setting; its compile time, at engine start, is printed apart), and
-``WEIGHTS+aot``: the same step compiled ahead of time (``compile_mode: aot``),
-``WEIGHTS+compile+gather``: the same with the compiled batch-1 step attending as batches of
-more do (gathered K/V and SDPA) instead of straight from the paged cache
-(``LlamaModel.direct_decode_attention``); ``+out=int4`` / ``+out=int8`` after ``WEIGHTS``
-sets ``output_weights`` (``int4+out=int4+compile``); ``+aten`` runs 4-bit matrices on torch's
-int4 kernel instead of ours (``kernels.native``; as ``TAILSCOPE_NATIVE_KERNELS=0`` does);
-``+sdpa`` runs decode attention as torch's gather and SDPA instead of our own paged kernel
-(``LlamaModel.native_decode_attention``).
-``--streams N``: N requests decoding together instead of one; ``--prompt-tokens``: their
-prompts' length (the context decode attends over).
-``--neighbour F`` (e.g. 0.1): every engine is also measured beside another process that keeps
-F of one core busy in 0.2 ms bursts (as a gateway and a load generator beside a served replica
-do), in the same rounds, as a row ``<engine> beside F``: the engine's torch threads meet at a
-barrier in every kernel, so a preempted thread stalls the others too.
-Prints each engine's decode ms/token per round (the median over the streams), the medians, the
-ratios to the first engine, and the aggregate output tok/s.
-"""
+More: docs/benchmarks/methods.md#benchpacked_weights."""
 
 from __future__ import annotations
 

@@ -1,29 +1,6 @@
 """Scheduling policies side by side on a two-tenant workload, over HTTP through the gateway.
 
-Tenant ``heavy`` floods long prompts (open loop, at a rate the engine cannot keep up with for
-the length of the run); tenant ``light`` sends short requests at a steady rate. Each policy
-runs in a gateway of its own (same model, engine settings and seeded workload), all started
-first: ``light`` alone, then both together, each phase in rounds where the policies take turns
-(so the machine's drift hits them alike). Printed per policy and tenant: TTFT and E2E p50/p99
-(client side, from each request's scheduled send time), output tokens/s, and goodput
-(requests/s within the SLO); then the target: ``fair`` cuts the light tenant's p99 TTFT by at
-least 3x against ``fcfs`` with total throughput within 10% (in wall time, and per engine
-step: the steps each phase took, counted from the records, which the machine's drift between
-turns does not move; the replica's CPU seconds are kept too). The gateway's own TTFT (its
-records: arrival to the first flush) is printed beside the client's: on a 2-core machine the
-load generator shares the CPU with the gateway and the replica, and its own delays show in
-the client's tail; the engine's part of the TTFT (queue + prefill, from the records) is
-what the policy decides, and the summary line gives its ratio too. On 2 or more CPUs the
-replicas run on the last CPU and the gateways and the load generator on the others
-(``replica_core``), so the engine's figures are not the gateway's or the client's pauses.
-
-Under ``priority`` the light tenant has priority 0 and the heavy one 1 (its tenants-file
-default); under ``sjf`` the gateway learns each tenant's output lengths as it goes; under
-``fair`` both have weight 1.
-
-    python bench/policies.py [--model tiny|bundled] [--policies fcfs,priority,sjf,fair]
-                             [--duration 4] [--rounds 2] [--quick]
-"""
+More: docs/benchmarks/methods.md#benchpolicies."""
 
 from __future__ import annotations
 

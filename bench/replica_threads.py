@@ -11,7 +11,7 @@ default gave every replica before the gateway shared the cores out). The gateway
 closed-loop load (bench/loadgen.py, ``--concurrency`` streams of 16 output tokens) one at a
 time, ``--rounds`` rounds in alternating order, so the machine's drift falls on all of them.
 Prints each round's requests/s, the medians, and each setting's ratio to the default round by
-round. No pass/fail here; the README quotes a run (``TAILSCOPE_THREADS``).
+round. No pass/fail here; docs/benchmarks/serving.md quotes a run.
 """
 
 from __future__ import annotations

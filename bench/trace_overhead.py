@@ -7,76 +7,7 @@ writer's ingest rate into embedded ClickHouse (chDB).
                                    [--flush-s 5] [--merge-flushes 300]
                                    [--switch-blocks 30] [--switch-window 5]
 
-1. Three gateways on the tiny model (vocabulary of the bundled tokenizer; ``--model bundled``: the
-   bundled SmolLM2, where the engine, not the gateway, is the bottleneck), one replica each, alive
-   side by side for the whole part: ``capture on`` writes every record, its events and every engine
-   step to chDB; ``capture off`` has no store (records still go to the in-memory sink and
-   ``/metrics``); the third runs the store in a supervised child process
-   (``TAILSCOPE_STORE_PROCESS=1``). They take the same closed-loop load (``--concurrency`` streams
-   of short completions, ``--seconds`` each) one at a time, in ``--gateway-rounds`` rounds that
-   load every gateway once in a rotating order. Each capture mode is compared with capture off
-   round by round: the difference within a round holds no drift between fresh processes and little
-   between minutes, which on this shared 2-core VM is +-10 % of a request's CPU (earlier versions
-   started a gateway per run and compared the best runs; their event-loop line moved 60-250 us a
-   request between runs of identical code). Printed per mode (medians over the rounds): requests/s,
-   output tokens/s, each gateway's peak RSS (the store child's apart), and the CPU milliseconds a
-   request costs the gateway (with its store child) and the replica, read after the writer has
-   flushed (``--flush-s``, the gateways' ``TAILSCOPE_STORE_FLUSH_S``: 5 s, the default, since a
-   store insert has a fixed cost that a shorter interval pays more often). Then capture's cost,
-   round by round (the median and the least and greatest of the rounds' differences): the
-   throughput loss, and the extra CPU a request costs the gateway (with its store child) over the
-   CPU a request costs without capture (gateway + replica), with the replica's own difference
-   beside it (capture does not change the replica's work: that one is the drift left within a
-   round, and capture's threads taking turns with the replica's on two cores); and the CPU of the
-   threads that exist only for capture, read per thread (the writer's two, named ``ts-writer`` /
-   ``ts-insert``, and the embedded store engine's, plus the store child when there is one), which
-   hold no request-path drift at all. Capture also makes the gateway's garbage collections dearer
-   (its queued records, the emit path's objects; they run in whichever thread allocates, mostly the
-   event loop): each gateway's time in them is read from its ``tailscope:gc_pause_seconds``, and
-   the difference with capture off is added to capture's own threads. Then what those leave out:
-   the gateway's main thread (its event loop) per request, round by round against capture off; the
-   difference holds capture's work there (each step's ``engine_steps`` row, each emit) and its
-   threads' interference with the loop (caches, the GIL).
-2. The writer's conversion of 10,000 records to Arrow, its columnar one against the plain
-   per-column one it replaced, side by side (best of 3 each).
-3. The writer alone, in this process: ``--records`` records with 256 token ids each (128
-   engine steps, 127 ITLs and 12 events; ``make_records``) emitted as fast as possible into a
-   fresh chDB store; records/s from the first emit to
-   the end of the drain (every row inserted), and the bytes per request on disk (requests and
-   request_events, compressed); once with every record's full detail, then the same with chDB
-   in a store child process (``TAILSCOPE_STORE_PROCESS=1``: this process converts, the child
-   inserts, on two cores), then in this process again with tail-based
-   retention (``tracing.retention``: the records above the sliding p99 of E2E and a
-   ``--detail-sample`` share of the rest keep their token ids and ITL arrays); then the
-   sustained rate, in this process and with the child: a fifth of ``--records`` drained first,
-   untimed, so what only a fresh process's and store's first batch pays is left out.
-4. ``engine_steps`` bytes per request: one replica's step rows for 2,000 requests at 8 and at
-   32 sequences a step (``step_rows``), inserted and merged. Every step row lists its members'
-   trace ids, so a request costs a trace id per token it decodes there; tail-based retention
-   keeps every step.
-5. The store's merges in steady state: a fresh store (in a process of its own) takes
-   ``--merge-flushes`` flushes of a tiny-model gateway's batch (600 records of ~35 prompt and
-   16 output tokens with their 11 events, 660 step rows; ``short_records``), each table as an
-   Arrow file inserted as the store child inserts it, one every 0.1 s; the store's CPU per
-   record (inserts and the merges they set off, all of chDB's threads) and the rows merges
-   wrote per row inserted, with the trace tables' merge setting as declared
-   (``tracing.schema.MERGE_SELECTOR_BASE``), with ClickHouse's default base (5) and with merges
-   stopped, alternating for ``--rounds`` rounds, each keeping its cheapest. A gateway run
-   above starts on a fresh store and lasts seconds, so it holds almost none of these merges; a
-   long-running gateway's store pays them on every flush.
-6. Capture switched within one gateway (before part 1's three; ``--switch-blocks 0``: not
-   run): one gateway with the default store child, started through ``bench.capture_switch``
-   (signals turn its capture off and on), under a steady closed-loop load of ``--concurrency``
-   streams; ``2 * --switch-blocks + 1`` windows of ``--switch-window`` s, capture on and off in
-   turn, an "on" window ending once the writer has inserted its records and step rows. Each
-   "off" window is compared with the two "on" windows around it (a linear drift cancels): the
-   throughput loss and the gateway's (+ store child's) extra CPU a request, as the mean and a
-   95 % interval over the comparisons, with the CPU split by where it went; the replica's
-   difference beside them (capture does not change its work: it should read ~0). Part 1's
-   gateways are separate processes, each with an offset of its own of a few per cent; within
-   one process that offset is gone.
-No pass/fail here.
-"""
+More: docs/benchmarks/methods.md#benchtrace_overhead."""
 
 from __future__ import annotations
 
@@ -694,7 +625,7 @@ def merges(flushes: int, rounds: int = 1) -> dict[str, dict]:
     merges stopped, each in a process of its own (chDB: one store per process); the three
     alternate for ``rounds`` rounds and each keeps its cheapest run. One run of each, one after
     the other, drifted with the machine: merges stopped cost 46-103 us a record across runs of
-    the same code (2026-12-06), so a single round could show the merges as a negative cost."""
+    the same code, so a single round could show the merges as a negative cost."""
     import json
 
     out: dict[str, dict] = {}
@@ -720,7 +651,7 @@ def ingest(n: int, detail_sample: float = 1.0, child: bool = False,
     core). With ``warmup``, that many records are emitted and drained first, untimed: the rate
     is then the sustained one, without what only the first batch of a fresh process and store
     pays (the first batch's conversion took 440-500 ms of CPU against ~260 for each later one,
-    the store child's first insert ~400 ms against ~150; 2026-12-05)."""
+    the store child's first insert ~400 ms against ~150)."""
     from tracing import queries as Q
     from tracing.retention import TailRetention
     from tracing.store import Store

@@ -16,7 +16,7 @@ same open-loop schedule (evenly spaced sends; latency from the scheduled time) r
 For each rate: TTFT and E2E p50/p99, errors, each proxy's CPU time per request, and what each
 adds over direct; the proxies' peak RSS (each with its child processes: Tailscope's store
 child, where its embedded store runs by default; not its idle replica). No pass/fail here;
-the README has a run's table.
+docs/benchmarks/serving.md has a run's table.
 """
 
 from __future__ import annotations

@@ -9,53 +9,7 @@ AVX-512 (``upstream_llamacpp.AVX2_FLAGS``, built once like the native one) again
 with the settings its ``fast`` profile chooses on an AVX2 CPU, under ``AVX2_ENV`` (our AVX2
 kernel alone, torch's own kernels held to AVX2).
 
-``llama-server`` is built natively from the ``llama-cpp-python`` source distribution on PyPI
-(``--llama-cpp-python``, default 0.3.36; ``bench/upstream_llamacpp.build_llama_server``: about
-10 minutes on 2 cores, once, cached under ``~/.cache/tailscope-bench``). It serves the bundled
-model's own GGUF (Q4_1) with ``-t/-tb <threads>`` and 32 slots; Tailscope serves the same file
-(``tailscope serve``, one replica with ``TAILSCOPE_THREADS=<threads>``, a fresh embedded store
-with full capture) once per ``--dtypes`` entry (``default``: no engine flags, what ``make
-serve`` runs, the headline row; ``exact``: ``--profile exact``; ``DTYPE+int4`` /
-``DTYPE+int8``: with
-``--weights int4`` / ``int8``; int4 keeps the GGUF's Q4_1 blocks packed for small decode
-steps; ``+out=int4``: with ``--output-weights int4``, the output matrix too;
-``+compile``: with ``--compile``, decode steps through ``torch.compile``, e.g.
-``bfloat16+int4+out=int4+compile``; ``+aot``: with ``--compile --compile-mode aot``, the same
-step compiled ahead of time, ``engine.aot``: its first build takes ~2 minutes here and is
-cached; a replica serves on the eager step while it builds, and the bench waits for the
-compiled step before it measures). All servers start first and stay up; then ``--rounds`` rounds
-(default 3) measure them in turns, one server at a time (the others idle), and the medians over
-the rounds are printed: this machine's speed drifts 15-50% over minutes, and turns spread that
-drift over every server alike instead of handing one server a slow stretch. Each measurement
-starts with a short warm-up request.
-
-``--fidelity`` (about 15 minutes more; with ``--dtypes "" --no-avx2``, alone) compares the two
-4-bit paths' fidelity on the same terms: ``tailscope eval fidelity --config fast --reference
-exact`` on the shipped text (``evals/data/shakespeare.txt``), and llama.cpp's
-``llama-perplexity --kl-divergence`` of the same GGUF against its own float baseline (the
-GGUF's values in float32, made with ``llama-quantize --allow-requantize ... F32``), on the same
-text in windows of 512 (llama.cpp scores each window's second half, ``evals.fidelity`` every
-position). Printed: perplexity against the baseline, mean and 99th-percentile KL divergence,
-top-1 agreement, and the issue's gates (``fast`` within 1 % of ``exact``'s perplexity, its KL
-no worse than llama.cpp's).
-
-The workload is ``bench/engine_throughput.workload`` (random token-id prompts, a fixed seed per
-round, so no round repeats an earlier one's prompts),
-sent as token-id prompts to ``/v1/completions`` so both servers see the same tokens, greedy,
-streamed, with ``ignore_eos`` so every request emits exactly its ``max_tokens``:
-
-* batch 1: a 64-token prompt, 128 output tokens: output tok/s, decode ms/token
-  ((E2E - TTFT) / (tokens - 1)) and TTFT;
-* 8 concurrent streams of 128 tokens (32-96-token prompts): aggregate output tok/s;
-* 32 requests with prompts of 16..512 tokens, 128 output tokens each, all sent at once:
-  aggregate output tok/s and TTFT p50/p99.
-
-llama-server's prompt cache is off (``cache_prompt: false``); Tailscope's prefix cache stays on
-(its default), which these random prompts never hit. Printed: each server's figures,
-each Tailscope column's ratio to llama-server, the peak RSS of each server (Tailscope: gateway,
-replica and store child together) and of its engine (Tailscope's replica process;
-llama-server is one process), and the issue's targets, met or not. No pass/fail.
-"""
+More: docs/benchmarks/methods.md#benchvs_llamacpp."""
 
 from __future__ import annotations
 

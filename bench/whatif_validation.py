@@ -1,50 +1,6 @@
 """What-if fidelity: predictions from one recorded run against real runs of the same schedule.
 
-1. **Its own config.** A gateway (bundled model unless ``--model tiny``, one engine thread per
-   replica, an embedded store) takes an open-loop schedule of mixed prompt and output lengths
-   at a rate that queues. ``tailscope.whatif`` fits the step cost on that window's engine steps
-   and replays its arrivals through the engine's scheduler under the recorded config:
-   predicted TTFT and E2E p50 / p99 against what the records say (client side: arrival at the
-   gateway to first token / last token).
-2. **A change of config.** From the same window, the candidate ``--candidate`` (default
-   ``evals/configs/bundled-small-chunks.yaml``'s engine settings: 4 sequences, 64 tokens per
-   step) is predicted; then a gateway running that config takes the same schedule for real.
-3. **A change of traffic.** The same config under the schedule ``--rate-change`` (1.25) times as
-   fast: ``whatif --rate-scale``'s prediction, then the scaled schedule for real. Needs no model
-   of anything the window did not show (one replica, its own core), so it separates the step
-   cost's fidelity from the contention model's.
-4. **A change of replica count.** The same, 1 -> 2 replicas (one thread each). Replicas on
-   one host slow each other's steps, which a window of one replica cannot show: first a short
-   calibration run (two replicas, another seed, ``--calibration-requests``) gives the
-   contention beta (``engine.whatif.fit_contention``) that this prediction and the sizing use
-   (``--contention BETA`` instead: no calibration run; ``0``: none), and the speed of a step
-   that ran alone there against the window's cost (``alone_speed_of``: the window's single
-   replica is pinned to a CPU, two are not), which this prediction uses.
-5. **Sizing.** ``size`` for a peak rate of ``--size-factor`` x one replica's predicted goodput
-   (utilisation 1): it names N; the schedule scaled to that peak runs for real on N - 1 and N
-   replicas, and the measured SLO attainment says whether N was right.
-
-Target (issue 21): predicted p50 within 15% and p99 within 25% of measured, for TTFT and E2E.
-Printed: predicted / measured and the ratio for each, and whether each bound held. With
-``--control`` the recorded config first takes the same schedule again, for real: the
-"0. run-to-run" row is the window's own figures over that rerun's, how far two real runs of the
-same thing differ here, the floor under every prediction's error.
-
-A second table repeats rows 2-4 with the window's step cost set to the speed each real run's
-own steps ran at (``speed_level``: the cost's price for its decode steps of the batch sizes the
-window had many of, over what they took; ``whatif --step-speed``'s scaling). That needs the
-real run, so it is no prediction; it says how much of a row's error is the what-if's own (its
-scheduler, router and cost shape) and how much this machine's drift between runs.
-
-    python bench/whatif_validation.py [--model bundled|tiny] [--requests 80] [--rate R]
-        [--candidate FILE] [--dtype auto|bfloat16|float32] [--only fidelity|size]
-        [--contention BETA] [--calibration-requests 40] [--rate-change 1.25] [--control]
-        [--no-pin] [--json OUT]
-
-On 2 or more CPUs a single replica runs on the last CPU and the gateway, its store and the load
-generator on the others (``--no-pin``: all share every CPU), so a window's step costs are the
-engine's, not the moments the others took its core.
-"""
+More: docs/benchmarks/methods.md#benchwhatif_validation."""
 
 from __future__ import annotations
 
@@ -146,7 +102,7 @@ def alone_speed_of(w, cal, seen: int = 20) -> float:
     replica mid-step beside them, against window ``w``'s cost (1.1: 10% faster; 1.0 with
     fewer than ``seen`` such steps). ``w``'s single replica runs on a CPU of its own, beside
     its own process's other threads (ZeroMQ's, the report's); several replicas share every CPU,
-    and one alone then has the other CPU for those. In one hour of 2026-12-05 such steps ran
+    and one alone then has the other CPU for those. In one measured hour such steps ran
     at 1.08-1.10x the window's in a calibration run and in two real runs of two replicas
     alike, and ``beta`` (fitted on the calibration run's own alone steps) applied to the
     window's cost predicted two replicas' TTFT and E2E 5-8% high; in the three calibration

@@ -9,20 +9,7 @@ object with a C++ wrapper, in a child process (``python -m engine.aot``), once p
 engine config and source version; the replica loads it with ``AOTIModelPackageLoader`` (C++,
 no dynamo or inductor import) and calls it with a flat list of tensors.
 
-* The model's tensors (packed weights, scales, norms, RoPE tables) are *inputs* of the exported
-  program, not constants baked into it: the replica passes its own tensors at every call, so
-  the package holds no copy of the weights (a package per model shape, not per checkpoint) and
-  the replica's memory holds one copy. ``tensor_slots`` finds them, in a fixed order, by walking
-  the model's objects; the exported function puts its inputs in their places while it traces.
-* The KV caches are inputs that the step writes in place (its K/V slots), as in ``jit``.
-* One program per range of batch sizes the model's own code distinguishes: a batch of one
-  (sizes of one are specialised) and from two up, split where a packed layer switches to its
-  dense copy (``max_rows``); the block-table width is dynamic up to the pool's size.
-
-The outputs are bitwise those of ``compile_mode: jit`` (same graph, same inductor kernels;
-``tests/engine/test_aot_decode.py``). Packages live under ``cache_dir()``, one directory per
-key (``cache_key``).
-"""
+More: docs/design/engine-notes.md#engineaot."""
 
 from __future__ import annotations
 

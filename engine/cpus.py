@@ -83,7 +83,7 @@ def replica_threads(cpus: frozenset[int] | None, local_replicas: int) -> int:
     Why: each replica's torch team defaults to every core, and its threads meet at a barrier
     at the end of every parallel kernel, spinning while they wait; two replicas of two threads
     on two cores kept preempting each other's teams. Served through the gateway here (2 cores,
-    ``--replicas 2``, ``bench/replica_threads.py``, 2026-12-06): the tiny model 26.4 requests/s
+    ``--replicas 2``, ``bench/replica_threads.py``): the tiny model 26.4 requests/s
     with every core for each replica against 217.9 shared out, the bundled model 1.5 against
     8.0 (one bundled replica alone: 8.2 with two threads, 6.1 with one, so a replica alone
     keeps torch's default). vLLM's CPU backend shares cores out the same way

@@ -8,22 +8,7 @@ reserves is the engine's choice: everything a request can ever need (``preemptio
 preempts) or only its prompt (the other modes: decode blocks come from what is unreserved, and
 when none is left the scheduler preempts a victim).
 
-Prefix cache. Full blocks are keyed by a hash chained from the start of the sequence over exact
-token ids (``BlockKey``), rooted in a salt of everything that changes KV (the engine's model
-revision and dtype, and the request's ``cache_salt``: its tenant's namespace). Admission reuses
-the longest cached chain of the prompt's full blocks (the key is compared, not just the hash);
-blocks are registered as soon as their tokens are computed. When the whole prompt is cached
-there are no logits to sample the first token from, so the last block is copied into a private
-block (copy-on-write) and the last prompt token is recomputed there. Forked branches (``n`` > 1)
-share the parent's full blocks and get a private copy of its last partial block the same way.
-
-Data movement is queued, never done here: copy-on-write copies, swap-outs of a preempted
-request's blocks to host memory (``swap_out``: the blocks are free at once, for whoever needs
-them this tick) and swap-ins into fresh blocks (``swap_in``) go into one ordered queue that the
-model runner runs, in order, before its next forward (``take_ops`` / ``ops_done``). The order is
-what makes freeing early safe: nothing can write a freed block before the copy queued ahead of
-it has read it (writes come from later copies in the queue and from the forward, after it).
-"""
+More: docs/design/engine-notes.md#enginekv_manager."""
 
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ all under the HMAC:
   refused on every other link (other key, other sessions) and on its own (sequence number); a
   session a replica restart replaced is never taken again.
 
-Python's ``hmac``: no new dependency; frames are authenticated, not encrypted (README
-"Scaling out" says how to add transport encryption).
+Python's ``hmac``: no new dependency; frames are authenticated, not encrypted
+(docs/guides/scaling-out.md says how to add transport encryption).
 """
 
 from __future__ import annotations

@@ -421,7 +421,7 @@ class LlamaModel:
         inductor fuses into the step with no gathered copy of K/V (``direct_decode_attention``;
         ``bench/packed_weights.py --engines int4+compile,int4+compile+gather`` compares):
         bf16 + int4 decode 9.5 against 10.1 ms/token after a 64-token prompt and 15.9 against
-        23.7 after a 1,000-token one, faster in 5 of 5 interleaved rounds each (2026-12-04).
+        23.7 after a 1,000-token one, faster in 5 of 5 interleaved rounds each.
         Batches of two and more keep the gather and SDPA: the direct loops were slower at 8
         sequences (39.1 against 35.0 ms a step, 0 of 4 rounds). Where our own attention kernel
         runs (``native_decode_attention``) every batch size goes through it instead."""

@@ -116,13 +116,7 @@ class FairShare:
     the latest arrival). Nothing starves: a waiting tenant's counter stands still while every served
     tenant's grows.
 
-    Seats are shared the same way: each tenant's share of ``max_num_seqs`` is in proportion to
-    its weight among the tenants running and the head's. A request at the head of the queue
-    whose tenant holds fewer seats than its share, and that has no seat or cannot get KV,
-    preempts running requests of tenants holding more than theirs (``preempts_to_admit``; the
-    victim is the latest arrival of the tenant with the highest counter among them). A tenant
-    at or above its share never preempts, so two tenants cannot take seats back and forth;
-    with the prefix cache a preempted request's re-prefill is mostly cache hits."""
+    More: docs/design/engine-notes.md#enginepolicyfairshare."""
 
     name = "fair"
     dynamic = True

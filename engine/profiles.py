@@ -5,27 +5,7 @@ A profile fills in only the settings nobody gave (``EngineConfig``'s ``dtype``, 
 ``output_weights``, ``compile``, ``compile_mode`` left unset); every individual setting still
 overrides it. ``fast`` is chosen per CPU from the flags in /proc/cpuinfo:
 
-- AVX-512 BF16 or AMX: bfloat16 activations, the model's own 4-bit weights on our packed
-  kernel, the output matrix as GGUF's Q8_0 blocks on our kernel (``output_weights: q8_0``,
-  ``kernels.linear.Q8Output``: the bundled model's as stored; a 4-bit copy with rescored top
-  logits cost ~1.1 % perplexity, over the fidelity gate's 1 %), and the decode step compiled
-  ahead of time
-  (``engine.aot``; a replica process serves on the eager step while it builds). The compiled
-  step is the profile's only where its dtype and weights are: given other weights, the profile
-  leaves compile off (AOT runs packed 4-bit weights only).
-- AVX2 with FMA and F16C (and AVX-512 without BF16): float32 activations, the model's own
-  4-bit weights on our AVX2 kernel (``kernels/csrc/q4_gemm_avx2.c``: exact products, float32
-  sums) and the output matrix as Q8_0 blocks on its AVX2 kernel (``q8_gemm_avx2.c``);
-  not compiled (AOT runs bfloat16 only). Without
-  a native bf16 multiply bf16 is emulated, slower than float32. Only where our kernels can be
-  built (a C and a C++ compiler, ``TAILSCOPE_NATIVE_KERNELS`` not off): torch's own 4-bit
-  kernel takes bf16 inputs.
-- otherwise: float32 with native weights, as ``exact``.
-
-The product's entry points (``tailscope serve``, ``tailscope generate``, a replica process)
-default to ``fast``; ``EngineConfig()`` in code defaults to ``exact``, so a test or a library
-caller gets bitwise results unless it asks otherwise.
-"""
+More: docs/design/engine-notes.md#engineprofiles."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Request state machine: an ordered enum, a transition table, and the request dataclass.
 
-States follow DESIGN.md §1. Terminal states compare greater than every live state, so
-``state >= RequestState.REJECTED`` is the terminal test. (DESIGN lists REJECTED first among
-the admission states; we place it with the terminals so that the ordering rule holds.)
+States follow docs/concepts/request-path.md. Terminal states compare greater than every live
+state, so ``state >= RequestState.REJECTED`` is the terminal test (REJECTED is placed with the
+terminals, not first among the admission states, so that the ordering rule holds).
 Every transition is an event stamped with ``time.monotonic_ns()``; stage timings are derived
 from these events in one place (``engine.observer``), never in the scheduler.
 """

@@ -1,4 +1,4 @@
-"""The sampling pipeline (DESIGN.md §3), one vectorised pass over the batch per tick:
+"""The sampling pipeline (docs/design/architecture.md), one vectorised pass over the batch per tick:
 
 hard mask + min_tokens' stop mask + logit_bias -> repetition / frequency / presence penalties
 -> [greedy: argmax] -> temperature -> top-k -> top-p -> min-p -> typical-p -> renormalise -> draw.

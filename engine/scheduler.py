@@ -1,5 +1,5 @@
 """Token-budget scheduler: continuous batching with chunked prefill and preemption
-(DESIGN.md §3; the seed tutorial §4).
+(docs/design/architecture.md).
 
 There are no prefill/decode phases: each tick gives every running request its next tokens
 (one for a decoding request, a chunk for a prefilling one) within ``max_batched_tokens`` and
@@ -12,39 +12,7 @@ with nobody overtaking it. The scheduler owns its waiting and running sets, reac
 cache only through ``KVCacheManager``'s narrow API and only emits state transitions; timings
 are derived elsewhere.
 
-Preemption. Unless ``preemption="off"`` (admission then reserves prompt + max_tokens, so a
-running request can always grow), admission reserves only a request's prompt, and a running
-request that needs a block when none is unpromised takes one from the request the policy picks
-among those not yet scheduled this tick (FCFS: the latest arrival, possibly itself, which then
-sits the tick out). The scheduler preempts it itself and reports it in the tick's output
-(``SchedulerOutput.preempted``): a decision, not a callback into the engine. The victim is
-preempted by
-
-- recompute: its blocks are freed (its full blocks stay in the prefix cache, so the re-prefill
-  is mostly cache hits unless they were evicted meanwhile) and it re-prefills prompt + output;
-- swap: its computed blocks are freed with a copy to host memory queued ahead of anything that
-  could overwrite them (``KVCacheManager.swap_out``; the model runner runs the queue in order
-  before its next forward), and a copy back into fresh blocks is queued when it is admitted
-  again, with nothing recomputed;
-- auto: recompute when the tokens to redo fit in one tick's budget (``max_batched_tokens``: one
-  forward, at most as costly as the tick it was going to get anyway), swap otherwise (a copy of
-  ``2 x layers x tokens x kv_heads x head_dim`` elements each way, far cheaper than a
-  multi-tick re-prefill).
-
-Admission leaves a watermark of free blocks (1% of the pool, at least one) while anything is
-running, so new arrivals do not take the blocks the running requests are about to need.
-
-Why a request waited. At the end of every tick each request still waiting gets the binding
-constraint that kept it out (``WaitNote``, recorded when it changes): ``budget`` (the tick's
-``max_batched_tokens`` went to others, named), ``seqs`` (``max_num_seqs`` requests running),
-``kv`` (the head of the queue has no KV: blocks held by the running requests, named) or
-``hol`` (behind the head of the queue, which waits for KV, under a head-of-line policy) or,
-under the fair policy, ``share`` (a later arrival of another tenant runs or waits ahead of it:
-other tenants' fair share held it back). Before
-its first tick a request waits for the step in progress (``step``, also noted when a swapped-out
-request is copied back in and waits for the next tick). The gateway's timing owner splits the
-request's queue and preempted time by these notes, so the causes add up to exactly that time.
-"""
+More: docs/design/engine-notes.md#enginescheduler."""
 
 from __future__ import annotations
 

@@ -11,38 +11,7 @@ exactly as a replica running that config would, given those step costs: the only
 cost of a step. (Simulators such as Vidur re-implement a scheduler; this one cannot drift from
 the engine's, because it is the engine's.)
 
-``StepCost.fit`` is non-negative least squares (``scipy.optimize.nnls``) of a step's duration on
-[1, prefill tokens, decode tokens, sequences, KV blocks in use, prefill context] (the last: each
-prefill chunk's tokens x its context length at the chunk's end, ``engine.scheduler.
-prefill_context``: the attention a chunk does grows with the prompt computed before it, so a
-smaller token budget's many chunks of a long prompt cost more than its token count says; a
-window stored before the engine recorded it prices it at 0), each step weighted by 1 / duration
-(relative error: a window's few 700 ms prefill steps otherwise decide the fit and its 70 ms
-decode steps are priced at 120), then scaled so that the training steps' total predicted time
-equals their measured total (a relative fit under-prices the long steps a little, and queueing
-adds every step's error up: 0.90-0.96 of the busy time predicted recorded TTFT at 0.65-0.8x). A
-step of a token count the window ran often (``OFFSET_MIN_STEPS`` training steps of exactly that
-many prefill + decode tokens) then has its own offset: the mean of those steps' residuals,
-shrunk toward 0 (``OFFSET_SHRINK``). The matmuls' speed is not linear in their rows on a CPU: in
-a bundled-model window (bf16, one thread) decode-only steps of 1, 2, 3 and 4 sequences took
-26.8, 30.9, 28.8 and 30.0 ms, the same in the next run of another config (26.5, 30.8, 28.5,
-30.2), which no line through them prices: the linear cost priced that config's 397 four-sequence
-steps 10% high. Offsets took the window's held-out error from 4.7% to 1.7% (median) and the
-candidate's decode steps from 1.032x to 1.010x of their measured time (in the validation bench's
-next run, the candidate's TTFT and E2E p50 / p99 were predicted at 0.99-1.00x of its real run's
-with them, 1.01-1.04x without); a token count the window rarely ran gets the linear cost alone.
-Its error is reported on held-out steps (every fifth): the median and p95 of |predicted -
-measured| / measured. Every cost is kept >= 0 because a what-if extrapolates: the features are
-nearly collinear in a recorded window (sequences ~ decode tokens + prefill chunks), and ordinary
-least squares fitted a bundled-model window (1 thread) as 53.8 ms per decode token and -39.4 ms
-per sequence, which priced a step of 4 prefill chunks below zero and predicted a 4-sequence /
-64-token config's TTFT at 0.16-0.7x of what that config then measured. The duration to fit is
-what a step holds the engine loop (``loop_times``: from its start to the next step's, when that
-one followed at once), not only its forward: the report and the messages between steps are part
-of every step's cost, and near saturation 10% more service time is much more queueing (on a
-tiny-model window at 40 req/s, fitting forwards only predicted 0.4-0.55x the recorded engine
-TTFT p50, fitting loop times 0.8x).
-"""
+More: docs/design/engine-notes.md#enginewhatif."""
 
 from __future__ import annotations
 

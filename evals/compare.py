@@ -7,17 +7,7 @@ and pass in B; McNemar's exact test (one-sided: "B is worse") gives
 rate is more than ``max_pass_drop`` below A's **and** ``p <= alpha``. Greedy suites are
 deterministic, so their flips are real: ``alpha=1`` (``--strict``) gates on any net loss.
 
-Latency. For TTFT and E2E, p50 and p99 over each run's requests (joined by trace id), and a
-paired bootstrap over the cases (resampled together, ``resamples`` times) of the ratio
-``quantile(B) / quantile(A)``. Latency regresses when the ratio's one-sided lower confidence
-bound (``confidence``) is above ``1 + max_increase``: a shift the noise of one small run can
-explain does not fail the gate, and the point estimates are printed either way. The bootstrap
-covers which cases happened to be sent, not run-to-run machine noise (one run each cannot show
-that), so the limits must: the same config run twice on the 2-core development machine moved
-p50 by +23% and p99 by +34%, hence the defaults of +50% and +100%. On dedicated hardware,
-tighter limits (``--max-p50-increase 0.1``) make a sharper gate. A non-streamed request's TTFT
-is its E2E (the client sees nothing earlier); suites that care about TTFT stream.
-"""
+More: docs/design/gateway-notes.md#evalscompare."""
 
 from __future__ import annotations
 

@@ -107,11 +107,11 @@ class GatewayConfig:
     key_id_secret: str | None = None  # keys api_key_id (default: .tailscope/key-id-secret)
     # external OpenAI-compatible servers, each serving a model name of its own (gateway.upstream)
     backends: tuple[UpstreamConfig, ...] = ()
-    # this gateway among several writing into one store (README "Scaling out"): on every
+    # this gateway among several writing into one store (docs/guides/scaling-out.md): on every
     # record, event and step row, and the prefix of its replicas' ids ("<instance>/r0"); ""
     # (one gateway per store) keeps them "r0", "r1", ...
     instance_id: str = ""
-    # replicas on other hosts (README "Scaling out"): (id, their tcp:// inbox); they connect
+    # replicas on other hosts (docs/guides/scaling-out.md): (id, their tcp:// inbox); they connect
     # to replica_outbox (tcp://host:port bound here) and sign every message with replica_key
     remote_replicas: tuple[tuple[str, str], ...] = ()
     replica_outbox: str | None = None
@@ -314,7 +314,7 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
             # in-flight requests' live objects and found nothing: ~15 a second under load,
             # ~44 us of CPU a request (tiny model, capture off), and each queued record was
             # walked again and again (capture on: ~74). At 5,000: 1-9 collections in 15 s,
-            # 0.4 us a request with capture off, ~11 with capture on (2026-12-05, 2,700
+            # 0.4 us a request with capture off, ~11 with capture on (2,700
             # requests each, tail of the event loop's lag unchanged); cyclic garbage waits a
             # little longer, a collection that runs walks more (a few ms). The records the
             # writer queues are out of the collector's view (tracing.writer.untrack) but still
@@ -323,7 +323,7 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
             # at 5,000 each flush set off ~3 collections that walked the in-flight requests and
             # freed nothing. At 20,000: capture on 9-10 -> 1-2 collections in 20 s, 6.8-7.6 ->
             # 0.9-3.2 us a request; capture off 1 -> 0; the event loop's lag no worse
-            # (2026-12-06, alternating runs, ~2,700 requests each). Its cost: more young garbage
+            # (alternating runs, ~2,700 requests each). Its cost: more young garbage
             # waits, the gateway's peak RSS (store child) 230-232 -> 236-240 MB. A gateway
             # flushing more than ~1,000 records at a time collects once or more a flush again.
             if config.gc_threshold > 0:

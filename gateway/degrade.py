@@ -1,4 +1,4 @@
-"""Degraded admission (the seed tutorial §1.2): under load, a tenant that allows it is admitted
+"""Degraded admission (docs/concepts/scheduling.md): under load, a tenant that allows it is admitted
 DEGRADED, with stated reductions, instead of being queued behind everyone or refused.
 
 Configured in the gateway's TOML file (``--config``) next to the tenants::

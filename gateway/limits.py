@@ -1,5 +1,5 @@
-"""Request limits checked at the gateway's edge, each a 400 naming its field (README,
-"Security and limits").
+"""Request limits checked at the gateway's edge, each a 400 naming its field
+(docs/guides/security.md).
 
 They bound the work one request can put on the gateway's event loop and on a replica: stop
 strings are matched on the event loop for every token, logit_bias, stop_token_ids and

@@ -241,7 +241,7 @@ class LoopStalls:
     ``tailscope:gc_pause_seconds{generation}`` (each collection of Python's cyclic garbage
     collector, in any thread of the process: it stops them all). The generation-0 ones are
     frequent and short but not cheap at Python's threshold: ~0.5 ms each in a tiny-model
-    gateway under load, ~15 a second, more of its CPU than the rarer older ones (2026-12-05),
+    gateway under load, ~15 a second, more of its CPU than the rarer older ones,
     which is why a serving gateway raises it (``TAILSCOPE_GC_THRESHOLD``: 1-9 in 15 s);
     timing one costs ~2 us.
     Started and stopped with the app."""

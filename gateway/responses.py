@@ -10,22 +10,7 @@ the typed Responses events (``ResponseEvents``: ``response.created`` ...
 ``response.output_text.delta`` ... ``response.completed``). LiteLLM serves the Responses API
 over chat backends the same way.
 
-Stored responses (``ResponseStore``): unless the request says ``store: false``, a completed
-(or incomplete) response is kept in the gateway's memory, with the conversation it ends (every
-earlier turn, this input and this output, as chat messages), so that ``previous_response_id``
-continues it (``instructions`` are not carried over, as at OpenAI), and ``GET`` / ``DELETE
-/v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` find it; only the tenant that
-created a response sees it. The store is bounded in bytes (``TAILSCOPE_RESPONSES_STORE_MB``),
-the least recently used response goes first, and it is per gateway: behind several gateways a
-client continues a conversation on the gateway that holds it (or sends the whole conversation
-in ``input`` with ``store: false``, as Codex CLI does).
-
-What needs state this gateway does not keep, or tools it does not host, is refused with a 400
-naming the field: ``conversation``, ``background``, ``prompt``, ``reasoning``, ``truncation:
-auto``, ``max_tool_calls``, built-in tools (web search, file search, ...), item references,
-image, file and audio input, and ``include`` entries other than
-``message.output_text.logprobs``.
-"""
+More: docs/design/gateway-notes.md#gatewayresponses."""
 
 from __future__ import annotations
 

@@ -244,7 +244,7 @@ def step_row(replica: str, incarnation: int, msg, ttl_days: int,
     It runs on the event loop for every engine step, so the fields are named one by one: the
     row built from a dict of ``_STEP_FIELDS`` (``**{f: getattr(stats, f) ...}``) cost 4.3 us
     against 3.0 (16 members, offline) and ~30 us in a loaded tiny-model gateway, where every
-    Python operation on the loop ran several times slower than offline (2026-12-06).
+    Python operation on the loop ran several times slower than offline.
     tests/gateway/test_records.py checks that every field of ``_STEP_FIELDS`` is copied."""
     s = msg.stats
     ms = s.members

@@ -2,38 +2,7 @@
 
 Configured in a TOML file (``tailscope serve --config FILE`` or ``TAILSCOPE_CONFIG``)::
 
-    [[tenants]]
-    name = "acme"
-    keys = ["sk-acme-1", "sk-acme-2"]
-    requests_per_minute = 60        # token bucket, burst = one minute's worth
-    tokens_per_minute = 100000      # prompt + max_tokens charged at admission, unused refunded
-    max_concurrent = 8
-    max_prompt_tokens = 4096
-    max_output_tokens = 1024
-    admin = false                   # true: its keys may read /debug/* endpoints
-    capture = "full"                # "counts": records keep token counts, not token ids
-    ttl_days = 30                   # the store drops its rows after this many days
-    cache_namespace = "public"      # opt in: share prefix-cache hits with tenants naming the
-                                    # same namespace (default: its own, never shared)
-    priority = 0                    # its requests' default priority (lower first) under the
-                                    # engine's priority scheduling policy
-    min_priority = 0                # the most urgent priority a request of its may ask for
-                                    # (default: its own priority: no tenant jumps the queue)
-    weight = 1.0                    # its share under the engine's fair scheduling policy
-                                    # (2.0: twice the tokens of a weight-1 tenant under load)
-    degrade = { max_tokens = 64, n = 1, priority = 2 }  # opt in: admitted DEGRADED under
-                                    # load instead of queued (gateway.degrade)
-
-    [degraded_admission]            # when the engines count as under load (gateway.degrade)
-    queue_depth = 16
-    kv_fraction = 0.9
-
-No tenants configured = open local mode (every request is tenant "local", no limits); the
-gateway logs a warning at start. Keys are never logged or stored; records carry a key id: an
-HMAC-SHA256 of the key under a secret of the deployment (``TAILSCOPE_KEY_ID_SECRET``, or one
-generated once and kept in ``.tailscope/key-id-secret``), so a weak key cannot be recovered
-from the records by hashing guesses.
-"""
+More: docs/design/gateway-notes.md#gatewaytenants."""
 
 from __future__ import annotations
 

@@ -11,17 +11,7 @@ An assistant turn that made calls is rendered in the conversation as that object
 message as the tool's result text (``[tool result call_…]`` first), so earlier turns look like
 what the model is asked to write.
 
-``tool_choice``: ``none`` (no tools in the prompt, text answer), ``auto`` (the model chooses; an
-answer that is exactly such an object with known tool names is a call, anything else is text),
-``required`` (a grammar built from the tools' ``parameters`` forces one or more calls, one if
-``parallel_tool_calls`` is false), or a named function (forces exactly one call of it). Arguments
-are the raw JSON text the model wrote for ``arguments`` (so the streamed fragments add up to it
-exactly); under a grammar they always parse and validate against the tool's schema.
-
-Streaming (``ToolStream``): forced calls stream as OpenAI streams them, a header delta (index,
-id, type, name) once a call's name is complete, then fragments of its arguments text as they are
-generated; under ``auto`` the answer is held until it is known to be a call or text.
-"""
+More: docs/design/gateway-notes.md#gatewaytools."""
 
 from __future__ import annotations
 

@@ -12,9 +12,10 @@ and able to see the end of a streamed body). For every request it
   ``scope["state"]``, stamps the end of the response, and emits exactly one ``RequestRecord``
   when the exchange is over, whatever happened (success, error, disconnect, crash).
 
-Boundaries (DESIGN §4): RECEIVED (arrival) -> ADMITTED (ingress gate passed and body parsed)
--> TOKENIZED (prompt ids known, parameters validated) -> ROUTED (sent to a replica) -> engine
-states (the replica's offsets, placed after ROUTED) -> each content flush -> END.
+Boundaries (docs/design/record-contract.md): RECEIVED (arrival) -> ADMITTED (ingress gate
+passed and body parsed) -> TOKENIZED (prompt ids known, parameters validated) -> ROUTED (sent
+to a replica) -> engine states (the replica's offsets, placed after ROUTED) -> each content
+flush -> END.
 """
 
 from __future__ import annotations

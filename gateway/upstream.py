@@ -10,33 +10,7 @@ upstream's response comes back as it sent it, streamed or not (the body bytes of
 each SSE event of a stream). The ingress gate (keys, tenants, rate limits, body size) has run
 before; the trace middleware adds its ids and headers and writes the one record.
 
-Per backend: one HTTP/1.1 keep-alive connection pool (httpx), a concurrency limit (past it the
-backend counts as full: another backend of the model, or 503), and three timeouts, each ending
-as an OpenAI-style error: connecting (``connect_timeout_s``), the first byte of the response
-(``first_byte_timeout_s``) and the gap between two chunks of a stream (``idle_timeout_s``):
-504 before the response started, an SSE ``error`` event after. An upstream error answer keeps
-its status and message; an upstream that breaks the protocol or closes mid-stream is 502 (or an
-SSE ``error`` event once streaming). A request that has received nothing yet is retried once on
-another backend of the same model; one whose connection broke before a byte of response came
-back (the upstream closed a pooled keep-alive connection as it was reused) is sent again once.
-After ``eject_after`` failures in a row a backend is ejected for ``eject_s`` seconds (a circuit
-breaker), then tried again by the next request or health probe (half-open): a success closes
-it, a failure ejects it again. Health probes (``GET /health``, else ``/v1/models``, every
-``probe_interval_s``) find a dead backend before a request does, and the first one reads the
-served model's revision and the server's version for the records. The router takes the
-backend with the fewest requests in flight (ties: fewest failures, then the name); a model the
-bundled replicas serve too is a mixed pool (``gateway.serving`` decides the side).
-
-The record: ``replica`` is the backend's name, ``route_reason`` why, the timeline has ROUTED
-(request sent), UPSTREAM_HEADERS (status and headers back: the upstream's time to first byte),
-FIRST_FLUSH and END, so TTFT, every ITL, tail and E2E keep their identities; counts come from
-the upstream's ``usage`` (streams: when it sends one, e.g. with ``stream_options``), the
-``finish_reason`` and response id from its body. When the upstream reports its own timings
-(llama.cpp's ``timings``), they become engine events on the gateway's clock (``_timeline``), so
-``tracing.timing`` makes the engine stage columns from them (``timing_source = "upstream"``);
-otherwise those columns stay 0 and the upstream's time is the unattributed "in the engine"
-window (``timing_source = "gateway"``).
-"""
+More: docs/design/gateway-notes.md#gatewayupstream."""
 
 from __future__ import annotations
 

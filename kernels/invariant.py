@@ -3,36 +3,7 @@
 The engine's ``batch_invariant`` mode runs on these. What varies otherwise, measured on this
 machine kind (torch 2.13, 2 threads):
 
-- **Matmuls choose their kernel by the number of rows.** MKL's fp32 ``F.linear`` gives other
-  last bits for 1 row (a gemv), 2-3, 4-15 and 16+ rows; oneDNN with a prepacked weight is the
-  same kernel for every row count from 2 up in fp32, but 1 row is a gemv; in bf16 it is the same
-  kernel for 1-32 rows and others above (which differ again among themselves). So
-  ``InvariantLinear`` prepacks for oneDNN in both dtypes and feeds it rows in chunks (one row
-  is padded to two): up to 512 rows in fp32, up to 32 in bf16. ``invariant_chunk`` probes that
-  premise per weight shape on the CPU at hand when a model loads (``verify_linear``; a CPU
-  without native bf16, AVX2 only, has no oneDNN bf16 path: its bf16 weights go through
-  ``F.linear``, probed the same way), and falls
-  back to fixed two-row calls if it does not hold.
-- **Attention's reductions run over a length that changes with the batch.** A prefill chunk's
-  queries attend over the whole chunk's context, a decode query over its own; SDPA picks its
-  blocking by those lengths, and a masked batch of decodes takes another path than one decode.
-  ``decode_attention`` and ``prefill_attention`` compute every query the same way whatever else
-  is in the call (``_attend``): scores per block of ``KEY_BLOCK`` keys as matmuls whose row
-  count is padded to a multiple that rounds alike on the CPU at hand (``row_multiple``, probed
-  once: 2 with AVX-512, 4 with AVX2's MKL) and a fixed reduction (the head dim), the max (exact
-  in any order), ``exp``, then sums within each block folded across blocks in key order by
-  ``cumsum`` (a sequential scan). Blocks past a query's context are all masked and add exact
-  zeros, so a decode in a batch of longer contexts, or a prefill query tile that stops at its
-  own last position (the causal triangle's empty blocks skipped), gives the same bits. All in
-  fp32.
-- **Elementwise ops with a vector tail.** ``F.silu`` gives other bits for elements in the
-  scalar tail of a tensor whose size is not a multiple of the vector width; ``silu_and_mul``
-  here is built from ``exp`` and exact IEEE ops, which agree in both paths.
-
-Norms (``F.rms_norm``: a per-row reduction of a fixed length, then exact ops), RoPE, the
-embedding and residual adds are row-invariant as they stand (the engine tests check the whole
-forward, not these premises one by one).
-"""
+More: docs/design/engine-notes.md#kernelsinvariant."""
 
 from __future__ import annotations
 

@@ -14,22 +14,7 @@ the 4-bit and the Q8_0 matmuls on float32 activations (``avx2_available()``;
 ``TAILSCOPE_NATIVE_KERNELS=avx2`` selects
 it alone on any CPU that has those).
 
-They are accelerators, never a requirement: without compilers, on a CPU without AVX-512 BF16,
-with ``TAILSCOPE_NATIVE_KERNELS=0``, or when the build fails (logged once), ``available()`` is
-False and ``kernels.linear.Int4Linear`` runs torch's own int4 kernel, the model torch's
-gather-and-SDPA decode attention, the sampler ``torch.argmax``, ``kernels.linear.Int8Rows``
-a gather and a bmm, as before. The shared object is cached under
-``$TAILSCOPE_CACHE_DIR/kernels`` (default ``~/.cache/tailscope/kernels``), named by a hash of
-the sources, the compilers, the flags and the torch version, built in a temporary directory and
-renamed into place, so processes building at once (replicas starting together) never load a
-half-written file.
-
-A torch operator rather than a ctypes call: compiled decode graphs call it like an aten op
-(~4.6 us a call here; a Python ``torch.library.custom_op`` around ctypes cost ~17 us, and a
-batch-1 step of the bundled model makes 121 calls). The kernel's threads come from torch's own
-OpenMP runtime (the library links ``libgomp.so.1``, the soname torch has already loaded): one
-thread pool, not two competing for the cores.
-"""
+More: docs/design/engine-notes.md#kernelsnative."""
 
 from __future__ import annotations
 

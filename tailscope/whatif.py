@@ -15,22 +15,7 @@ gateway's own share (parsing, tokenising, routing, the first flush); the window'
 (recorded client TTFT minus engine TTFT) is added to predicted TTFT and E2E so that an SLO is
 checked on the client's figures; it is reported.
 
-Sizing (``size``) follows the seed lecture: the replica count for a peak rate is
-N = ceil(lambda_peak / (c * rho)), where c is one replica's goodput (the highest arrival rate of
-this traffic's mix at which the SLO attainment stays at its target, found by what-if runs on
-one replica) and rho the utilisation to plan for; N is then confirmed by what-if runs of the
-window scaled to lambda_peak across N - 1, N and N + 1 replicas.
-
-A prediction is as good as the step costs of the steps it runs, and a fit only knows the step
-shapes its window had. ``extrapolated`` is the share of a prediction's simulated busy time in
-steps of a batch size (sequences per step) outside the range the window pins down (fewer than
-``SEEN_MIN`` recorded steps at or below it, or at or above it): a window recorded in a burst
-with ``max_num_seqs`` 4 is nearly all 4-sequence steps, and a
-fit of it cannot tell a step's fixed cost from its per-sequence cost, which is all a
-one-sequence candidate turns on (fits of such windows priced that candidate's real steps at
-0.6-1.4x of what they then took, on a tiny model beside its gateway on 2 cores). The command
-warns past ``EXTRAPOLATED_WARN``: record a window with quieter stretches in it too.
-"""
+More: docs/design/gateway-notes.md#tailscopewhatif."""
 
 from __future__ import annotations
 

@@ -9,22 +9,7 @@ Each table of ``tracing.schema.TABLES`` becomes two, both created ``ON CLUSTER``
 - ``<table>``, a ``Distributed`` table over them. The writer inserts into it and the query
   library reads from it under the same names as on one node, so neither changes.
 
-The sharding key decides which shard holds a row. ``instance`` (the default) shards
-``requests``, ``request_events`` and ``engine_steps`` all by the gateway instance: a request's
-record, its events and the steps of its replica (a replica belongs to one gateway) sit on one
-shard, so ``why`` and the trace view join them there. It balances shards as well as gateways
-spread over them, so it suits a fleet of several gateways. ``trace`` shards records and events
-by trace id and steps by replica: even spread with one gateway, but a request's steps may sit
-on another shard than its record (the ``Distributed`` tables still answer every query; the
-joins just cross shards). The small tables (configs, eval and bench runs, what-if runs) shard
-by their id.
-
-``migrations`` turns versioned single-node migrations into their cluster form (each ``ALTER``
-on both tables, ``ON CLUSTER``, but a change of codec or of a MergeTree setting on the local
-table only; a created table as its pair), so a cluster made by ``ddl`` at one version is
-upgraded by the same command later; ``tracing.store.Store.migrate`` refuses to apply
-single-node DDL to a cluster.
-"""
+More: docs/design/gateway-notes.md#tracingcluster."""
 
 from __future__ import annotations
 

@@ -233,7 +233,7 @@ CODECS: dict[str, dict[str, str]] = {
 # every 0.3 s: rows written by merges per row inserted 8x after 100 flushes, 24x after 250,
 # 56x after 600, and the store's CPU per record (inserts and merges) 116 -> 205 -> 278 us;
 # with base 50: 3.9x and 78 us after 600 flushes (20: 7.9x, 96 us), at most 28 parts a table
-# (2026-12-05; bench/trace_overhead.py part 5 measures it). A wider merge means
+# (bench/trace_overhead.py part 5 measures it). A wider merge means
 # more parts between merges, which a SELECT opens and ClickHouse handles by the thousand
 # (parts_to_delay_insert is 1000); parts older than an hour are still merged down by the
 # selector's age rule, which lowers the base toward 1 as they age.

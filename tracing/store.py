@@ -104,9 +104,9 @@ def connect(dsn: str, limits: QueryLimits | None = None, key: str | None = None,
 
 @dataclass(frozen=True)
 class QueryLimits:
-    """ClickHouse resource limits on every read (``TAILSCOPE_QUERY_*``; README "Security and
-    limits"). Past a limit the query fails with ClickHouse's error, which ``/debug/query``
-    returns as a 400."""
+    """ClickHouse resource limits on every read (``TAILSCOPE_QUERY_*``;
+    docs/guides/security.md). Past a limit the query fails with ClickHouse's error, which
+    ``/debug/query`` returns as a 400."""
 
     max_execution_s: float = 30.0
     max_result_rows: int = 500_000
@@ -181,7 +181,7 @@ def skip_pandas_probe() -> None:
     shim imports pandas to answer when pandas is installed. Nothing Tailscope hands pyarrow is
     a pandas object, and that import cost a gateway 38-42 MB of RSS (with the store child
     224 -> 186 MB idle, 253 -> 228 at its peak under load; with the store in process 453 -> 411
-    idle; 2026-12-05); ``tracing.queries`` imports pandas only when a query is asked for a
+    idle); ``tracing.queries`` imports pandas only when a query is asked for a
     DataFrame. Here ``import pandas`` fails during one ``pa.array`` call (``without_pandas``),
     the shim notes "no pandas" for that check and does not look again; its calls that need
     pandas (``to_pandas``, ``from_pandas``) import it when called, as before. Called by the
@@ -200,8 +200,8 @@ def use_arrow_pool() -> str:
     pyarrow's mimalloc backs its memory with transparent huge pages, and a record writer's
     conversions are short-lived churn: every flush builds tens of MB of Arrow buffers that the
     inserting thread frees moments later, and the next flush faults fresh 2 MB pages in, each
-    zeroed by the kernel whole. Profiled in a loaded gateway (tiny model, ~210 requests/s,
-    2026-12-06), 74 % of the writer thread's CPU was the kernel clearing those pages
+    zeroed by the kernel whole. Profiled in a loaded gateway (tiny model, ~210 requests/s),
+    74 % of the writer thread's CPU was the kernel clearing those pages
     (``clear_page_erms`` under ``do_huge_pmd_anonymous_page``): a 1,100-record flush's
     conversion cost 46-71 ms of CPU, 28-57 of it in the kernel; with the system allocator,
     jemalloc, or mimalloc under ``MIMALLOC_ALLOW_THP=0``, 21-23 ms, and the writer thread
@@ -444,13 +444,13 @@ def jsonable(v):
 # for a tracker that guards the store's memory limit. Each table's background job assignee
 # (merges, TTL, mutations) polls every 0.1 s when it found nothing to do: with this schema's
 # tables that was 1.1 ms/s of the schedule pool's CPU and 1.3 of its delayed-task thread in an
-# idle store (3.0 ms/s in all); polling every 2 s, 0.3 and 0.8 (1.6 in all; 2026-12-05, 20 s
+# idle store (3.0 ms/s in all); polling every 2 s, 0.3 and 0.8 (1.6 in all; 20 s
 # per thread from /proc). An insert or a mutation still wakes its table's assignee at once,
 # so merges start as before; only an idle table is looked at less often. (Longer than 2 s and
 # merge_tree_clear_old_parts_interval_seconds bought nothing more.) Each table also has a
 # "streaming" assignee (ClickHouse's streaming queries, which Tailscope never runs) that polled
 # every 0.1 s too, from a pool of its own: an idle store 2.0 -> 0.9 ms/s of CPU with it polling
-# every 10 s (its pool 9 -> 0 wake-ups a second, the delayed-task threads 23 -> 6; 2026-12-06,
+# every 10 s (its pool 9 -> 0 wake-ups a second, the delayed-task threads 23 -> 6;
 # 20 s per thread from /proc, the streaming pool's 0.1 s against 2 s against 10 s).
 CHDB_OPTIONS = {"memory_worker_period_ms": 1000,
                 "background_processing_pool_thread_sleep_seconds_if_nothing_to_do": 2,
@@ -464,7 +464,7 @@ def _embedded_handle(dsn: str):
     in this process as it is. ``insert_arrow`` of clickhouse-connect writes the table as an
     Arrow IPC file, to a temporary file, that chDB reads and parses again; a batch of 10,000
     writer records (both tables) took 100-150 ms against 180-330, with the GIL held at most
-    ~4 ms at a time against up to ~13 (2026-12-05), and it saves ~3 us of CPU per record.
+    ~4 ms at a time against up to ~13, and it saves ~3 us of CPU per record.
     """
     import chdb
 
@@ -479,7 +479,7 @@ def _embedded_handle(dsn: str):
 # as an Arrow file that chDB reads (``insert_arrow``'s way, ``Store._infile``: 600 short
 # records 12 against 25 ms); a flood's batches of
 # thousands of records are cheaper through ``Python()`` (20,000 records of 256 token ids,
-# 48 MB: 115 against 270 ms; 5,000: 53 against 110), the two even at ~1-2 MB (2026-12-05).
+# 48 MB: 115 against 270 ms; 5,000: 53 against 110), the two even at ~1-2 MB.
 PYTHON_INSERT_MIN_BYTES = 2 << 20
 
 
@@ -611,7 +611,7 @@ class Store:
         # first large batch's import (a first Python() query took 123 ms of CPU with it, 46
         # without; the import holds the GIL the rest of the process needs) are not paid. The
         # bench's cold 100,000-record ingest in process: 42,500-50,000 records/s with the
-        # import, 49,100-61,800 without (alternating runs, 2026-12-06).
+        # import, 49,100-61,800 without (alternating runs).
         # Python() reads the table's buffers where they are, found by the local variable's name
         # in this frame
         _tailscope_arrow_batch = data  # noqa: F841
@@ -629,7 +629,7 @@ class Store:
         (``INSERT ... FROM INFILE ... FORMAT Arrow``): ``insert_arrow`` of the same table, read
         into this process, runs that very statement after writing the table out again to a
         temporary file of its own. A gateway's flush of ~600 short records, all three tables,
-        cost chDB's process 20.2 against 23.2 ms of CPU (2026-12-05, medians of 6 rounds).
+        cost chDB's process 20.2 against 23.2 ms of CPU (medians of 6 rounds).
         Anything else is read (memory-mapped) and goes by ``insert``."""
         with pa.memory_map(str(path)) as source:
             reader = ipc.open_file(source)
@@ -649,13 +649,13 @@ class Store:
         takes the file's columns by name and gives the table's others their defaults, as
         with the list. Listing the requests table's 73 columns cost ~2.4 ms of CPU of a
         10.5 ms insert of 600 short records, ~3.3 ms over a gateway flush's three tables (~5 us
-        a request; 2026-12-05, medians of 10). A file with a column the table lacks keeps the
+        a request; medians of 10). A file with a column the table lacks keeps the
         list, so ClickHouse refuses it naming the column: without one, that column would be
         dropped without a word.
 
         It runs on one thread (``max_threads = 1``): a file this small gains nothing from
         more, and their hand-offs cost a gateway's flush of 600 short records 17.9 against
-        15.5 ms of CPU for its three tables (2026-12-05, medians of 28)."""
+        15.5 ms of CPU for its three tables (medians of 28)."""
         cols = "" if set(names) <= self._columns(table) else \
             f" ({', '.join(map(_identifier, names))})"
         with self.lock:

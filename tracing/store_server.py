@@ -11,25 +11,12 @@ go through ``Store.select``'s checks, here, in the process that owns the data.
 
 With a ClickHouse server (``http(s)://`` DSNs) no store process is needed: every gateway
 writes to the server directly. This is the embedded store's path to several gateways on one
-machine or a small fleet, not a replacement for a ClickHouse cluster (README "Scaling out").
+machine or a small fleet, not a replacement for a ClickHouse cluster (docs/guides/scaling-out.md).
 
 Endpoints (JSON unless said; ``Authorization: Bearer <TAILSCOPE_STORE_KEY>`` when a key is set,
 loopback clients only otherwise):
 
-- ``POST /v1/insert/{table}?token=T``: an Arrow IPC stream of that table's rows; or, from a
-  client on the same host (the gateway whose child this process is), ``?file=NAME``: an Arrow
-  IPC file of them in the process's ``--inbox`` directory, which it inserts (chDB reads a
-  file under 2 MiB itself) and deletes (a 20,000-record batch of ``bench/trace_overhead.py``,
-  both tables, 195-347 ms written and inserted that way against 441-448 sent as HTTP bodies:
-  the 63 MB are neither sent over loopback nor received and joined in Python);
-- ``POST /v1/insert``: ``{"batch": [{"table", "file", "token"}, ...]}``: a writer's flush (its
-  requests, events and steps) as inbox files, inserted in that order in one request; a failure
-  stops the rest and its error names the tables ``inserted`` before it; every file is deleted;
-- ``POST /v1/select``: ``{"sql", "params", "query_id", "format": "json" | "arrow"}``;
-- ``POST /v1/cancel``: ``{"query_id"}`` (none: every tagged read);
-- ``POST /v1/delete-tenant``: ``{"tenant"}``;
-- ``GET /health``.
-"""
+More: docs/design/gateway-notes.md#tracingstore_server."""
 
 from __future__ import annotations
 
@@ -386,7 +373,7 @@ def uvicorn_server(app, on_exit_signal: Callable[[], None] | None = None, **conf
     header every tenth), and on this VM a wake-up costs ~0.2 ms of CPU when the machine is
     otherwise idle (its vCPU has to be woken; with the CPUs busy it is cheap): an idle store
     process's main thread took 2.63 ms/s with uvicorn's loop and 0.25 ms/s with this one, a
-    gateway's store child's 1.3-1.7 against 0.21-0.26 (2026-12-05, /proc/<pid>/task/<tid>/
+    gateway's store child's 1.3-1.7 against 0.21-0.26 (/proc/<pid>/task/<tid>/
     schedstat; alternating runs); while a test suite kept the CPUs busy, ~0.2 ms/s both. A stop
     signal is then acted on within a second instead of 0.1 s; requests are served as before
     (the loop only waits). The gateway (``tailscope serve``) and the store process run on it;

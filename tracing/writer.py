@@ -1,36 +1,7 @@
 """``RecordWriter``: request records and engine steps into the store, batched, never blocking the
 request path, and never losing or duplicating a row when the store goes away for a while.
 
-- ``emit`` / ``emit_step`` append to an in-memory queue bounded in bytes (O(1), no I/O; called
-  from the event loop; a record's size is estimated from its token ids and events). Past
-  ``max_queue_bytes`` (or ``max_queue`` items) a record is dropped, counted and logged. A
-  queued record and its lists are taken out of the garbage collector's view (``untrack``):
-  they are data, and they wait up to ``max_age_s`` for their batch (not in a flood: ``_waits``).
-- A background thread takes batches (by size, or when the oldest waiting item is ``max_age_s``
-  old), turns them into Arrow tables (``requests``, ``request_events``, ``engine_steps``) and
-  inserts them together (``Store.insert_many``: a store process takes the three in one
-  request), each with an ``insert_deduplication_token`` derived from the batch's id. The inserts
-  run on a second thread, so while one batch is inserted the next is converted; a drain waits
-  for the last insert before it counts as done.
-- A row that cannot be converted (a value its column cannot hold) is set aside in
-  ``spool_dir/dead-letter.jsonl`` (counted, logged with its trace id); the rest of its batch is
-  written.
-- An insert that fails spools the batch's tables to Arrow IPC files under ``spool_dir``
-  (written to a temporary name, fsynced, then renamed into place); every ``replay_interval_s``
-  the thread replays spooled files with the same tokens, so a batch that did land before the
-  error is not inserted twice, and deletes each file once its insert succeeded. Spool files
-  left by an earlier process are replayed too. A file whose insert fails while the store
-  answers a ping is poison: it moves to ``spool_dir/quarantine/`` (counted) instead of blocking
-  every later file. A spool write that fails (disk full) is counted and the batch stays in
-  memory, retried at each replay.
-- The thread never dies of an error: each failure is logged and counted and the loop goes on;
-  ``alive`` and ``last_success_ts`` are exported in ``/metrics`` and ``/ready``.
-- ``close`` (graceful shutdown) drains the queue: every item is inserted or spooled. A process
-  killed without one (SIGKILL, power loss) loses what was still queued: at most the records of
-  the last ``max_age_s`` seconds plus one batch (spooled files are on disk already).
-
-Fault injection for tests: when ``fault_file`` exists, inserts fail as if the store were down.
-"""
+More: docs/design/gateway-notes.md#tracingwriter."""
 
 from __future__ import annotations
 
@@ -105,8 +76,8 @@ def untrack(item) -> None:
     anything, so none can be part of a reference cycle (tests/tracing/test_store.py checks the
     fields' types), and reference counting frees them once their batch is written. A tiny-model
     gateway with the store child under load: collections 12.5-12.9 -> 3.2-3.8 us of CPU a
-    request, at ~0.15 us a call here, 7 calls a record and 4 a step row (2026-12-06,
-    alternating runs). ``PyObject_GC_UnTrack`` is a no-op on an object already untracked."""
+    request, at ~0.15 us a call here, 7 calls a record and 4 a step row
+    (alternating runs). ``PyObject_GC_UnTrack`` is a no-op on an object already untracked."""
     names = _LISTS.get(type(item))
     if _UNTRACK is None or names is None:  # a type whose fields are not known to be data
         return
@@ -268,7 +239,7 @@ class RecordWriter:
         the spool; at most ``IDLE_WAIT_S``. (Waking at a quarter of the shorter of the two
         instead, 4 times a second in a gateway, cost an idle gateway's writer 0.46-0.56 ms/s
         of CPU against 0.19-0.26 with a look at the spool every second, on this VM with the
-        machine otherwise idle, where a wake-up costs ~0.2 ms; 2026-12-05, alternating runs.
+        machine otherwise idle, where a wake-up costs ~0.2 ms; alternating runs.
         An empty spool is not looked at: those looks, a wake-up and a listing of the spool
         directory each, were ~4 us of a loaded gateway's writer per request.)"""
         now = time.monotonic()

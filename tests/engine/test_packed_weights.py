@@ -402,7 +402,7 @@ def test_int4a8_quantizes_small_steps_inputs_and_keeps_the_rescored_top_exact(
     (``int4_mm_a8``): each layer's product within a few percent of int4's, not equal to it;
     large steps (prefill chunks of 32+ rows) the same as int4's. As ``output_weights`` only
     the candidate scores change, and their top 64 are rescored exactly: the greedy tokens stay
-    int4's (smoke-qa: 0 of 51 outputs changed, README)."""
+    int4's (smoke-qa: 0 of 51 outputs changed)."""
     a8 = load_model(bundled_path, "bfloat16", weights="int4a8", output_weights="int4a8")
     q4 = load_model(bundled_path, "bfloat16", weights="int4", output_weights="int4")
     lin, ref = a8.layers[3].gate_up, q4.layers[3].gate_up

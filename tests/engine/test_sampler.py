@@ -1,4 +1,4 @@
-"""Sampling pipeline semantics (the seed tutorial's exact supports), statistics, seeding."""
+"""Sampling pipeline semantics (the sampler's exact supports), statistics, seeding."""
 
 from __future__ import annotations
 

@@ -9,14 +9,10 @@ model. ``python tests/gateway/fault_upstream.py PORT``; what it does is chosen b
 - ``malformed``: a stream whose second event is not JSON; ``not-json``: a 200 with a text body;
 - ``slow-stream``: a chunk every 0.1 s for 20 s; ``GET /stats`` says how many such streams were
   cut off by the caller (``{"cancelled": n}``);
-- ``llama``: after 0.15 s, a three-token answer with llama.cpp's ``timings`` object (prompt 5
-  tokens in 40 ms, 2 more from its cache, 3 predicted in 100 ms), streamed or not.
-- ``vllm``: after 0.15 s, a three-token answer like vLLM with ``--enable-per-request-metrics``:
-  ``usage`` (7 prompt tokens, 2 of them cached) and ``metrics`` (first token 40 ms after it
-  was scheduled, 100 ms more to the last), in the final usage chunk only when
-  ``stream_options.include_usage`` asks for it; ``return_token_ids`` in vLLM's shape; with
-  ``logprobs``, tokens written as ``token_id:N`` (vLLM's ``--return-tokens-as-token-ids``).
-  ``GET /stats`` has the last body it received (``last_vllm_body``).
+- ``llama``: a three-token answer with llama.cpp's ``timings`` object, streamed or not;
+- ``vllm``: a three-token answer like vLLM with ``--enable-per-request-metrics`` (``usage``,
+  ``metrics``, ``return_token_ids``, ``token_id:N`` logprobs); ``GET /stats`` has the last
+  body it received (``last_vllm_body``).
 
 - lying answers (``LYING``): ``bad-usage``, ``big-usage``, ``choices-int``, ``big-body``,
   ``long-line``, ``odd-finish``, each described where it is defined.

@@ -114,20 +114,13 @@ def test_fair_keeps_the_light_tenants_tail_where_fcfs_lets_the_flood_blow_it_up(
     phase: ~100 light requests; the replica on a core of its own, the gateway and this
     process on the other). The light tenant's TTFT is bounded on the engine's part of it
     (queue + prefill, from the records): what the policy decides. The client's TTFT also
-    holds the moments the gateway and the load generator, sharing one core in the mixed phase,
-    fall behind, under both policies alike (fair's client p99 measured 26-73 ms, once 863).
-    Engine p99 under fair against alone measured 1.02-1.71x with 48-token light prompts (two
-    steps of the 32-token budget: bench/policies.py's engine_env says why it is not one), then
-    2.05x in one CI run (16.5 / 8.1 ms) and p90 1.95x in another run: beside the flood a light
-    request first waits for the step in progress (half a step on average, a whole one at worst;
-    none alone) and then takes two or three steps that each carry the flood's decodes too, so
-    2x is where the whole engine TTFT is bound to be in theory, not a margin. The bounds hold
-    the part the policy decides instead, without that first wait (bench.policies.engine_ttft):
-    three steps for two alone, 1.5x in theory; measured p90 1.02-1.57x, p99 0.71-2.29x over
-    seven runs (p99: one or two requests of ~100, as noisy as a step's cost on this VM; 3.15x,
-    19.2 against 6.1 ms, in one CI run: the bounds are read again from a second run, once, where
-    the first misses them), while under fcfs both are 500-1100x (alone's p90 itself 4.7-6.4 ms
-    from run to run).
+holds the moments the gateway and the load generator, sharing one core, fall behind under
+both policies alike, so at the client only p99 above fair's is asserted. The engine's whole
+TTFT beside the flood is about 2x alone in theory (a light request first waits for the step in
+progress, then takes steps that carry the flood's decodes), so the bounds hold the part the
+policy decides, without that first wait (bench.policies.engine_ttft): 1.5x alone in theory,
+held to 2x at p90 and 3x at p99, read again from a second run, once, where the first misses
+them; under fcfs both grow hundreds-fold.
 
     The heavy tenant's throughput is compared per engine step (output tokens over the steps
     its phase took, counted from the records' token steps): the same work served in as many

@@ -1,4 +1,5 @@
-"""One trace record per request (DESIGN §4), traceparent continuation, and /metrics."""
+"""One trace record per request (docs/design/record-contract.md), traceparent continuation,
+and /metrics."""
 
 from __future__ import annotations
 

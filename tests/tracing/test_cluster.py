@@ -3,7 +3,7 @@ statement parses in ClickHouse's own parser (chDB's ``formatQuery``), the local 
 replication taken out are column for column the single-node tables the writer and the query
 library run on, and a later migration has a cluster form for both tables. What cannot run
 here (``ON CLUSTER``, ``ReplicatedMergeTree``, ``Distributed``: chDB has no cluster) is listed
-in the README."""
+in docs/guides/scaling-out.md."""
 
 from __future__ import annotations
 
