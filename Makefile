@@ -30,11 +30,12 @@ serve: $(VENV)/.runtime
 demo: $(VENV)/.runtime
 	$(BIN)/tailscope generate --chat "$(PROMPT)"
 
-# docker-compose (v1, Debian's package) validates docker-compose.yml without a Docker engine.
+# docker-compose (v1, Debian's package) validates docker-compose.yml without a Docker engine;
+# headless Chromium (Debian's package) opens every page of the built docs site.
 $(VENV)/.apt: | $(BIN)/python
-	command -v docker-compose >/dev/null || { \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq docker-compose; \
-	  else sudo apt-get update -qq && sudo apt-get install -y -qq docker-compose; fi; }
+	command -v docker-compose >/dev/null && command -v chromium >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq docker-compose chromium; \
+	  else sudo apt-get update -qq && sudo apt-get install -y -qq docker-compose chromium; fi; }
 	touch $@
 
 test: $(VENV)/.dev $(VENV)/.apt
