@@ -308,24 +308,10 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
         if config.freeze_gc:  # the serving process only: not a test's own process
             gc.collect()
             gc.freeze()
-            # Python collects its youngest generation whenever tracked objects allocated less
-            # those freed pass 700. A serving gateway's allocations and frees nearly balance
-            # (a request's objects die with it), so at 700 most collections walked the
-            # in-flight requests' live objects and found nothing: ~15 a second under load,
-            # ~44 us of CPU a request (tiny model, capture off), and each queued record was
-            # walked again and again (capture on: ~74). At 5,000: 1-9 collections in 15 s,
-            # 0.4 us a request with capture off, ~11 with capture on (2,700
-            # requests each, tail of the event loop's lag unchanged); cyclic garbage waits a
-            # little longer, a collection that runs walks more (a few ms). The records the
-            # writer queues are out of the collector's view (tracing.writer.untrack) but still
-            # count here until their flush frees them: ~20 allocations a record (it, its lists,
-            # its events) and a few a step row, 15,000-20,000 a 5 s flush at 140 requests/s, so
-            # at 5,000 each flush set off ~3 collections that walked the in-flight requests and
-            # freed nothing. At 20,000: capture on 9-10 -> 1-2 collections in 20 s, 6.8-7.6 ->
-            # 0.9-3.2 us a request; capture off 1 -> 0; the event loop's lag no worse
-            # (alternating runs, ~2,700 requests each). Its cost: more young garbage
-            # waits, the gateway's peak RSS (store child) 230-232 -> 236-240 MB. A gateway
-            # flushing more than ~1,000 records at a time collects once or more a flush again.
+            # Python's generation-0 threshold (700) fires constantly in a gateway whose
+            # allocations and frees nearly balance: each collection walks the in-flight
+            # requests and frees nothing. 20,000 lets the records queued for a flush pass
+            # without one (docs/design/decisions.md; figures: docs/benchmarks/store.md).
             if config.gc_threshold > 0:
                 _, older, oldest = gc.get_threshold()
                 gc.set_threshold(config.gc_threshold, older, oldest)

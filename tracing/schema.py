@@ -204,13 +204,10 @@ def _columns(cls, skip: tuple[str, ...] = (), types: dict[str, str] | None = Non
             for f in dataclasses.fields(cls) if f.name not in skip]
 
 
-# Compression codecs where ClickHouse's default (LZ4 alone) leaves most of the bytes: measured
-# with bench/trace_overhead.py's records (128 + 128 token ids from a 49,152-token vocabulary, a
-# step id per output token, 127 ITLs at nanosecond resolution, 12 events), compressed bytes per
-# request after a merge, LZ4 alone -> with these: token ids 501 -> 256 each (T64 keeps the 16
-# bits a vocabulary this size uses), token steps 514 -> 40 (runs of consecutive ids: DoubleDelta),
-# ITLs 510 -> 444 (ZSTD; float noise barely compresses), event times 57 -> 35 (DoubleDelta);
-# inserts took no longer (fewer bytes to write). A column not named keeps the default.
+# Compression codecs where ClickHouse's default (LZ4 alone) leaves most of the bytes: T64 keeps
+# the 16 bits a vocabulary this size uses, DoubleDelta takes runs of consecutive ids and times,
+# ZSTD the float noise of ITLs; they halve a request's bytes, and inserts take no longer
+# (figures: docs/benchmarks/store.md#codecs-and-merges). A column not named keeps the default.
 CODECS: dict[str, dict[str, str]] = {
     "requests": {"input_token_ids": "CODEC(T64, LZ4)", "output_token_ids": "CODEC(T64, LZ4)",
                  "token_steps": "CODEC(DoubleDelta, LZ4)", "itl_ms": "CODEC(ZSTD(1))"},
@@ -224,19 +221,13 @@ CODECS: dict[str, dict[str, str]] = {
 }
 
 
-# ClickHouse's merge selector on the tables the writer fills every few seconds. A gateway's flush
-# is a part of a few hundred rows, and the selector adds a fixed 5 MB to every part's size
-# before it compares them ("merging even very small parts has its fixed cost"), so to it a
-# growing merged part and each new part look alike: with its default base (5) it merged the
-# big part again every few inserts, and the rows written by merges grew with the square of the
-# inserts. One process inserting a gateway's flush (600 short records, their events and steps)
-# every 0.3 s: rows written by merges per row inserted 8x after 100 flushes, 24x after 250,
-# 56x after 600, and the store's CPU per record (inserts and merges) 116 -> 205 -> 278 us;
-# with base 50: 3.9x and 78 us after 600 flushes (20: 7.9x, 96 us), at most 28 parts a table
-# (bench/trace_overhead.py part 5 measures it). A wider merge means
-# more parts between merges, which a SELECT opens and ClickHouse handles by the thousand
-# (parts_to_delay_insert is 1000); parts older than an hour are still merged down by the
-# selector's age rule, which lowers the base toward 1 as they age.
+# ClickHouse's merge selector on the tables the writer fills every few seconds. The selector
+# adds a fixed 5 MB to every part's size before it compares them, so to it a growing merged part
+# and a gateway's small flushes look alike: at its default base (5) it merged the big part again
+# every few inserts, and the rows merges wrote grew with the square of the inserts. Base 50 cuts
+# that tenfold (figures: docs/benchmarks/store.md#codecs-and-merges); more parts stand between
+# merges, which ClickHouse handles by the thousand, and parts older than an hour still merge
+# down as the selector lowers its base with age.
 MERGE_SELECTOR_BASE = 50
 MERGE_SETTINGS: dict[str, str] = {t: f"merge_selector_base = {MERGE_SELECTOR_BASE}"
                                   for t in ("requests", "request_events", "engine_steps")}

@@ -436,22 +436,12 @@ def jsonable(v):
     return v
 
 
-# Server settings of an embedded chDB engine (its connection string's parameters). ClickHouse's
-# MemoryWorker re-reads the process's memory use many times a second (its default period, 0,
-# lets it choose) to correct its memory tracker: in a gateway that was 0.04-0.05 ms of CPU per
-# request under load (~0.2% of a request's CPU, a quarter of what capture's own threads cost)
-# and 2.3 ms/s when idle (bench/trace_overhead.py reads it per thread). Once a second is plenty
-# for a tracker that guards the store's memory limit. Each table's background job assignee
-# (merges, TTL, mutations) polls every 0.1 s when it found nothing to do: with this schema's
-# tables that was 1.1 ms/s of the schedule pool's CPU and 1.3 of its delayed-task thread in an
-# idle store (3.0 ms/s in all); polling every 2 s, 0.3 and 0.8 (1.6 in all; 20 s
-# per thread from /proc). An insert or a mutation still wakes its table's assignee at once,
-# so merges start as before; only an idle table is looked at less often. (Longer than 2 s and
-# merge_tree_clear_old_parts_interval_seconds bought nothing more.) Each table also has a
-# "streaming" assignee (ClickHouse's streaming queries, which Tailscope never runs) that polled
-# every 0.1 s too, from a pool of its own: an idle store 2.0 -> 0.9 ms/s of CPU with it polling
-# every 10 s (its pool 9 -> 0 wake-ups a second, the delayed-task threads 23 -> 6;
-# 20 s per thread from /proc, the streaming pool's 0.1 s against 2 s against 10 s).
+# Server settings of an embedded chDB engine (its connection string's parameters): an idle
+# store should cost next to nothing. ClickHouse's memory worker re-reads the process's memory
+# many times a second, and each table's background assignees poll every 0.1 s when idle (the
+# "streaming" ones for queries Tailscope never runs); once a second, every 2 s and every 10 s
+# are plenty, and an insert still wakes its table's assignee at once
+# (figures: docs/benchmarks/store.md#chdb-settings).
 CHDB_OPTIONS = {"memory_worker_period_ms": 1000,
                 "background_processing_pool_thread_sleep_seconds_if_nothing_to_do": 2,
                 "background_streaming_processing_pool_thread_sleep_seconds_if_nothing_to_do": 10}
@@ -473,13 +463,9 @@ def _embedded_handle(dsn: str):
 
 
 # The size from which an embedded insert goes through ``Python()``: an INSERT ... SELECT has a
-# fixed cost (~16-20 ms of CPU here for the requests table's 73 columns: its analysis and
-# pipeline) that ``insert_arrow`` (~8 ms) does not, and a lower cost per byte. A gateway's
-# usual batch (a few hundred records every ``TAILSCOPE_STORE_FLUSH_S``, ~0.5 MB) is cheaper
-# as an Arrow file that chDB reads (``insert_arrow``'s way, ``Store._infile``: 600 short
-# records 12 against 25 ms); a flood's batches of
-# thousands of records are cheaper through ``Python()`` (20,000 records of 256 token ids,
-# 48 MB: 115 against 270 ms; 5,000: 53 against 110), the two even at ~1-2 MB.
+# fixed cost that reading an Arrow file does not, and a lower cost per byte; a gateway's usual
+# batch (~0.5 MB) is cheaper as a file, a flood's batches through ``Python()``, the two even at
+# ~1-2 MB (figures: docs/benchmarks/store.md#chdb-settings).
 PYTHON_INSERT_MIN_BYTES = 2 << 20
 
 
