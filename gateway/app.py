@@ -33,7 +33,7 @@ from engine.cpus import replica_cpus
 from engine.text import load_tokenizer
 from gateway import __version__ as gateway_version
 from gateway import replicas, store_api
-from gateway.backend import Backend
+from gateway.backend import Backend, NoReplicas
 from gateway.errors import APIError, api_error_handler, http_error_handler
 from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics
@@ -208,6 +208,28 @@ def tokenizer_path(config: GatewayConfig) -> str:
     return str(config.tokenizer or resolve_model_path(config.model))
 
 
+def bundled_pool(config: GatewayConfig, tok_path: str) -> Backend:
+    """The bundled replicas (local processes and remote ones), or none at all where every
+    model is an external backend's: such a gateway starts no replica and loads no model."""
+    if config.replicas == 0 and not config.remote_replicas:
+        if not config.backends:
+            raise ValueError("no replicas and no backends: give --replicas 1 or more, remote "
+                             "replicas, or --backend NAME=URL")
+        log.info("no bundled replicas: serving the external backends only")
+        return NoReplicas()
+    from engine.profiles import explain
+
+    log.info("engine profile %s (%s)", config.engine.profile, explain(config.engine))
+    return ReplicaPool(config.model, config.engine, config.replicas,
+                       config.max_inflight_per_replica, config.max_buffered_deltas,
+                       config.slow_client_timeout_s, config.heartbeat_timeout_s,
+                       tokenizer=tok_path, instance=config.instance_id,
+                       remote=dict(config.remote_replicas),
+                       key=(config.replica_key or "").encode() or None,
+                       outbox_bind=config.replica_outbox,
+                       cpus=replica_cpus(config.replica_cpus, config.replicas))
+
+
 def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = None,
                backend: Backend | None = None) -> FastAPI:
     """The gateway; ``backend`` replaces the replica processes (tests pass an
@@ -218,17 +240,7 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
     use_arrow_pool()  # the writer's conversions without huge-page faults (tracing.store)
     tok_path = tokenizer_path(config)
     tokenizer = load_tokenizer(tok_path)
-    pool = backend or ReplicaPool(config.model, config.engine, config.replicas,
-                                  config.max_inflight_per_replica, config.max_buffered_deltas,
-                                  config.slow_client_timeout_s, config.heartbeat_timeout_s,
-                                  tokenizer=tok_path, instance=config.instance_id,
-                                  remote=dict(config.remote_replicas),
-                                  key=(config.replica_key or "").encode() or None,
-                                  outbox_bind=config.replica_outbox,
-                                  cpus=replica_cpus(config.replica_cpus, config.replicas))
-    from engine.profiles import explain
-
-    log.info("engine profile %s (%s)", config.engine.profile, explain(config.engine))
+    pool = backend or bundled_pool(config, tok_path)
     registry = TenantRegistry.from_file(config.tenants_file, config.key_id_secret)
     if registry.open:
         log.warning("no API keys configured: open local mode, every request is tenant 'local'")
@@ -408,8 +420,13 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
         body = {"ready": pool.ready and warmed,
                 "all_ready": warmed and all(s == "ready" for s in states.values()),
                 "replicas": states}
-        if upstreams is not None:  # not needed for ready: they serve other model names
-            body["backends"] = {n: d["state"] for n, d in upstreams.describe().items()}
+        if upstreams is not None:  # beside replicas not needed: they serve other model names
+            backends = {n: d["state"] for n, d in upstreams.describe().items()}
+            body["backends"] = backends
+            if not service.bundled:  # backends only: one that is not ejected can serve
+                up = any(state != "ejected" for state in backends.values())
+                body["ready"] = warmed and up
+                body["all_ready"] = warmed and all(st == "ready" for st in backends.values())
         if writer is not None:
             body["record_writer"] = "alive" if writer.alive else "dead"
             body["ready"] = body["ready"] and writer.alive
@@ -622,9 +639,8 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
         if app.openapi_schema is None:
             from gateway import openapi as doc
 
-            app.openapi_schema = doc.build(app, list(dict.fromkeys(
-                [config.served_model_name, *(upstreams.models if upstreams else [])])),
-                config.served_model_name)
+            app.openapi_schema = doc.build(app, service.served_models(),
+                                           config.served_model_name)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

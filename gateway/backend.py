@@ -8,10 +8,11 @@ backend's business. Implementations:
 
 - ``gateway.replicas.ReplicaPool``: engine replica processes over ZeroMQ (the default);
 - ``gateway.inprocess.InProcessBackend``: one engine stepped on the event loop's thread pool,
-  for tests of the serving code without subprocesses.
+  for tests of the serving code without subprocesses;
+- ``NoReplicas``: none at all, for a gateway that serves external backends only.
 
-External OpenAI-compatible servers and remote replicas plug in here next (the records name the
-backend replica in ``replica``).
+External OpenAI-compatible servers are served beside them by ``gateway.upstream`` (the records
+name the backend in ``replica``).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from engine.protocol import TokenDelta
 from engine.sampling_params import SamplingParams
 from gateway.router import Overloaded
 
-__all__ = ["Backend", "DeadlineExceeded", "DeltaQueue", "Overloaded", "ReplicaFailed", "Route",
-           "Unencodable"]
+__all__ = ["Backend", "DeadlineExceeded", "DeltaQueue", "NoReplicas", "Overloaded",
+           "ReplicaFailed", "Route", "Unencodable"]
 
 
 class ReplicaFailed(RuntimeError):
@@ -98,3 +99,44 @@ class Backend(Protocol):
 
     def describe(self) -> dict[str, dict]:
         """Each replica's load and books (``/debug/replicas``, the metrics' gauges)."""
+
+
+class NoReplicas:
+    """The bundled side of a gateway whose every model is an external backend's
+    (``tailscope serve --replicas 0 --backend …``): no replica process is started and no model
+    is loaded. Nothing is ever routed here: the gateway serves no bundled model name, so a
+    request for one is a 404 before it would be submitted."""
+
+    on_step: Callable | None = None
+    on_abandoned: Callable[[str], None] | None = None
+    ready = False
+    max_model_len = 0
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
+                     **_) -> tuple[Route, DeltaQueue]:
+        raise ReplicaFailed("this gateway runs no replicas")
+
+    async def next_delta(self, request_id: str, queue: DeltaQueue
+                         ) -> TokenDelta | ReplicaFailed | DeadlineExceeded:
+        return ReplicaFailed("this gateway runs no replicas")
+
+    async def stop(self, request_id: str, stop_reason: str | int | None) -> None:
+        pass
+
+    async def abort(self, request_id: str) -> None:
+        pass
+
+    def release(self, request_id: str) -> None:
+        pass
+
+    def states(self) -> dict[str, str]:
+        return {}
+
+    def describe(self) -> dict[str, dict]:
+        return {}

@@ -39,6 +39,7 @@ from gateway import upstream_rules
 from gateway.backend import (
     Backend,
     DeadlineExceeded,
+    NoReplicas,
     Overloaded,
     ReplicaFailed,
     Unencodable,
@@ -204,6 +205,8 @@ class Service:
         self.upstreams = upstreams  # external backends (their model names are proxied)
         self.tokenizer = tokenizer
         self.pool = pool
+        # False for a gateway of external backends only: it serves no bundled model name
+        self.bundled = not isinstance(pool, NoReplicas)
         self.registry = registry
         self.versions = versions
         self.limits: RequestLimits = config.limits
@@ -316,7 +319,7 @@ class Service:
         if not isinstance(model, str) or not self.upstreams.serves(model):
             return None
         trace: RequestTrace = request.state.trace
-        if model == self.config.served_model_name:  # a mixed pool: replicas and backends
+        if model == self.config.served_model_name and self.bundled:  # replicas and backends
             if not self._mixed_route(model, trace):
                 return None  # the bundled replicas take it
             # the served model's sampling defaults apply whoever serves it
@@ -338,7 +341,7 @@ class Service:
                 self.registry.finish(tenant)
 
         request.state.settled_by_run = True
-        mixed = model == self.config.served_model_name
+        mixed = model == self.config.served_model_name and self.bundled
         try:
             timeout = self.config.request_timeout_s
             return await self.upstreams.proxy(
@@ -381,8 +384,8 @@ class Service:
     def served_models(self) -> list[str]:
         """Every model name this gateway serves, once: the bundled replicas' and each
         backend's (a mixed pool's shared name once)."""
-        return list(dict.fromkeys([self.config.served_model_name,
-                                   *(self.upstreams.models if self.upstreams else [])]))
+        bundled = [self.config.served_model_name] if self.bundled else []
+        return list(dict.fromkeys([*bundled, *(self.upstreams.models if self.upstreams else [])]))
 
     def model_not_found(self, model: str) -> APIError:
         return APIError(404, f"model {model!r} does not exist; this gateway serves "
@@ -414,7 +417,7 @@ class Service:
             parsed.unsupported()
         except Unsupported as exc:
             raise _unsupported(exc) from None
-        if parsed.model != self.config.served_model_name:
+        if parsed.model != self.config.served_model_name or not self.bundled:
             raise self.model_not_found(parsed.model)
         check_counts(parsed, self.limits)
         return parsed
