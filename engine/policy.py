@@ -27,7 +27,15 @@ from engine.request import Request
 
 
 class SchedulingPolicy(Protocol):
+    """Everything the scheduler asks of a policy, and what the gateway may ask of its class
+    (``takes_priority``, ``predicts_length``) instead of branching on its name."""
+
     name: str
+    dynamic: bool  # keys change while requests wait: ``arrive``, ``charge``, ``version``
+    preempts_to_admit: bool  # the head of the queue may preempt ``yielding`` requests
+    takes_priority: bool  # orders by a request's ``priority`` (the API field means something)
+    predicts_length: bool  # orders by ``expected_tokens`` (the gateway predicts them)
+    version: int  # moves whenever the queue's order may have changed (``dynamic``)
 
     def key(self, req: Request) -> tuple:
         """Position in the waiting queue (smallest first)."""
@@ -37,8 +45,54 @@ class SchedulingPolicy(Protocol):
         """The running request (one of ``candidates``, never empty) that gives way."""
         ...
 
+    def yielding(self, head: Request, running: Sequence[Request]) -> list[Request]:
+        """The running requests the head of the queue may preempt for a seat or KV."""
+        ...
 
-class Fcfs:
+    def arrive(self, req: Request, active: set[str]) -> None:
+        """``req`` arrived while ``active`` tenants had work."""
+        ...
+
+    def charge(self, req: Request, prefill: int, decode: int) -> None:
+        """``req`` was scheduled for these tokens this tick."""
+        ...
+
+    def served(self, req: Request) -> float:
+        """The service ``req``'s tenant has had (the order of prefill work when dynamic)."""
+        ...
+
+
+class Policy:
+    """What a policy does when it does not say otherwise: a static order, nobody preempted to
+    admit, no accounting. Every policy below is one."""
+
+    name = ""
+    dynamic = False
+    preempts_to_admit = False
+    takes_priority = False
+    predicts_length = False
+    version = 0
+
+    def key(self, req: Request) -> tuple:
+        raise NotImplementedError
+
+    def victim(self, candidates: Sequence[Request]) -> Request:
+        return max(candidates, key=self.key)
+
+    def yielding(self, head: Request, running: Sequence[Request]) -> list[Request]:
+        return []
+
+    def arrive(self, req: Request, active: set[str]) -> None:
+        pass
+
+    def charge(self, req: Request, prefill: int, decode: int) -> None:
+        pass
+
+    def served(self, req: Request) -> float:
+        return 0.0
+
+
+class Fcfs(Policy):
     """First come, first served: the waiting queue in arrival order (a preempted request keeps
     its original arrival, so it resumes ahead of later ones), the latest arrival yields."""
 
@@ -47,11 +101,8 @@ class Fcfs:
     def key(self, req: Request) -> tuple:
         return (req.arrival_ns, req.seq)
 
-    def victim(self, candidates: Sequence[Request]) -> Request:
-        return max(candidates, key=self.key)
 
-
-class Priority:
+class Priority(Policy):
     """Lower ``priority`` first (vLLM's convention), with aging: a request's place is its
     arrival time plus ``priority`` levels of ``aging_s`` each, so a priority-2 request queues as
     if it had arrived 2 aging periods later than it did. A constant stream of higher-priority
@@ -63,6 +114,7 @@ class Priority:
 
     name = "priority"
     preempts_to_admit = True
+    takes_priority = True
 
     def __init__(self, aging_s: float = 1.0) -> None:
         self.aging_ns = int(aging_s * 1e9)
@@ -70,16 +122,13 @@ class Priority:
     def key(self, req: Request) -> tuple:
         return (req.arrival_ns + req.params.priority * self.aging_ns, req.seq)
 
-    def victim(self, candidates: Sequence[Request]) -> Request:
-        return max(candidates, key=self.key)
-
     def yielding(self, head: Request, running: Sequence[Request]) -> list[Request]:
         """The running requests the head of the queue may preempt: those behind it."""
         key = self.key(head)
         return [r for r in running if self.key(r) > key]
 
 
-class ShortestJobFirst:
+class ShortestJobFirst(Policy):
     """Shortest predicted job first, with aging: a request's place is its arrival time plus its
     expected output tokens (``SamplingParams.expected_tokens``: the gateway's running mean of
     its tenant's actual lengths on its endpoint, at most ``max_tokens``) at ``token_s`` each.
@@ -89,6 +138,7 @@ class ShortestJobFirst:
     that yields KV is the one with the largest key (the longest expected, then latest)."""
 
     name = "sjf"
+    predicts_length = True
 
     def __init__(self, token_s: float = 0.01) -> None:
         self.token_ns = int(token_s * 1e9)
@@ -96,11 +146,8 @@ class ShortestJobFirst:
     def key(self, req: Request) -> tuple:
         return (req.arrival_ns + req.params.expected_tokens * self.token_ns, req.seq)
 
-    def victim(self, candidates: Sequence[Request]) -> Request:
-        return max(candidates, key=self.key)
 
-
-class FairShare:
+class FairShare(Policy):
     """Per-tenant fair share of the engine's tokens: the Virtual Token Counter of Sheng et al.,
     "Fairness in Serving Large Language Models" (OSDI 2024). Each tenant has a counter of the
     service it got: every prefill token scheduled for it adds 1, every decode token ``decode_cost``
@@ -133,9 +180,6 @@ class FairShare:
 
     def key(self, req: Request) -> tuple:
         return (self.served(req), req.arrival_ns, req.seq)
-
-    def victim(self, candidates: Sequence[Request]) -> Request:
-        return max(candidates, key=self.key)
 
     def yielding(self, head: Request, running: Sequence[Request]) -> list[Request]:
         """Running requests of tenants above their share of the seats, if the head's tenant
@@ -181,7 +225,7 @@ class FairShare:
             self.version += 1
 
 
-POLICIES: dict[str, type] = {"fcfs": Fcfs, "priority": Priority, "sjf": ShortestJobFirst,
+POLICIES: dict[str, type[Policy]] = {"fcfs": Fcfs, "priority": Priority, "sjf": ShortestJobFirst,
                              "fair": FairShare}
 
 

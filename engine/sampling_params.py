@@ -16,12 +16,19 @@ GREEDY_EPS = 1e-5
 MAX_TOP_LOGPROBS = 20
 
 
-class SamplingParamsError(ValueError):
-    """A sampling parameter is out of range; ``param`` names it (OpenAI error ``param``)."""
+class ParamError(ValueError):
+    """A request field that is refused: a 400 naming ``param`` (OpenAI's error ``param``), with
+    OpenAI's error ``code`` where one applies (``unsupported_parameter`` for a known field that
+    cannot be honoured). The project's one parameter error: the engine raises it for sampling
+    parameters, the gateway for tools, content parts and unsupported fields."""
 
-    def __init__(self, param: str, message: str) -> None:
+    def __init__(self, param: str, message: str, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
+
+
+SamplingParamsError = ParamError  # its name where the engine checks sampling parameters
 
 
 PRIORITY_MAX = 1_000_000

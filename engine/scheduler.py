@@ -82,7 +82,7 @@ class Scheduler:
         self.policy = policy or make_policy(config.scheduling_policy, config.priority_aging_s,
                                             config.sjf_token_s, config.fair_decode_cost,
                                             config.max_num_seqs)
-        self.dynamic = getattr(self.policy, "dynamic", False)  # keys change while waiting
+        self.dynamic = self.policy.dynamic  # keys change while waiting
         self._sorted = -1  # the policy version the queue was last sorted at
         self.waiting: list[Request] = []  # in policy.key order
         self.running: list[Request] = []
@@ -268,7 +268,7 @@ class Scheduler:
         running requests the policy lets it preempt (``yielding``: behind it in its order),
         the policy's victim first, before anything is scheduled this tick (they wait again at
         their place: behind it)."""
-        if not getattr(self.policy, "preempts_to_admit", False) or not self.waiting \
+        if not self.policy.preempts_to_admit or not self.waiting \
                 or self.config.preemption == "off":
             return
         head = self.waiting[0]

@@ -24,7 +24,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.schemas import ResponsesRequest, Unsupported
+from gateway.schemas import ResponsesRequest, unsupported
+from tracing.sse import event as sse_event
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -50,12 +51,12 @@ def _text(content: Any, where: str, roles: tuple[str, ...]) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise Unsupported(f"{where}.content", "content is a string or a list of parts")
+        raise unsupported(f"{where}.content", "content is a string or a list of parts")
     out = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in roles or not isinstance(part.get("text"), str):
-            raise Unsupported(f"{where}.content.{j}.type",
+            raise unsupported(f"{where}.content.{j}.type",
                               f"content part type {kind!r}: the bundled engine reads text parts "
                               f"({', '.join(roles)}) only; image, file and audio input are "
                               "refused rather than dropped")
@@ -82,7 +83,7 @@ def to_messages(items: list[dict], where: str = "input") -> list[dict]:
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
-                raise Unsupported(f"{at}.role", f"role {role!r}: one of user, system, "
+                raise unsupported(f"{at}.role", f"role {role!r}: one of user, system, "
                                   "developer, assistant")
             parts = ("output_text", "input_text") if role == "assistant" else ("input_text",)
             messages.append({"role": role, "content": _text(item.get("content"), at, parts)})
@@ -90,7 +91,7 @@ def to_messages(items: list[dict], where: str = "input") -> list[dict]:
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
             if not all(isinstance(v, str) for v in (call["id"], *call["function"].values())):
-                raise Unsupported(at, "a function_call item has call_id, name and arguments "
+                raise unsupported(at, "a function_call item has call_id, name and arguments "
                                   "(strings)")
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and last.get("tool_calls") \
@@ -101,11 +102,11 @@ def to_messages(items: list[dict], where: str = "input") -> list[dict]:
         elif kind == "function_call_output":
             output = item.get("output")
             if not isinstance(item.get("call_id"), str):
-                raise Unsupported(f"{at}.call_id", "a function_call_output names its call_id")
+                raise unsupported(f"{at}.call_id", "a function_call_output names its call_id")
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": _text(output, at, ("input_text",))})
         else:
-            raise Unsupported(f"{at}.type", f"input item type {kind!r}: message, "
+            raise unsupported(f"{at}.type", f"input item type {kind!r}: message, "
                               "function_call and function_call_output items are served (an "
                               "earlier turn is continued with previous_response_id, not by "
                               "item reference)")
@@ -119,18 +120,18 @@ def _tools(req: ResponsesRequest) -> tuple[list[dict] | None, Any]:
         for i, t in enumerate(req.tools):
             kind = t.get("type") if isinstance(t, dict) else None
             if kind != "function":
-                raise Unsupported(f"tools.{i}.type", f"tool type {kind!r}: only function tools "
+                raise unsupported(f"tools.{i}.type", f"tool type {kind!r}: only function tools "
                                   "are served (built-in tools such as web search run at "
                                   "OpenAI, not here)")
             fn = {k: t[k] for k in ("name", "description", "parameters") if k in t}
             extra = set(t) - {"type", "name", "description", "parameters", "strict"}
             if extra:
-                raise Unsupported(f"tools.{i}.{sorted(extra)[0]}", "unknown tool field")
+                raise unsupported(f"tools.{i}.{sorted(extra)[0]}", "unknown tool field")
             tools.append({"type": "function", "function": fn})
     choice = req.tool_choice
     if isinstance(choice, dict):
         if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-            raise Unsupported("tool_choice", 'tool_choice is "none", "auto", "required" or '
+            raise unsupported("tool_choice", 'tool_choice is "none", "auto", "required" or '
                               '{"type": "function", "name": ...} (hosted tools are not served)')
         choice = {"type": "function", "function": {"name": choice["name"]}}
     return tools, choice
@@ -140,7 +141,7 @@ def _format(req: ResponsesRequest) -> dict | None:
     fmt = (req.text or {}).get("format")
     extra = set(req.text or {}) - {"format"}
     if extra:  # e.g. verbosity: a reasoning model's setting
-        raise Unsupported(f"text.{sorted(extra)[0]}", "text takes format only here")
+        raise unsupported(f"text.{sorted(extra)[0]}", "text takes format only here")
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":
@@ -148,34 +149,34 @@ def _format(req: ResponsesRequest) -> dict | None:
     if fmt.get("type") == "json_schema":
         schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
         return {"type": "json_schema", "json_schema": schema}
-    raise Unsupported("text.format.type", "text.format is text, json_object or json_schema")
+    raise unsupported("text.format.type", "text.format is text, json_object or json_schema")
 
 
 def to_chat(req: ResponsesRequest, history: list[dict] | None = None) -> dict:
     """The chat-completions request a Responses request means, continuing ``history`` (the
     chat messages of the conversation its ``previous_response_id`` ended; the caller looks
-    it up); ``Unsupported`` (a 400 naming the field) for what this gateway cannot honour."""
+    it up); ``unsupported`` (a 400 naming the field) for what this gateway cannot honour."""
     for field in ("conversation", "prompt", "max_tool_calls"):
         if getattr(req, field) is not None:
-            raise Unsupported(field, f"{field} is not supported (continue a conversation with "
+            raise unsupported(field, f"{field} is not supported (continue a conversation with "
                               "previous_response_id, or send all of it in input)")
     if req.background:
-        raise Unsupported("background", "background responses are not supported")
+        raise unsupported("background", "background responses are not supported")
     if req.reasoning and any(v is not None for v in req.reasoning.values()):
-        raise Unsupported("reasoning", "reasoning settings are not supported by the bundled "
+        raise unsupported("reasoning", "reasoning settings are not supported by the bundled "
                           "engine")
     if req.truncation == "auto":
-        raise Unsupported("truncation", "truncation: auto is not supported (a prompt over the "
+        raise unsupported("truncation", "truncation: auto is not supported (a prompt over the "
                           "context is a 400)")
     if req.stream_options and (set(req.stream_options) - {"include_obfuscation"} or
                                not isinstance(req.stream_options["include_obfuscation"], bool)):
-        raise Unsupported("stream_options", "stream_options takes include_obfuscation (true or "
+        raise unsupported("stream_options", "stream_options takes include_obfuscation (true or "
                           "false) only")
     include = set(req.include or ())
     if include - {LOGPROBS_INCLUDE}:
-        raise Unsupported("include", f"include takes {LOGPROBS_INCLUDE!r} only")
+        raise unsupported("include", f"include takes {LOGPROBS_INCLUDE!r} only")
     if req.top_logprobs and LOGPROBS_INCLUDE not in include:
-        raise Unsupported("top_logprobs", f"top_logprobs needs include: [{LOGPROBS_INCLUDE!r}]")
+        raise unsupported("top_logprobs", f"top_logprobs needs include: [{LOGPROBS_INCLUDE!r}]")
     tools, choice = _tools(req)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     body: dict[str, Any] = {"model": req.model, "stream": req.stream, "messages": [
@@ -470,12 +471,12 @@ class ResponseEvents:
                     "failed", self.output, self.usage, error=err))]
 
 
-def sse(kind: str, payload: dict, obfuscate: bool = False) -> bytes:
+def response_event(kind: str, payload: dict, obfuscate: bool = False) -> bytes:
     """One Responses event; with ``obfuscate`` a delta event is padded (``obfuscated``)."""
     data = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
     if obfuscate and kind.endswith(".delta"):
         data = obfuscated(data)
-    return f"event: {kind}\ndata: ".encode() + data + b"\n\n"
+    return sse_event(data, kind)
 
 
 # A streamed chunk's length tells an eavesdropper on an encrypted link how long its token is,

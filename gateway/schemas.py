@@ -31,6 +31,7 @@ from pydantic import (
     model_validator,
 )
 
+from engine.sampling_params import ParamError
 from engine.text.chat_template import conflict
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -72,12 +73,9 @@ class StreamOptions(BaseModel):
     include_obfuscation: bool = False
 
 
-class Unsupported(ValueError):
+def unsupported(param: str, message: str) -> ParamError:
     """A known OpenAI field the bundled engine cannot honour (yet): a 400 naming it."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
+    return ParamError(param, message, "unsupported_parameter")
 
 
 class SamplingFields(BaseModel):
@@ -139,16 +137,16 @@ class SamplingFields(BaseModel):
     priority: int | None = Field(None, ge=-1_000_000, le=1_000_000)
 
     def unsupported(self) -> None:
-        """Raise ``Unsupported`` for a field the engine would otherwise ignore."""
+        """Raise ``unsupported`` for a field the engine would otherwise ignore."""
         if self.stream_options is not None and not self.stream:  # OpenAI's and vLLM's rule
-            raise Unsupported("stream_options", "stream_options is only allowed with "
+            raise unsupported("stream_options", "stream_options is only allowed with "
                               "stream: true")
         if self.stream_options is not None and self.stream_options.continuous_usage_stats \
                 and not self.stream_options.include_usage:  # vLLM would ignore it
-            raise Unsupported("stream_options.continuous_usage_stats",
+            raise unsupported("stream_options.continuous_usage_stats",
                               "continuous_usage_stats needs include_usage: true")
         if self.prompt_logprobs is not None and self.stream:
-            raise Unsupported("prompt_logprobs", "prompt_logprobs is returned in non-streamed "
+            raise unsupported("prompt_logprobs", "prompt_logprobs is returned in non-streamed "
                               "responses only (or use echo with logprobs on /v1/completions)")
 
 
@@ -178,19 +176,19 @@ class ChatMessage(BaseModel):
 
 
 def check_content(messages: list[ChatMessage]) -> None:
-    """Raise ``Unsupported`` for a content part the bundled engine would drop: it reads text
+    """Raise ``unsupported`` for a content part the bundled engine would drop: it reads text
     only, so an image, audio or file part is refused (naming it) rather than answered as if
     the user had not sent it. (A backend's requests are passed through untouched instead.)"""
     for i, m in enumerate(messages):
         for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
             kind = part.get("type")
             if kind != "text":
-                raise Unsupported(f"messages.{i}.content.{j}.type",
+                raise unsupported(f"messages.{i}.content.{j}.type",
                                   f"content part type {kind!r}: the bundled engine reads text "
                                   "parts only (image, audio and file input are refused rather "
                                   "than dropped)")
             if not isinstance(part.get("text"), str):
-                raise Unsupported(f"messages.{i}.content.{j}.text",
+                raise unsupported(f"messages.{i}.content.{j}.text",
                                   'a text part is {"type": "text", "text": "..."}')
 
 
@@ -208,7 +206,7 @@ class ChatTemplateFields(BaseModel):
         bad = conflict(self.add_generation_prompt, self.continue_final_message,
                        self.chat_template_kwargs or {})
         if bad is not None:
-            raise Unsupported(*bad)
+            raise unsupported(*bad)
 
 
 class ToolFields(BaseModel):
@@ -237,10 +235,10 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields, ToolFields):
         self.check_template_fields()
         check_content(self.messages)
         if self.modalities is not None and self.modalities != ["text"]:
-            raise Unsupported("modalities", f"modalities {self.modalities!r}: the bundled "
+            raise unsupported("modalities", f"modalities {self.modalities!r}: the bundled "
                               'engine answers in text only (["text"])')
         if self.top_logprobs and not self.logprobs:  # OpenAI's rule: it would return nothing
-            raise Unsupported("top_logprobs", "top_logprobs needs logprobs: true")
+            raise unsupported("top_logprobs", "top_logprobs needs logprobs: true")
 
 
 class TokenizeRequest(ChatTemplateFields, ToolFields):
@@ -306,10 +304,10 @@ class CompletionRequest(SamplingFields):
     def unsupported(self) -> None:
         super().unsupported()
         if self.suffix:
-            raise Unsupported("suffix", "suffix (insertion) is not supported by the bundled "
+            raise unsupported("suffix", "suffix (insertion) is not supported by the bundled "
                               "engine")
         if self.best_of is not None and self.best_of != self.n:
-            raise Unsupported("best_of", "best_of other than n is not supported: send n "
+            raise unsupported("best_of", "best_of other than n is not supported: send n "
                               "samples and choose among them")
 
 

@@ -32,8 +32,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.constrained import GrammarCompiler
 from engine.observer import RequestStats
+from engine.policy import POLICIES
 from engine.protocol import TokenDelta
-from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutput
+from engine.sampling_params import ParamError, SamplingParams, StructuredOutput
 from engine.text import TextStream
 from gateway import upstream_rules
 from gateway.backend import (
@@ -53,8 +54,8 @@ from gateway.responses import (
     input_items,
     obfuscated,
     param_name,
+    response_event,
     response_object,
-    sse,
     to_chat,
     to_messages,
     with_ids,
@@ -66,13 +67,11 @@ from gateway.schemas import (
     ResponsesRequest,
     SamplingFields,
     TokenizeRequest,
-    Unsupported,
     check_content,
 )
 from gateway.tenants import Tenant, TenantRegistry
 from gateway.tools import (
     ToolCall,
-    ToolError,
     ToolSpec,
     ToolStream,
     conversation,
@@ -82,6 +81,7 @@ from gateway.tools import (
 )
 from gateway.trace import RequestTrace
 from gateway.upstream import NoBackendLeft, UpstreamPool
+from tracing import sse
 
 DEFAULT_MAX_TOKENS = 512
 LARGE_TEXT_CHARS = 16_384  # tokenized off the event loop from this length (~10 ms of work)
@@ -191,9 +191,8 @@ def _prompt_extra(part) -> int:
     return (n if part.echo else 0) + (n * (1 + lp) if lp is not None else 0)
 
 
-def _unsupported(exc: Unsupported) -> APIError:
-    return APIError(400, str(exc), "invalid_request_error", exc.param,
-                    code="unsupported_parameter")
+def _param_error(exc: ParamError) -> APIError:
+    return APIError(400, str(exc), "invalid_request_error", exc.param, code=exc.code)
 
 
 class Service:
@@ -205,6 +204,8 @@ class Service:
         self.upstreams = upstreams  # external backends (their model names are proxied)
         self.tokenizer = tokenizer
         self.pool = pool
+        # what the engine's scheduling policy reads from a request (asked of it, not its name)
+        self.policy = POLICIES[config.engine.scheduling_policy]
         # False for a gateway of external backends only: it serves no bundled model name
         self.bundled = not isinstance(pool, NoReplicas)
         self.registry = registry
@@ -415,18 +416,18 @@ class Service:
                    parsed.metadata)
         try:
             parsed.unsupported()
-        except Unsupported as exc:
-            raise _unsupported(exc) from None
+        except ParamError as exc:
+            raise _param_error(exc) from None
         if parsed.model != self.config.served_model_name or not self.bundled:
             raise self.model_not_found(parsed.model)
         check_counts(parsed, self.limits)
         return parsed
 
     def priority(self, req: SamplingFields, tenant: Tenant) -> int:
-        """The request's ``priority``, else its tenant's default, under the priority policy
-        (one more urgent than the tenant's ``min_priority`` is refused); a non-zero one under
+        """The request's ``priority``, else its tenant's default, under a policy that orders by
+        it (one more urgent than the tenant's ``min_priority`` is refused); a non-zero one under
         another policy is refused (it would change nothing)."""
-        if self.config.engine.scheduling_policy == "priority":
+        if self.policy.takes_priority:
             if req.priority is None:
                 return tenant.priority
             tenant.check_priority(req.priority)
@@ -438,10 +439,11 @@ class Service:
         return 0
 
     def predicted_tokens(self, tenant: Tenant, endpoint: str) -> int | None:
-        """Under the sjf policy: the running mean (EWMA, ``LENGTH_EWMA``) of choice 0's output
-        tokens of this tenant's finished requests on this endpoint; None before the first one
-        (the engine then orders by ``max_tokens``) and under the other policies."""
-        if self.config.engine.scheduling_policy != "sjf":
+        """Under a policy that orders by expected length (sjf): the running mean (EWMA,
+        ``LENGTH_EWMA``) of choice 0's output tokens of this tenant's finished requests on this
+        endpoint; None before the first one (the engine then orders by ``max_tokens``) and
+        under the other policies."""
+        if not self.policy.predicts_length:
             return None
         est = self._lengths.get((tenant.name, endpoint))
         return None if est is None else max(1, math.ceil(est))
@@ -485,7 +487,7 @@ class Service:
                 structured=structured, priority=priority, predicted_tokens=predicted_tokens,
                 tenant=tenant.name if tenant else "", weight=tenant.weight if tenant else 1.0)
             params.check_vocab(vocab)
-        except SamplingParamsError as exc:
+        except ParamError as exc:
             param, message = exc.param, str(exc)
             if param == "top_logprobs" and isinstance(req, CompletionRequest):  # its name here
                 param, message = "logprobs", message.replace("top_logprobs", "logprobs")
@@ -613,12 +615,12 @@ class Service:
             try:
                 req.check_template_fields()
                 check_content(req.messages)
-            except Unsupported as exc:
-                raise _unsupported(exc) from None
+            except ParamError as exc:
+                raise _param_error(exc) from None
             try:  # the prompt a chat completion of these messages and tools would have
                 messages, _ = conversation(req)
-            except ToolError as exc:
-                raise bad_request(str(exc), exc.param) from None
+            except ParamError as exc:
+                raise _param_error(exc) from None
             try:
                 text = self.tokenizer.apply_chat_template(
                     messages, req.add_generation_prompt, req.continue_final_message,
@@ -656,8 +658,8 @@ class Service:
         response_format, grammar_param = req.response_format, "response_format"
         try:
             messages, spec = conversation(req)
-        except ToolError as exc:
-            raise bad_request(str(exc), exc.param) from None
+        except ParamError as exc:
+            raise _param_error(exc) from None
         if spec is not None and spec.forced:  # the call is enforced by the grammar engine
             if response_format and response_format.get("type", "text") != "text":
                 raise bad_request("a required tool call cannot be combined with "
@@ -701,8 +703,8 @@ class Service:
             history = prev.conversation
         try:
             body = to_chat(req, history)
-        except Unsupported as exc:
-            raise _unsupported(exc) from None
+        except ParamError as exc:
+            raise _param_error(exc) from None
         request.state.body_json = body, _encode_json(body)  # what chat() (or a backend) reads
         try:
             answer = await self.chat(request, tenant)
@@ -748,25 +750,20 @@ class Service:
         events = ResponseEvents(shell)
         obfuscate = bool((shell.req.stream_options or {}).get("include_obfuscation"))
         for kind, payload in events.start():
-            yield sse(kind, payload)
-        failed, buf = False, b""
+            yield response_event(kind, payload)
+        failed, decoder = False, sse.Decoder()
         async with contextlib.aclosing(chunks) as source:
             async for piece in source:
-                buf += piece if isinstance(piece, bytes) else piece.encode()
-                while b"\n\n" in buf:
-                    frame, buf = buf.split(b"\n\n", 1)
-                    for line in frame.split(b"\n"):
-                        if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                            continue
-                        data = json.loads(line[6:])
-                        failed = failed or "error" in data
-                        for kind, payload in events.chunk(data):
-                            yield sse(kind, payload, obfuscate)
+                for raw in decoder.feed(piece):
+                    data = json.loads(raw)
+                    failed = failed or "error" in data
+                    for kind, payload in events.chunk(data):
+                        yield response_event(kind, payload, obfuscate)
         if not failed:
             final = events.end()
             keep(final[-1][1]["response"])  # kept before the client hears it ended
             for kind, payload in final:
-                yield sse(kind, payload)
+                yield response_event(kind, payload)
 
     async def completions(self, request: Request, tenant: Tenant) -> Response:
         if (proxied := await self.proxied(request, tenant, "/completions")) is not None:
@@ -1035,7 +1032,7 @@ class Service:
         c0 = choices[0]
         r.final_state = "FINISHED"
         r.finish_reason = "stop_string" if c0.stream.stopped else (c0.finish_reason or "stop")
-        if self.config.engine.scheduling_policy == "sjf":  # what the next prediction rests on
+        if self.policy.predicts_length:  # what the next prediction rests on
             key, n_out = (tenant.name, r.endpoint), c0.stream.generated_tokens
             old = self._lengths.get(key)
             self._lengths[key] = n_out if old is None else old + LENGTH_EWMA * (n_out - old)
@@ -1063,8 +1060,7 @@ class Service:
             return req
         n = req.n
         for part in parts:
-            part.params, n, what = rule.apply(part.params, req.n,
-                                              self.config.engine.scheduling_policy == "priority",
+            part.params, n, what = rule.apply(part.params, req.n, self.policy.takes_priority,
                                               why)
         if n != req.n:
             req = req.model_copy(update={"n": n})
@@ -1341,7 +1337,7 @@ class Service:
             if include_usage:  # continuous: the request's usage so far (every choice)
                 payload["usage"] = self.usage(prompt_tokens, choices) if continuous else None
             data = _encode_json(payload)
-            return b"data: " + (obfuscated(data) if obfuscate else data) + b"\n\n"
+            return sse.event(obfuscated(data) if obfuscate else data)
 
         complete = False
         try:
@@ -1387,14 +1383,14 @@ class Service:
                                 c.finish_reason, "generation_failed")
                             err = {"error": {"message": c.error, "type": "server_error",
                                              "param": None, "code": code}}
-                            yield b"data: " + _encode_json(err) + b"\n\n"
+                            yield sse.event(_encode_json(err))
                         else:
                             yield chunk(c, None if chat else "", c.finish_reason)
             if include_usage:
                 payload = {"id": rid, "object": chunk_obj, "created": created, "model": model,
                            "choices": [], "usage": self.usage(prompt_tokens, choices)}
-                yield b"data: " + _encode_json(payload) + b"\n\n"
-            yield "data: [DONE]\n\n"
+                yield sse.event(_encode_json(payload))
+            yield sse.DONE
             complete = True
         finally:  # normal end, error, or the client went away: nothing left running
             await self.abort_all(choices)

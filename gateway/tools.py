@@ -22,17 +22,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.sampling_params import ParamError
+
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 _SCALAR = re.compile(r"-?[0-9.eE+-]+|true|false|null")
 
 
-class ToolError(ValueError):
-    """A malformed ``tools``/``tool_choice``/message: a 400 naming ``param``."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -64,28 +60,28 @@ class ToolSpec:
         """None when the request has no tools (and no tool_choice that needs one)."""
         if not tools:
             if tool_choice not in (None, "none", "auto"):
-                raise ToolError("tool_choice", "tool_choice needs tools")
+                raise ParamError("tool_choice", "tool_choice needs tools")
             return None
         parsed = []
         for i, t in enumerate(tools):
             fn = t.get("function") if isinstance(t, dict) else None
             if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
-                raise ToolError(f"tools.{i}", 'each tool is {"type": "function", "function": '
+                raise ParamError(f"tools.{i}", 'each tool is {"type": "function", "function": '
                                 '{"name": ..., "parameters": {...}}}')
             name = fn.get("name")
             if not isinstance(name, str) or not _NAME.fullmatch(name):
-                raise ToolError(f"tools.{i}.function.name", "a tool name is 1-64 letters, "
+                raise ParamError(f"tools.{i}.function.name", "a tool name is 1-64 letters, "
                                 "digits, '_' or '-'")
             params = fn.get("parameters", _EMPTY_PARAMETERS)
             if not isinstance(params, dict):
-                raise ToolError(f"tools.{i}.function.parameters", "parameters must be a JSON "
+                raise ParamError(f"tools.{i}.function.parameters", "parameters must be a JSON "
                                 "schema object")
             desc = fn.get("description") or ""
             if not isinstance(desc, str):
-                raise ToolError(f"tools.{i}.function.description", "description must be text")
+                raise ParamError(f"tools.{i}.function.description", "description must be text")
             parsed.append(Tool(name, desc, params))
         if len({t.name for t in parsed}) != len(parsed):
-            raise ToolError("tools", "tool names must be unique")
+            raise ParamError("tools", "tool names must be unique")
         parallel = True if parallel is None else parallel
         if tool_choice in (None, "auto"):
             return cls(tuple(parsed), "auto", parallel=parallel)
@@ -95,10 +91,10 @@ class ToolSpec:
         name = fn.get("name") if isinstance(fn, dict) else None
         if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" \
                 or not isinstance(name, str):
-            raise ToolError("tool_choice", 'tool_choice is "none", "auto", "required" or '
+            raise ParamError("tool_choice", 'tool_choice is "none", "auto", "required" or '
                             '{"type": "function", "function": {"name": ...}}')
         if name not in {t.name for t in parsed}:
-            raise ToolError("tool_choice", f"tool_choice names {name!r}, which is not in tools")
+            raise ParamError("tool_choice", f"tool_choice names {name!r}, which is not in tools")
         return cls(tuple(parsed), "named", name, parallel)
 
     # ---- the prompt ------------------------------------------------------------------------
@@ -166,7 +162,7 @@ def _arguments(raw) -> Any:
     try:
         return json.loads(raw or "{}")
     except (TypeError, ValueError):
-        raise ToolError("messages", f"tool_calls arguments are not JSON: {raw!r}") from None
+        raise ParamError("messages", f"tool_calls arguments are not JSON: {raw!r}") from None
 
 
 def check_message(m, i: int) -> None:
@@ -174,17 +170,17 @@ def check_message(m, i: int) -> None:
     calls = m.tool_calls
     if calls is not None:
         if m.role != "assistant":
-            raise ToolError(f"messages.{i}.tool_calls", "only assistant messages carry "
+            raise ParamError(f"messages.{i}.tool_calls", "only assistant messages carry "
                             "tool_calls")
         for j, c in enumerate(calls):
             fn = c.get("function") if isinstance(c, dict) else None
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise ToolError(f"messages.{i}.tool_calls.{j}", 'a tool call is {"id": ..., '
+                raise ParamError(f"messages.{i}.tool_calls.{j}", 'a tool call is {"id": ..., '
                                 '"type": "function", "function": {"name": ..., "arguments": '
                                 '"<JSON>"}}')
             _arguments(fn.get("arguments"))
     if m.tool_call_id is not None and m.role != "tool":
-        raise ToolError(f"messages.{i}.tool_call_id", "only tool messages carry tool_call_id")
+        raise ParamError(f"messages.{i}.tool_call_id", "only tool messages carry tool_call_id")
 
 
 # ---- OpenAI's deprecated function calling ------------------------------------------------------
@@ -198,14 +194,14 @@ def _legacy_tools(functions: list | None, function_call) -> tuple[list | None, A
     if functions is not None:
         for i, f in enumerate(functions):
             if not isinstance(f, dict):
-                raise ToolError(f"functions.{i}", 'each function is {"name": ..., '
+                raise ParamError(f"functions.{i}", 'each function is {"name": ..., '
                                 '"description": ..., "parameters": {...}}')
         tools = [{"type": "function", "function": f} for f in functions]
     if function_call is None or function_call in ("none", "auto"):
         return tools, function_call
     name = function_call.get("name") if isinstance(function_call, dict) else None
     if not isinstance(name, str) or set(function_call) != {"name"}:
-        raise ToolError("function_call", 'function_call is "none", "auto" or {"name": ...}')
+        raise ParamError("function_call", 'function_call is "none", "auto" or {"name": ...}')
     return tools, {"type": "function", "function": {"name": name}}
 
 
@@ -222,17 +218,17 @@ def _message(m, i: int) -> dict:
     if m.function_call is not None:
         fc = m.function_call
         if m.role != "assistant" or calls is not None:
-            raise ToolError(f"messages.{i}.function_call", "only an assistant message without "
+            raise ParamError(f"messages.{i}.function_call", "only an assistant message without "
                             "tool_calls carries function_call")
         if not isinstance(fc.get("name"), str) or not isinstance(fc.get("arguments", ""), str):
-            raise ToolError(f"messages.{i}.function_call", 'function_call is {"name": ..., '
+            raise ParamError(f"messages.{i}.function_call", 'function_call is {"name": ..., '
                             '"arguments": "<JSON>"}')
         _arguments(fc.get("arguments"))
         calls = [{"id": "", "type": "function", "function": {
             "name": fc["name"], "arguments": fc.get("arguments") or "{}"}}]
     if role == "function":
         if not m.name:
-            raise ToolError(f"messages.{i}.name", "a function message names its function")
+            raise ParamError(f"messages.{i}.name", "a function message names its function")
         role, call_id = "tool", m.name
     return {"role": role, "content": m.text(), **({"name": m.name} if m.name else {}),
             "tool_calls": calls, "tool_call_id": call_id}
@@ -240,22 +236,22 @@ def _message(m, i: int) -> dict:
 
 def conversation(req) -> tuple[list[dict], ToolSpec | None]:
     """A chat request's (or ``/tokenize``'s) messages, checked and rendered with its tools for
-    the chat template, and the tools' spec (None: no tools). ``ToolError`` names the field."""
+    the chat template, and the tools' spec (None: no tools). ``ParamError`` names the field."""
     tools, choice, legacy = req.tools, req.tool_choice, False
     if req.functions is not None or req.function_call is not None:
         if req.tools is not None or req.tool_choice is not None:
-            raise ToolError("functions", "send tools and tool_choice, or the deprecated "
+            raise ParamError("functions", "send tools and tool_choice, or the deprecated "
                             "functions and function_call, not both")
         if req.parallel_tool_calls is not None:  # the deprecated shape holds one call
-            raise ToolError("parallel_tool_calls", "parallel_tool_calls goes with tools; "
+            raise ParamError("parallel_tool_calls", "parallel_tool_calls goes with tools; "
                             "functions make one call a turn")
         tools, choice = _legacy_tools(req.functions, req.function_call)
         legacy = True
     try:
         spec = ToolSpec.parse(tools, choice, False if legacy else req.parallel_tool_calls)
-    except ToolError as exc:
+    except ParamError as exc:
         if legacy:
-            raise ToolError(_legacy_param(exc.param), str(exc)) from None
+            raise ParamError(_legacy_param(exc.param), str(exc), exc.code) from None
         raise
     if spec is not None and legacy:
         spec = dataclasses.replace(spec, legacy=True)

@@ -32,6 +32,7 @@ from engine.observer import RequestStats, TimelineEvent
 from gateway.errors import APIError
 from gateway.trace import RequestTrace
 from tailscope.keys import redact_url
+from tracing import sse
 
 log = logging.getLogger("tailscope.upstream")
 # httpx logs every request at INFO: one line per proxied request would be the gateway's log
@@ -576,11 +577,11 @@ class UpstreamPool:
                     message = (f"backend {c.name} sent a line longer than {c.max_line_kb} KiB "
                                "(max_line_kb)")
                     break
-                if line == "data: [DONE]":
+                if sse.is_done(line):
                     done = True
-                elif line.startswith("data: "):
+                elif (data := sse.data_of(line)) is not None:
                     try:
-                        chunk = json.loads(line[6:])
+                        chunk = json.loads(data)
                         flushed = _note(seen, chunk)
                     except ValueError as exc:
                         code, message = "upstream_protocol", (f"backend {c.name} sent an event "
@@ -599,7 +600,7 @@ class UpstreamPool:
                         del chunk["usage"]
                         edited = True
                     if edited:
-                        line = "data: " + json.dumps(chunk, ensure_ascii=False)
+                        line = sse.line(json.dumps(chunk, ensure_ascii=False))
                 yield (line + "\n").encode()
                 if done:
                     break
@@ -886,4 +887,4 @@ def _loop_time(deadline: float | None) -> float | None:
 
 def _sse_error(message: str, code: str) -> bytes:
     body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
-    return f"data: {json.dumps(body)}\n\n".encode()
+    return sse.event(json.dumps(body).encode())

@@ -130,6 +130,7 @@ class GatewayProcess:
 def sse_json(line: str) -> dict | None:
     """The JSON object of one line of an OpenAI-style event stream; None for anything else
     (blank lines, comments, ``data: [DONE]``)."""
-    if not line.startswith("data: ") or line == "data: [DONE]":
-        return None
-    return json.loads(line[6:])
+    from tracing.sse import data_of
+
+    data = data_of(line)
+    return None if data is None else json.loads(data)
