@@ -26,12 +26,12 @@ import signal
 import sys
 import threading
 
-from gateway import app as gateway_app
+from gateway import runtime as gateway_runtime
 from tailscope import cli
 from tracing.writer import RecordWriter
 
 _on = True
-_emit, _emit_step, _step_row = RecordWriter.emit, RecordWriter.emit_step, gateway_app.step_row
+_emit, _emit_step, _step_row = RecordWriter.emit, RecordWriter.emit_step, gateway_runtime.step_row
 _init = RecordWriter.__init__
 _writers: list[RecordWriter] = []
 _flushed = 0
@@ -78,7 +78,7 @@ def step_row(*args, **kwargs):
 
 if __name__ == "__main__":
     RecordWriter.__init__, RecordWriter.emit, RecordWriter.emit_step = init, emit, emit_step
-    gateway_app.step_row = step_row  # looked up by the gateway's on_step at each step
+    gateway_runtime.step_row = step_row  # looked up by the gateway's on_step at each step
     signal.signal(signal.SIGUSR1, _off_signal)
     signal.signal(signal.SIGUSR2, _on_signal)
     sys.exit(cli.main(sys.argv[1:]))

@@ -2,7 +2,7 @@
 (``switched``): with capture switched off by SIGUSR1, a request served leaves no record and no
 engine step row in the store, the writer is flushed and the harness says so in its file; with
 it switched on again by SIGUSR2, both are written. It patches the gateway's internals (the
-writer's emits, ``gateway.app.step_row``), so a change there that left "off" writing would make
+writer's emits, ``gateway.runtime.step_row``), so a change there that left "off" writing would make
 the bench compare capture with itself: this test fails instead."""
 
 from __future__ import annotations
