@@ -44,7 +44,11 @@ THREADS = {"n": 1}
 
 
 def replica_env() -> dict[str, str]:
-    return {**os.environ, "TAILSCOPE_THREADS": str(THREADS["n"])}
+    """The replica's (and the gateway's) environment: ``exact`` unless the caller's
+    environment names a profile, since the default ``fast`` profile would build the tiny
+    model's compiled decode step in the background during the run, whose CPU and memory
+    would read as the gateway's."""
+    return {"TAILSCOPE_PROFILE": "exact", **os.environ, "TAILSCOPE_THREADS": str(THREADS["n"])}
 
 
 def prompts(n: int) -> list[list[int]]:
