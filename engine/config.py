@@ -78,7 +78,8 @@ COMPILE_MODES = ("jit", "aot")
 PROFILES = ("fast", "exact")  # engine.profiles
 
 
-def _setting(default, help: str):
+def setting(default, help: str):
+    """A settings field: its default and the help the flags, environment and docs show."""
     return field(default=default, metadata={"help": help})
 
 
@@ -145,18 +146,18 @@ class EngineConfig:
     field here (plus its use), nothing else.
     """
 
-    profile: str = _setting("exact", "which settings fill in those not given (dtype, "
+    profile: str = setting("exact", "which settings fill in those not given (dtype, "
                                      "weights, output_weights, compile, compile_mode): fast, "
                                      "the CPU's fastest faithful path (bfloat16, packed 4-bit "
                                      "weights and the step compiled ahead of time where the "
                                      "CPU multiplies bf16 natively), or exact (float32, "
                                      "native weights: bitwise against a recompute); tailscope "
                                      "serve and generate default to fast: engine.profiles")
-    dtype: str | None = _setting(None, "weight and KV-cache dtype: " + ", ".join(DTYPE_BYTES)
+    dtype: str | None = setting(None, "weight and KV-cache dtype: " + ", ".join(DTYPE_BYTES)
                                  + ", or auto (bfloat16 where the CPU multiplies bf16 "
                                  "natively, else float32: engine.config.auto_dtype), "
                                  "resolved when the config is made (unset: the profile's)")
-    weights: str | None = _setting(None, "how the linear layers' weights are held (unset: "
+    weights: str | None = setting(None, "how the linear layers' weights are held (unset: "
                             "the profile's): native (in "
                             "dtype), int4 (4-bit codes with a scale and zero per 32 inputs: "
                             "GGUF Q4_0 / Q4_1 / Q4_K tensors kept as stored, others quantized), "
@@ -169,7 +170,7 @@ class EngineConfig:
                             "steps of up to 16 rows (int4 on our own kernel, kernels.native) or "
                             "4 (int8, or int4 on torch's kernel) run packed, larger steps a "
                             "dense copy of the same values: engine.quant")
-    output_weights: str | None = _setting(None, "how the output matrix (lm_head, or the tied "
+    output_weights: str | None = setting(None, "how the output matrix (lm_head, or the tied "
                                    "embedding's values) is held: q8_0 (GGUF's Q8_0 blocks, as "
                                    "stored where the file holds them, else quantized per 32 "
                                    "inputs; in bfloat16 multiplied as such by our kernel, "
@@ -181,49 +182,49 @@ class EngineConfig:
                                    "(only the tail keeps low-bit rounding); larger steps and "
                                    "the embedding lookup use the exact matrix: "
                                    "kernels.linear.RescoredOutput")
-    kv_cache_mb: int = _setting(512, "paged KV-cache budget in MiB; the block count derives "
+    kv_cache_mb: int = setting(512, "paged KV-cache budget in MiB; the block count derives "
                                      "from it")
-    num_kv_blocks: int | None = _setting(None, "pins the number of KV blocks (tests use tiny "
+    num_kv_blocks: int | None = setting(None, "pins the number of KV blocks (tests use tiny "
                                                "pools)")
-    block_size: int = _setting(16, "tokens per KV block")
-    max_num_seqs: int = _setting(64, "most sequences running in one tick")
-    max_batched_tokens: int = _setting(512, "token budget of one tick (bounds a prefill chunk)")
-    max_model_len: int | None = _setting(None, "context length (default: the model's)")
-    prefix_caching: bool = _setting(True, "reuse cached KV blocks of shared prompt prefixes")
-    preemption: str = _setting("recompute", "when KV runs out mid-decode: "
+    block_size: int = setting(16, "tokens per KV block")
+    max_num_seqs: int = setting(64, "most sequences running in one tick")
+    max_batched_tokens: int = setting(512, "token budget of one tick (bounds a prefill chunk)")
+    max_model_len: int | None = setting(None, "context length (default: the model's)")
+    prefix_caching: bool = setting(True, "reuse cached KV blocks of shared prompt prefixes")
+    preemption: str = setting("recompute", "when KV runs out mid-decode: "
                                             + ", ".join(PREEMPTION_MODES))
-    scheduling_policy: str = _setting("fcfs", "which waiting request goes next and which "
+    scheduling_policy: str = setting("fcfs", "which waiting request goes next and which "
                                               "running one yields: "
                                       + ", ".join(SCHEDULING_POLICIES))
-    priority_aging_s: float = _setting(1.0, "priority policy: one priority level is worth "
+    priority_aging_s: float = setting(1.0, "priority policy: one priority level is worth "
                                             "this many seconds of waiting, so nothing starves")
-    sjf_token_s: float = _setting(0.01, "sjf policy: one predicted output token is worth this "
+    sjf_token_s: float = setting(0.01, "sjf policy: one predicted output token is worth this "
                                         "many seconds of waiting, so long requests do not "
                                         "starve")
-    fair_decode_cost: float = _setting(2.0, "fair policy: a decode token counts as this many "
+    fair_decode_cost: float = setting(2.0, "fair policy: a decode token counts as this many "
                                             "prefill tokens in a tenant's share")
-    budget_split: str = _setting("decode_first", "who gets a tick's token budget first: "
+    budget_split: str = setting("decode_first", "who gets a tick's token budget first: "
                                  + ", ".join(BUDGET_SPLITS))
-    decode_reserve_tokens: int = _setting(32, "budget_split decode_reserve: tokens of each "
+    decode_reserve_tokens: int = setting(32, "budget_split decode_reserve: tokens of each "
                                               "tick kept for decodes, prefills first")
-    batch_invariant: bool = _setting(False, "bitwise the same logits for a request whatever "
+    batch_invariant: bool = setting(False, "bitwise the same logits for a request whatever "
                                             "else is in its batch, however its prompt was "
                                             "chunked and whether its prefix was cached "
                                             "(kernels.invariant; slower)")
-    compile: bool | None = _setting(None, "run decode-only steps through torch.compile "
+    compile: bool | None = setting(None, "run decode-only steps through torch.compile "
                                     "(inductor: fused C++ loops around the matmuls; CPU only, "
                                     "not with batch_invariant; unset: the profile's). The "
                                     "replica compiles at start (jit) or loads the build "
                                     "(aot); a replica process builds aot in the background, "
                                     "serving on the eager step until it is ready")
-    compile_mode: str | None = _setting(None, "with compile: jit (torch.compile in the "
+    compile_mode: str | None = setting(None, "with compile: jit (torch.compile in the "
                                         "replica) or aot (the same step compiled ahead of "
                                         "time with AOTInductor in a child process, cached "
                                         "under $TAILSCOPE_CACHE_DIR/aot; the replica loads it "
                                         "without importing dynamo or inductor: less memory, no "
                                         "Python per step; bfloat16 with weights int4 or "
                                         "int4a8); unset: the profile's")
-    step_detail: bool = _setting(True, "record each step's members and each waiting request's "
+    step_detail: bool = setting(True, "record each step's members and each waiting request's "
                                        "wait causes (why a request was slow)")
 
     def __post_init__(self) -> None:

@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from tracing.sse import data_of
+
 
 def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
     """SIGTERM (a gateway or store process then drains), SIGKILL if it is still there after
@@ -130,7 +132,5 @@ class GatewayProcess:
 def sse_json(line: str) -> dict | None:
     """The JSON object of one line of an OpenAI-style event stream; None for anything else
     (blank lines, comments, ``data: [DONE]``)."""
-    from tracing.sse import data_of
-
     data = data_of(line)
     return None if data is None else json.loads(data)

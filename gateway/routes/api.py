@@ -15,29 +15,15 @@ from gateway.errors import APIError
 from gateway.routes import gw
 
 
-async def chat_completions(request: Request) -> Response:
-    g = gw(request)
-    return await g.gated(request, g.service.chat)
+def _through_gate(serve: str):
+    """A route handler: the ingress gate, then the ``Service`` method named ``serve``."""
 
+    async def handler(request: Request) -> Response:
+        g = gw(request)
+        return await g.gated(request, getattr(g.service, serve))
 
-async def completions(request: Request) -> Response:
-    g = gw(request)
-    return await g.gated(request, g.service.completions)
-
-
-async def responses(request: Request) -> Response:
-    g = gw(request)
-    return await g.gated(request, g.service.responses)
-
-
-async def tokenize(request: Request) -> Response:
-    g = gw(request)
-    return await g.gated(request, g.service.tokenize)
-
-
-async def detokenize(request: Request) -> Response:
-    g = gw(request)
-    return await g.gated(request, g.service.detokenize)
+    handler.__name__ = serve
+    return handler
 
 
 def stored(request: Request, response_id: str, allowed: tuple[str, ...] = ()):
@@ -97,14 +83,14 @@ async def response_input_items(request: Request) -> Response:
 
 
 ROUTES = (
-    ("/v1/chat/completions", chat_completions, "POST"),
-    ("/v1/completions", completions, "POST"),
-    ("/v1/responses", responses, "POST"),
+    ("/v1/chat/completions", _through_gate("chat"), "POST"),
+    ("/v1/completions", _through_gate("completions"), "POST"),
+    ("/v1/responses", _through_gate("responses"), "POST"),
     ("/v1/responses/{response_id}", get_response, "GET"),
     ("/v1/responses/{response_id}", delete_response, "DELETE"),
     ("/v1/responses/{response_id}/input_items", response_input_items, "GET"),
-    ("/tokenize", tokenize, "POST"),  # vLLM's utility endpoints: the bundled tokenizer
-    ("/detokenize", detokenize, "POST"),
+    ("/tokenize", _through_gate("tokenize"), "POST"),  # vLLM's: the bundled tokenizer
+    ("/detokenize", _through_gate("detokenize"), "POST"),
 )
 
 

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,14 +30,11 @@ def pages():
     return _reference().pages()
 
 
-def test_the_site_builds_strictly(tmp_path):
-    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "DISABLE_MKDOCS_2_WARNING": "true"}
-    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q",
-                          "-d", str(tmp_path / "site")], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
+def test_the_site_builds_strictly(built_site):
+    run, site = built_site
     assert run.returncode == 0, run.stdout + run.stderr
     for page in _reference().PAGES:  # every generated page is in the built site
-        assert (tmp_path / "site" / page.removesuffix(".md") / "index.html").exists(), page
+        assert (site / page.removesuffix(".md") / "index.html").exists(), page
 
 
 def test_every_item_of_every_reference_page_is_documented(pages):
