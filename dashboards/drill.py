@@ -21,11 +21,11 @@ belongs to the gateway while it runs; ``TAILSCOPE_ADMIN_KEY`` is sent when set),
 from __future__ import annotations
 
 import datetime as dt
-import os
 
 import pandas as pd
 import streamlit as st
 
+from tailscope import env
 from tracing import queries as Q
 
 PAGES = ("Overview", "Regression", "Requests", "Evals", "What-if")
@@ -35,16 +35,16 @@ _NOT_A_CAUSE = ("model", "final_state", "finish_reason")
 
 
 def source_spec() -> str:
-    return os.environ.get("TAILSCOPE_DRILL_SOURCE", "gateway:http://127.0.0.1:8000")
+    return env.drill_source()
 
 
 @st.cache_resource
 def open_source(spec: str):
     if spec.startswith("gateway:"):
-        return Q.GatewaySource(spec[len("gateway:"):], os.environ.get("TAILSCOPE_ADMIN_KEY"))
+        return Q.GatewaySource(spec[len("gateway:"):], env.setting("admin_key"))
     from tracing.store import connect
 
-    store = connect(spec, key=os.environ.get("TAILSCOPE_STORE_KEY") or None)
+    store = connect(spec, key=env.setting("store_key") or None)
     try:
         store.migrate()
     except Exception as exc:  # a read-only user (the compose stack's viewer): the gateway migrates
@@ -372,7 +372,7 @@ def tokenizer_text(ids: list[int], revision: str, paths: list[str]) -> str | Non
 def decode(ids: tuple[int, ...], revision: str) -> str | None:
     """Text of a record's ids with its own tokenizer: those listed in
     ``TAILSCOPE_DRILL_TOKENIZERS`` (paths, ``os.pathsep``-separated), then the bundled one."""
-    paths = [p for p in os.environ.get("TAILSCOPE_DRILL_TOKENIZERS", "").split(os.pathsep) if p]
+    paths = env.drill_tokenizers()
     try:
         from engine.loader.paths import default_model_path
 

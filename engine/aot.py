@@ -18,7 +18,6 @@ import fcntl
 import hashlib
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -27,6 +26,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from tailscope import env
 
 log = logging.getLogger("engine.aot")
 
@@ -40,11 +41,7 @@ SWITCHES = ("direct_decode_attention", "native_decode_attention")
 def cache_dir() -> Path:
     """``$TAILSCOPE_AOT_CACHE_DIR``, else ``$TAILSCOPE_CACHE_DIR/aot`` (default
     ``~/.cache/tailscope/aot``)."""
-    if os.environ.get("TAILSCOPE_AOT_CACHE_DIR"):
-        return Path(os.environ["TAILSCOPE_AOT_CACHE_DIR"])
-    from kernels import native
-
-    return native.cache_dir().parent / "aot"  # beside the built kernels
+    return env.aot_cache_dir()  # beside the built kernels by default
 
 
 def tensor_slots(model) -> tuple[list[tuple[object, str | int]], list[torch.Tensor]]:
@@ -150,7 +147,7 @@ def cache_key(model, kv_shape: tuple[int, ...], max_batch: int) -> str:
     for part in (torch.__version__, repr(model.config), str(model.dtype), model.weight_format,
                  model.output_format, model.native_decode_attention,
                  model.direct_decode_attention, model.torch_only, native.available(),
-                 os.environ.get("TAILSCOPE_KERNELS", ""), kv_shape, max_batch,
+                 env.setting("kernels") or "", kv_shape, max_batch,
                  torch.get_num_threads()):  # inductor tiles its loops for the threads it has
         h.update(repr(part).encode() + b"\0")
     for t in model_tensors(model):

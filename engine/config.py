@@ -91,11 +91,9 @@ def native_kernels_switch() -> str:
     """``TAILSCOPE_NATIVE_KERNELS``: ``on`` (default: every library of our kernels this CPU
     runs), ``off``, or ``avx2`` (the AVX2 library alone: how its path is run and tested on an
     AVX-512 machine). Here, without torch: the profile reads it too."""
-    import os
+    from tailscope import env
 
-    value = os.environ.get("TAILSCOPE_NATIVE_KERNELS", "1").strip().lower()
-    return "off" if value in ("0", "false", "no", "off") else "avx2" if value == "avx2" \
-        else "on"
+    return env.native_kernels()
 
 
 def c_compilers() -> tuple[str, str] | None:

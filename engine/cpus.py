@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 
+from tailscope import env
+
 
 def parse_cpus(spec: str) -> frozenset[int]:
     """A CPU list as ``taskset -c`` and ``/sys/.../cpulist`` write it (``3``, ``0-3``,
@@ -71,7 +73,7 @@ def torch_threads(cpus: frozenset[int] | None) -> int:
     else 0 (torch's default). The replica sets them by this rule, and
     ``gateway.replicas.prepare`` groups replicas by it (the threads are part of a build's
     key)."""
-    return int(os.environ.get("TAILSCOPE_THREADS") or 0) or len(cpus or ())
+    return env.threads() or len(cpus or ())
 
 
 def replica_threads(cpus: frozenset[int] | None, local_replicas: int) -> int:

@@ -52,6 +52,7 @@ from engine.protocol import (
     encode,
 )
 from engine.sampling_params import SamplingParams
+from tailscope import env
 from tailscope.keys import check_key
 
 log = logging.getLogger("engine.replica")
@@ -278,8 +279,7 @@ def orphaned(parent_pid: int | None) -> bool:
 def replica_key(replica_id: str) -> bytes | None:
     """This replica's link key: ``TAILSCOPE_REPLICA_LINK_KEY`` as given, else derived from the
     fleet's ``TAILSCOPE_REPLICA_KEY`` (which could speak for any replica); None: neither."""
-    own = os.environ.get("TAILSCOPE_REPLICA_LINK_KEY", "")
-    fleet = os.environ.get("TAILSCOPE_REPLICA_KEY", "")
+    own, fleet = env.replica_keys()
     check_key("TAILSCOPE_REPLICA_LINK_KEY", own)
     check_key("TAILSCOPE_REPLICA_KEY", fleet)
     if own:
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--engine-config must be a JSON object")
         # the product's profile (or TAILSCOPE_PROFILE's) unless the config names one (the
         # gateway's always does)
-        profile = os.environ.get("TAILSCOPE_PROFILE") or PRODUCT_DEFAULT
+        profile = env.profile() or PRODUCT_DEFAULT
         config = EngineConfig.from_mapping({"profile": profile, **values}, "--engine-config")
     except (ValueError, OSError) as exc:  # json's errors are ValueErrors too
         p.error(str(exc))

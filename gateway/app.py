@@ -86,7 +86,8 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_middleware(TraceMiddleware, max_body_bytes=config.max_body_bytes,
-                       on_record=gw.on_record, traced_paths=API_PATHS)
+                       on_record=gw.on_record, traced_paths=API_PATHS,
+                       instance=config.instance_id)
     if config.cors_origins:  # outermost: a preflight is answered before tracing and auth
         app.add_middleware(ApiCORS, origins=config.cors_origins)
     for family in (ops, debug):

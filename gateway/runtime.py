@@ -35,6 +35,7 @@ from gateway.config import GatewayConfig, bundled_pool, config_id, resolved_conf
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
 from gateway.serving import Service
+from gateway.session import RequestSession
 from gateway.store_api import StoreProcess, open_store, step_row
 from gateway.tenants import Tenant, TenantRegistry, rate_limit_headers
 from gateway.upstream import UpstreamPool
@@ -134,7 +135,6 @@ class Gateway:
             self.metrics.observe(record)  # every ITL, before retention decides what is kept
         except Exception:  # metrics must never take a record (or a response) down with them
             log.exception("metrics failed for trace %s", record.trace_id)
-        record.instance = self.config.instance_id
         self.retention.decide(record)
         self.sink.emit(record)
 
@@ -220,21 +220,23 @@ class Gateway:
         if owner is not None and owner != tenant.name and trace.client_trace:
             log.warning("a request of tenant %r named trace %s, which is tenant %r's: it gets "
                         "a trace id of its own", tenant.name, trace_id, owner)
-            trace_id = trace.record.trace_id = request.state.trace_id = secrets.token_hex(16)
+            trace_id = request.state.trace_id = secrets.token_hex(16)
+            trace.renamed(trace_id)
         owners[trace_id] = tenant.name
         owners.move_to_end(trace_id)
         if len(owners) > MAX_TRACE_OWNERS:
             owners.popitem(last=False)
 
     async def gated(self, request: Request, handler) -> Response:
-        """Ingress gate (auth, request rate, concurrency) before any parsing or tokenizing;
-        the tenant's slot is released here on early errors, otherwise by the service."""
+        """Ingress gate (auth, request rate, concurrency) before any parsing or tokenizing; the
+        handler gets the request's session, which holds the tenant's slot from here on. The
+        slot is released here on an error (once: a no-op when the handler already did),
+        otherwise by whoever ends the answer."""
         registry = self.registry
         tenant, key_id = registry.authenticate(request.headers.get("authorization"))
         trace = request.state.trace
         if trace is not None:  # /tokenize and /detokenize have no record
-            trace.record.tenant, trace.record.api_key_id = tenant.name, key_id
-            trace.record.ttl_days = tenant.ttl_days or self.config.store_ttl_days
+            trace.admitted(tenant.name, key_id, tenant.ttl_days or self.config.store_ttl_days)
             self.own_trace_id(request, trace, tenant)
             registry.check_bench_run(tenant, trace.record.bench_run,
                                      request.headers.get("x-tailscope-bench-token", ""))
@@ -243,17 +245,16 @@ class Gateway:
         except APIError as exc:  # a 429 says where the tenant's buckets stand too
             exc.headers.update(rate_limit_headers(tenant))
             raise
+        session = RequestSession(request, tenant, registry, trace)
         try:
-            response = await handler(request, tenant)
+            response = await handler(session)
         except BaseException as exc:
-            if not getattr(request.state, "settled_by_run", False):
-                registry.finish(tenant)
+            session.release()
             if isinstance(exc, APIError):
                 exc.headers.update(rate_limit_headers(tenant))
             raise
         response.headers.update(rate_limit_headers(tenant))
         return response
-
 
 def check_host(request: Request) -> None:
     """A loopback client in open local mode may still be a web page: a hostname the page's

@@ -28,9 +28,10 @@ import time
 import uuid
 from collections.abc import Callable
 
-from engine.observer import RequestStats
-from tracing import timing
-from tracing.record import RecordEvent, RequestRecord
+from gateway.records import RequestTrace
+from tracing.record import RequestRecord
+
+__all__ = ["RequestTrace", "TraceMiddleware", "parse_traceparent"]
 
 log = logging.getLogger("tailscope.gateway")
 
@@ -45,116 +46,12 @@ def parse_traceparent(value: str) -> tuple[str, str, str] | None:
     return m.group(1), m.group(2), m.group(3)
 
 
-class RequestTrace:
-    """Timing marks of one request on the gateway's monotonic clock, turned into a record."""
-
-    def __init__(self, request_id: str, trace_id: str, span_id: str, parent_span_id: str,
-                 endpoint: str) -> None:
-        self.arrival_ns = time.monotonic_ns()
-        self.arrival_wall_us = time.time_ns() // 1000
-        self.record = RequestRecord(trace_id=trace_id, span_id=span_id, request_id=request_id,
-                                    parent_span_id=parent_span_id, endpoint=endpoint,
-                                    arrival_ts_us=self.arrival_wall_us)
-        self.marks: dict[str, int] = {}
-        self.flushes: list[int] = []
-        self.end_ns: int | None = None
-        self.engine_stats: RequestStats | None = None  # the replica's (its timeline), at the end
-        # where the replica's offsets start on this clock (None: at ROUTED); see TokenDelta
-        self.engine_anchor_ns: int | None = None
-        self.route_note = ""  # why this side of a mixed pool (ahead of the router's reason)
-        self.keep_first: set[str] = set()  # marks a second attempt does not move
-        self.earlier_tries = 0  # failed elsewhere first (a mixed pool's backend)
-        # the other prompts of a /v1/completions batch: a record each (``sibling``)
-        self.siblings: list[RequestTrace] = []
-        self.client_trace = False  # the trace id is the client's (its traceparent)
-
-    def sibling(self, prompt_index: int) -> RequestTrace:
-        """The trace of prompt ``prompt_index`` of this request's batch: the same arrival,
-        marks so far, request id, caller's span, bench run, tenant (its key, its rows' TTL),
-        end user and metadata, its own trace and span ids; the middleware ends it with this one
-        and emits its record."""
-        r = self.record
-        t = RequestTrace(r.request_id, secrets.token_hex(16), secrets.token_hex(8),
-                         r.parent_span_id, r.endpoint)
-        t.arrival_ns, t.arrival_wall_us = self.arrival_ns, self.arrival_wall_us
-        for name in ("arrival_ts_us", "bench_run", "tenant", "api_key_id", "ttl_days",
-                     "end_user", "metadata"):
-            setattr(t.record, name, getattr(r, name))
-        t.record.prompt_index = prompt_index
-        t.marks = dict(self.marks)
-        self.siblings.append(t)
-        return t
-
-    def mark(self, stage: str, at_ns: int | None = None) -> None:
-        if stage in self.keep_first and stage in self.marks:
-            return
-        self.marks[stage] = time.monotonic_ns() if at_ns is None else at_ns
-
-    def flush(self) -> None:
-        """A chunk carrying content was handed to the server (the client can read it)."""
-        self.flushes.append(time.monotonic_ns())
-
-    def fail(self, final_state: str, finish_reason: str, error_type: str, message: str) -> None:
-        r = self.record
-        r.final_state, r.finish_reason = final_state, finish_reason
-        r.error_type, r.error_message = error_type, message
-
-    def _wall(self, ns: int) -> int:
-        return self.arrival_wall_us + (ns - self.arrival_ns) // 1000
-
-    def finish(self, status: int, batch: RequestTrace | None = None) -> RequestRecord:
-        """The record, ended with ``status``; a batch's sibling also takes the batch's end
-        and, when it did not end on its own account, the batch's failure."""
-        r = self.record
-        if batch is not None:
-            self.end_ns = batch.end_ns
-            if not r.final_state and batch.record.final_state not in ("", "FINISHED"):
-                b = batch.record
-                self.fail(b.final_state, b.finish_reason, b.error_type, b.error_message)
-        end = self.end_ns or time.monotonic_ns()
-        r.http_status = status
-        if not r.final_state:  # never reached the serving code's bookkeeping
-            if status < 400:
-                r.final_state, r.finish_reason = "FINISHED", r.finish_reason or "stop"
-            elif status >= 500 and status not in (503, 504):
-                r.final_state, r.finish_reason = "FAILED", "error"
-            elif status == 504:
-                r.final_state, r.finish_reason = "TIMED_OUT", "timeout"
-            else:
-                r.final_state, r.finish_reason = "REJECTED", "rejected"
-
-        m = self.marks
-        c = timing.client_timings(self.arrival_ns, self.flushes, end)
-        r.ttft_ms, r.itl_ms, r.tpot_ms, r.tail_ms, r.e2e_ms = (
-            c.ttft_ms, c.itl_ms, c.tpot_ms, c.tail_ms, c.e2e_ms)
-        s = self.engine_stats
-        if s is not None:
-            r.cached_tokens = s.cached_tokens
-        r.timing_source = r.timing_source or ("engine" if s is not None else "gateway")
-        events = [RecordEvent(self.arrival_wall_us, "RECEIVED")]
-        events += [RecordEvent(self._wall(ns), stage) for stage, ns in
-                   sorted(m.items(), key=lambda kv: kv[1])]
-        routed = m.get("ROUTED")
-        if routed is not None and s is not None:
-            # the replica's offsets, from its arrival: not before ROUTED, and no later than
-            # any delta's receipt allows (from ROUTED to there it waited for the replica to
-            # read its inbox: the step in progress)
-            at = routed if self.engine_anchor_ns is None else max(routed, self.engine_anchor_ns)
-            events += [RecordEvent(self._wall(at + int(e.at_ms * 1e6)), e.state, e.detail)
-                       for e in s.events]
-        if self.flushes:
-            events.append(RecordEvent(self._wall(self.flushes[0]), "FIRST_FLUSH"))
-        events.append(RecordEvent(self._wall(end), "END", r.final_state))
-        events.sort(key=lambda e: e.ts_us)
-        r.events = events
-        return timing.apply(r)  # every stage column, from the timeline
-
-
 class TraceMiddleware:
     def __init__(self, app, *, max_body_bytes: int,
                  on_record: Callable[[RequestRecord], None],
-                 traced_paths: frozenset[str] = frozenset()) -> None:
+                 traced_paths: frozenset[str] = frozenset(), instance: str = "") -> None:
         self.app = app
+        self.instance = instance  # this gateway's id, on every record
         self.traced_paths = traced_paths
         self.max_body_bytes = max_body_bytes
         self.on_record = on_record
@@ -170,12 +67,11 @@ class TraceMiddleware:
         trace_id, parent_span, flags = parent or (secrets.token_hex(16), "", "01")
         span_id = secrets.token_hex(8)
         traced = scope["method"] == "POST" and scope["path"] in self.traced_paths
-        trace = RequestTrace(request_id, trace_id, span_id, parent_span, scope["path"]) \
-            if traced else None
+        trace = RequestTrace(request_id, trace_id, span_id, parent_span, scope["path"],
+                             self.instance) if traced else None
         if trace is not None:
-            trace.record.bench_run = headers.get(b"x-tailscope-bench-run", b"").decode(
-                "latin-1")[:64]
-            trace.client_trace = parent is not None
+            trace.from_client(headers.get(b"x-tailscope-bench-run", b"").decode("latin-1"),
+                              parent is not None)
         state = scope.setdefault("state", {})
         state.update(request_id=request_id, trace_id=trace_id, trace=trace)
         status = 0

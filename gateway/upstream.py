@@ -400,18 +400,15 @@ class UpstreamPool:
                      ) -> Response:
         model = data["model"]
         stream = bool(data.get("stream"))
-        r = trace.record
-        r.model, r.stream = model, stream
+        trace.proxied(model, stream)
         trace.mark("TOKENIZED")  # nothing to tokenize: the body goes as it is
         tried: set[str] = set()
         while True:
             up = self.choose(model, frozenset(tried))
             tried.add(up.config.name)
-            r.replica = up.config.name
-            r.route_reason = "; ".join(filter(None, (trace.route_note, (
-                f"fewest in flight ({up.inflight}) of {len(self.backends[model])} backends "
-                f"for {model}"))))
-            r.model_revision = up.model_revision
+            trace.sent_upstream(up.config.name, f"fewest in flight ({up.inflight}) of "
+                                f"{len(self.backends[model])} backends for {model}",
+                                up.model_revision)
             body = {**data, "model": up.config.upstream_model or model}
             seen = _Stream(keep_ids=keep_ids)
             if up.config.return_token_ids and "return_token_ids" not in data:
@@ -430,7 +427,7 @@ class UpstreamPool:
                     u.config.name not in tried and u.state != "ejected"
                     for u in self.backends[model])
                 if can_retry:
-                    r.retries += 1
+                    trace.retried()
                     log.warning("backend %s failed before any content (%s); retrying",
                                 up.config.name, exc.message)
                     continue
@@ -470,7 +467,7 @@ class UpstreamPool:
                                     f"backend {c.name}: {type(exc).__name__}: {exc}") from None
             trace.mark("UPSTREAM_HEADERS")
             up.server = resp.headers.get("server", up.server)
-            trace.record.engine_version = up.version or up.server
+            trace.upstream_engine(up.version or up.server)
             if resp.status_code != 200:
                 raw = await self._read(resp, c)
                 message, code = _error_of(raw, resp.status_code)
@@ -732,22 +729,18 @@ def _used(seen: _Stream) -> int | None:
 
 
 def _finish(trace: RequestTrace, seen: _Stream) -> None:
-    r = trace.record
-    r.response_id = seen.response_id[:200]
-    r.final_state, r.finish_reason = "FINISHED", seen.finish_reason or "stop"
     u, t = seen.usage, _upstream_timings(seen)
-    r.prompt_tokens = min(MAX_COUNT, _count(u.get("prompt_tokens")) or (
+    prompt_tokens = min(MAX_COUNT, _count(u.get("prompt_tokens")) or (
         t.prompt_n + t.cache_n if t else 0) or len(seen.prompt_ids or ()))
-    r.generated_tokens = r.emitted_tokens = _count(u.get("completion_tokens")) or (
-        t.predicted_n if t else 0) or len(seen.output_ids or seen.logprob_ids) \
-        or seen.content_chunks
-    if seen.keep_ids:
-        r.input_token_ids = list(seen.prompt_ids or ())
-        r.output_token_ids = seen.output_ids or seen.logprob_ids
+    generated = _count(u.get("completion_tokens")) or (t.predicted_n if t else 0) \
+        or len(seen.output_ids or seen.logprob_ids) or seen.content_chunks
+    ids = (list(seen.prompt_ids or ()), seen.output_ids or seen.logprob_ids) \
+        if seen.keep_ids else None
     routed = trace.marks.get("ROUTED")
-    if t is not None and routed is not None:
-        trace.engine_stats = _timeline(t, seen.timings_ns - routed)
-        r.timing_source = "upstream"
+    stats = _timeline(t, seen.timings_ns - routed) if t is not None and routed is not None \
+        else None
+    trace.answered_upstream(seen.response_id, seen.finish_reason or "stop", prompt_tokens,
+                            generated, ids, stats)
 
 
 @dataclass(frozen=True)

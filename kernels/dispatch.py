@@ -22,12 +22,13 @@ import os
 import torch
 
 from kernels import reference
+from tailscope import env
 
 _BACKENDS = ("auto", "torch", "triton")
 
 
 def kernel_backend() -> str:
-    choice = os.environ.get("TAILSCOPE_KERNELS", "auto").strip().lower() or "auto"
+    choice = env.kernel_backend()
     if choice not in _BACKENDS:
         raise ValueError(
             f"TAILSCOPE_KERNELS={choice!r} is not available; choose one of {', '.join(_BACKENDS)}"

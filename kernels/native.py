@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from engine.config import AVX2_FLAGS, c_compilers, cpu_flags, native_kernels_switch
+from tailscope import env
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +51,7 @@ AVX2_CPU_FLAGS = AVX2_FLAGS
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("TAILSCOPE_CACHE_DIR") or Path.home() / ".cache" / "tailscope"
-                ) / "kernels"
+    return env.cache_dir() / "kernels"
 
 
 def cpu_supported(needed: frozenset[str] | set[str] = CPU_FLAGS) -> tuple[bool, str]:

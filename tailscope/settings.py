@@ -1,4 +1,4 @@
-"""Every TAILSCOPE_* environment variable, in one typed place.
+"""Every TAILSCOPE_* setting, in one typed place (read through ``tailscope.env``).
 
 The engine settings are not repeated here: ``engine`` is an ``EngineConfig`` whose every field
 is read from ``TAILSCOPE_<FIELD NAME>`` (e.g. ``TAILSCOPE_MAX_NUM_SEQS``), like the fields below.
@@ -7,10 +7,11 @@ is read from ``TAILSCOPE_<FIELD NAME>`` (e.g. ``TAILSCOPE_MAX_NUM_SEQS``), like 
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 from engine.config import EngineConfig, setting
+from tailscope import env
+from tailscope.env import PROCESS_VARIABLES
 
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 
@@ -32,7 +33,7 @@ def engine_env() -> dict:
     """The engine settings given in the environment (only those)."""
     out = {}
     for name, (kind, optional, _) in EngineConfig.setting_types().items():
-        raw = os.environ.get(f"TAILSCOPE_{name.upper()}")
+        raw = env.setting(name)
         if raw is not None:
             out[name] = parse_env(name, raw, kind, optional)
     return out
@@ -122,37 +123,15 @@ class Settings:
         """Each field from ``TAILSCOPE_<FIELD NAME>``, parsed by its type."""
         values: dict = {"engine": EngineConfig(**engine_env())}
         for f in dataclasses.fields(cls):
-            raw = os.environ.get(f"TAILSCOPE_{f.name.upper()}")
+            raw = env.setting(f.name)
             if raw is not None and f.name != "engine":
                 values[f.name] = parse_env(f.name, raw, _TYPES[f.type])
         return cls(**values)
 
 
-# Read where they are used, before any settings exist (a kernel build, a cache path, a child
-# process's own environment); listed here so that every TAILSCOPE_* variable is documented.
-PROCESS_VARIABLES: dict[str, str] = {
-    "TAILSCOPE_NATIVE_KERNELS": "`on` (default): build and use our C kernels where the CPU "
-    "runs them; `off`: torch's kernels only; `avx2`: the AVX2 library alone",
-    "TAILSCOPE_KERNELS": "the kernel backend: `auto` (default: Triton on CUDA tensors when "
-    "installed, else torch), `torch`, or `triton` (on a CPU only under `TRITON_INTERPRET=1`)",
-    "TAILSCOPE_CACHE_DIR": "where built kernels and compiled steps are kept (default "
-    "`~/.cache/tailscope`)",
-    "TAILSCOPE_AOT_CACHE_DIR": "where ahead-of-time compiled decode steps are kept (default "
-    "`$TAILSCOPE_CACHE_DIR/aot`)",
-    "TAILSCOPE_REPLICA_LINK_KEY": "a replica's own link key, set by the gateway for the "
-    "replicas it starts (derived from `TAILSCOPE_REPLICA_KEY`)",
-    "TAILSCOPE_DRILL_SOURCE": "the drill-down's data source (`gateway:URL`, `chdb://DIR` or a "
-    "ClickHouse DSN), set by `tailscope drill`",
-    "TAILSCOPE_DRILL_TOKENIZERS": "tokenizer paths (`os.pathsep`-separated) the drill-down "
-    "tries to show a record's text",
-    "TAILSCOPE_FAULT_STORE_DOWN_FILE": "tests only: while this file exists the store child "
-    "refuses inserts (fault injection)",
-}
-
-
 def variables() -> dict[str, str]:
     """Every TAILSCOPE_* variable and its help: the gateway's settings, the engine's, and the
-    process-level ones above."""
+    process-level ones (``tailscope.env.PROCESS_VARIABLES``)."""
     out = {f"TAILSCOPE_{f.name.upper()}": f.metadata["help"]
            for f in dataclasses.fields(Settings) if f.name != "engine"}
     out.update({f"TAILSCOPE_{f.name.upper()}": f.metadata["help"]

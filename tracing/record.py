@@ -148,6 +148,14 @@ class RequestRecord:
     events: list[RecordEvent] = field(default_factory=list)
     ttl_days: int = 30  # how long the store keeps the row (the tenant's privacy setting)
 
+    def keep_detail(self, reason: str) -> None:
+        """Tail-based retention's decision (``tracing.retention``): why the detail is kept,
+        or "dropped", which empties the token ids, the ITL array and the token steps."""
+        self.detail_kept, self.detail_reason = reason != "dropped", reason
+        if reason == "dropped":
+            self.input_token_ids, self.output_token_ids = [], []
+            self.token_steps, self.itl_ms = [], []
+
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["events"] = [msgspec.structs.asdict(e) for e in self.events]

@@ -56,10 +56,7 @@ class TailRetention:
     def decide(self, r: RequestRecord) -> RequestRecord:
         """Set ``detail_kept``/``detail_reason`` on a finished record and drop its detail when
         it is not kept. Everything off (``sample`` 1) keeps it all."""
-        reason = self._reason(r)
-        r.detail_kept, r.detail_reason = reason != "dropped", reason
-        if not r.detail_kept:
-            r.input_token_ids, r.output_token_ids, r.token_steps, r.itl_ms = [], [], [], []
+        r.keep_detail(self._reason(r))
         return r
 
     def _reason(self, r: RequestRecord) -> str:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
+from tailscope import env
 from tailscope.commands.common import (
     _gateway_up,
     _store_target,
@@ -56,11 +56,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
                     print(f"error: a gateway at {s.gateway_url} holds the embedded store; stop "
                           "it, or run against it with --url", file=sys.stderr)
                     return 2
-                env = {"TAILSCOPE_STORE_FLUSH_S": os.environ.get("TAILSCOPE_STORE_FLUSH_S",
-                                                                 "1")}
+                child_env = {"TAILSCOPE_STORE_FLUSH_S": env.setting("store_flush_s") or "1"}
                 summaries = []
                 for config in configs:  # one after the other: the embedded store is theirs
-                    with R.GatewayProcess(config, env=env, log_path=args.gateway_log) as gw:
+                    with R.GatewayProcess(config, env=child_env, log_path=args.gateway_log) as gw:
                         print(f"gateway for {config} on {gw.url}", file=sys.stderr)
                         summaries.append(R.run(gw.url, suite, cases, **kwargs))
                 if len(summaries) > 1:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+
+from tailscope import env
 
 
 def cmd_replica_key(args: argparse.Namespace) -> int:
@@ -13,7 +14,7 @@ def cmd_replica_key(args: argparse.Namespace) -> int:
     from engine.link import link_key
     from tailscope.keys import check_key
 
-    fleet = os.environ.get("TAILSCOPE_REPLICA_KEY", "")
+    _, fleet = env.replica_keys()
     try:
         if not fleet:
             raise ValueError("TAILSCOPE_REPLICA_KEY (the gateway's fleet key) is not set")

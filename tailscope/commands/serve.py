@@ -7,6 +7,7 @@ import os
 import sys
 from dataclasses import replace
 
+from tailscope import env
 from tailscope.commands.common import (
     _query_limits,
     add_engine_flags,
@@ -118,8 +119,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                store_ttl_days=s.store_ttl_days,
                                store_flush_s=s.store_flush_s,
                                admin_key=s.admin_key or None,
-                               fault_store_down_file=os.environ.get(
-                                   "TAILSCOPE_FAULT_STORE_DOWN_FILE") or None,
+                               fault_store_down_file=env.fault_store_down_file(),
                                otlp_endpoint=s.otlp_endpoint or None,
                                otlp_protocol=s.otlp_protocol,
                                sampling_defaults=file.sampling_defaults if file else {},

@@ -58,7 +58,7 @@ def test_sjf_predicts_from_the_tenants_finished_lengths_per_endpoint(tiny49k, bu
     lengths on the endpoint (kept in the record's sampling_params); none before the first."""
     import json
 
-    from gateway.serving import LENGTH_EWMA
+    from gateway.prepare import LENGTH_EWMA
 
     cfg = EngineConfig(num_kv_blocks=64, block_size=16, scheduling_policy="sjf")
     with inprocess_client(tiny49k, bundled_path, cfg) as c:
