@@ -39,7 +39,7 @@ def main() -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from engine import Engine, EngineConfig, SamplingParams, load_model
+    from engine import Engine, EngineConfig, SamplingParams, load_configured
     from kernels.linear import Int4Linear
 
     torch.set_num_threads(args.threads)
@@ -47,8 +47,7 @@ def main() -> int:
     print(f"fast here: dtype {config.dtype}, weights {config.weights}, output_weights "
           f"{config.output_weights}, compile {config.compile} ({config.compile_mode})",
           flush=True)
-    model = load_model("bundled", config.dtype, weights=config.weights,
-                       output_weights=config.output_weights)
+    model = load_configured("bundled", config)
     engine = Engine(model, config)
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     prompt = list(range(100, 108))

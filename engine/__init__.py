@@ -14,7 +14,7 @@ _EXPORTS = {
     "EngineConfig": "engine.config", "ModelConfig": "engine.config",
     "Engine": "engine.llm_engine", "RequestOutput": "engine.llm_engine",
     "UnsupportedModelError": "engine.loader", "default_model_path": "engine.loader",
-    "load_model": "engine.loader",
+    "load_model": "engine.loader", "load_configured": "engine.loader",
     "OutputObserver": "engine.observer", "RequestStats": "engine.observer",
     "TimelineEvent": "engine.observer", "StepStats": "engine.observer",
     "IllegalTransition": "engine.request", "Request": "engine.request",

@@ -33,7 +33,7 @@ from engine.config import EngineConfig
 from engine.cpus import format_cpus, move_threads, parse_cpus, torch_threads
 from engine.link import ReplicaLink, link_key, unseal
 from engine.llm_engine import Engine, RequestOutput
-from engine.loader import load_model
+from engine.loader import load_configured
 from engine.profiles import PRODUCT_DEFAULT
 from engine.protocol import (
     MAX_MESSAGE_BYTES,
@@ -371,9 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(exc))
     except Exception as exc:  # a YAML syntax error in the file
         p.error(f"--engine-config-file {args.engine_config_file}: {exc}")
-    model = load_model(args.model, config.dtype, batch_invariant=config.batch_invariant,
-                       weights=config.weights,
-                       output_weights=config.output_weights)
+    model = load_configured(args.model, config)
     grammar = None
     if args.tokenizer:
         from engine.constrained import GrammarCompiler

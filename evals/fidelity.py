@@ -71,10 +71,9 @@ def engine_of(spec: str):
 
 
 def load(config, model_path: str):
-    from engine import load_model
+    from engine import load_configured
 
-    return load_model(model_path, config.dtype, batch_invariant=config.batch_invariant,
-                      weights=config.weights, output_weights=config.output_weights)
+    return load_configured(model_path, config)
 
 
 def measure(model, reference, ids: list[int], window: int = 512) -> Fidelity:

@@ -86,6 +86,43 @@ class GatewayConfig:
     # ("*": any); empty: no CORS headers (a browser page of another origin cannot read answers)
     cors_origins: tuple[str, ...] = ()
 
+    @classmethod
+    def from_settings(cls, settings, **given) -> GatewayConfig:
+        """The config that ``settings`` (``tailscope.settings.Settings``: the environment over
+        the defaults) make, with ``given`` (what the command line and the deployment file
+        decided) on top. A setting is the field of the same name (``RENAMED``: another
+        name); the request and query limits are built from theirs; a field that may be None
+        is None where its setting is empty, ``none`` or 0 (no limit); the ``PARSED``
+        settings must be given, parsed."""
+        missing = [name for name in PARSED if name not in given]
+        if missing:
+            raise TypeError(f"from_settings needs {missing} given, parsed")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values: dict = {}
+        for f in dataclasses.fields(settings):
+            name = RENAMED.get(f.name, f.name)
+            if name in given or name not in fields:
+                continue
+            value = getattr(settings, f.name)
+            if "None" in str(fields[name].type) and (
+                    value in ("", 0) or str(value).lower() == "none"):
+                value = None
+            values[name] = value
+        values["limits"] = RequestLimits(**{
+            f.name: getattr(settings, f.name) for f in dataclasses.fields(RequestLimits)})
+        values["query_limits"] = QueryLimits(**{
+            f.name: getattr(settings, "query_" + f.name)
+            for f in dataclasses.fields(QueryLimits)})
+        return cls(**{**values, **given})
+
+
+# Settings that GatewayConfig holds under another name; those the command line parses into
+# another type first (``from_settings`` needs them given); those that are not the gateway's
+# (the CLI's, and the replicas' own, which they read from the environment they inherit)
+RENAMED = {"config": "tenants_file", "store_max_queue_mb": "max_queue_mb"}
+PARSED = ("remote_replicas", "cors_origins", "instance_id")
+NOT_GATEWAY = ("threads", "gateway_url")
+
 
 # a backend's settings that change neither outputs nor timings (config ids stay as they were)
 NOT_CONFIG = ("api_key_env", "max_response_mb", "max_line_kb")

@@ -63,6 +63,16 @@ def load_weights(model: str | Path | None) -> tuple[ModelConfig, dict[str, Weigh
     raise UnsupportedModelError(f"{path}: expected a .gguf file or an HF model directory")
 
 
+# the EngineConfig fields that shape the loaded model (``load_configured`` passes them on)
+MODEL_FIELDS = ("dtype", "batch_invariant", "weights", "output_weights")
+
+
+def load_configured(model: str | Path | None, config) -> LlamaModel:
+    """The model as ``config`` (an ``EngineConfig``) shapes it: how the engine's processes
+    load it, so a setting that shapes the model is read here and nowhere else."""
+    return load_model(model, **{name: getattr(config, name) for name in MODEL_FIELDS})
+
+
 def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "float32",
                batch_invariant: bool = False, weights: str = "native",
                output_weights: str = "native") -> LlamaModel:

@@ -18,7 +18,7 @@ from tailscope.settings import Settings
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from engine import Engine, SamplingParams, load_model
+    from engine import Engine, SamplingParams, load_configured
     from engine.constrained import GrammarCompiler
     from engine.loader.paths import TINY, resolve_model_path
     from engine.sampling_params import StructuredOutput
@@ -35,9 +35,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    model = load_model(path, config.dtype, batch_invariant=config.batch_invariant,
-                       weights=config.weights,
-                       output_weights=config.output_weights)
+    model = load_configured(path, config)
     tokenizer = load_tokenizer(path)
     structured = None
     if args.json_schema is not None:

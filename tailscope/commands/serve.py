@@ -9,7 +9,6 @@ from dataclasses import replace
 
 from tailscope import env
 from tailscope.commands.common import (
-    _query_limits,
     add_engine_flags,
     engine_config,
 )
@@ -59,7 +58,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
     from gateway.app import GatewayConfig, create_app, prepare_replicas
-    from gateway.limits import RequestLimits
     from tracing.store_server import uvicorn_server
 
     os.umask(0o077)  # the store, spool, records and key-id secret are readable by us alone
@@ -95,61 +93,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:  # a config the gateway refuses (e.g. one model name served twice) is an error
-        config = GatewayConfig(model=s.model, tokenizer=args.tokenizer,
-                               served_model_name=served,
-                               replicas=args.replicas if args.replicas is not None
-                               else (file and file.replicas) or (0 if remote else 1),
-                               engine=engine,
-                               tenants_file=args.config or s.config,
-                               max_inflight_per_replica=args.max_inflight,
-                               queue_timeout_s=(args.queue_timeout if args.queue_timeout
-                                                is not None else s.queue_timeout_s) or None,
-                               max_buffered_deltas=s.max_buffered_deltas,
-                               slow_client_timeout_s=s.slow_client_timeout_s,
-                               records_jsonl=args.records_jsonl or s.records_jsonl or None,
-                               record_token_ids=s.record_token_ids,
-                               detail_sample=s.detail_sample,
-                               detail_quantile=s.detail_quantile,
-                               detail_warmup=s.detail_warmup,
-                               store_dsn=None if s.store_dsn.lower() in ("", "none")
-                               else s.store_dsn,
-                               store_key=s.store_key or None,
-                               store_process=s.store_process,
-                               spool_dir=s.spool_dir or None,
-                               store_ttl_days=s.store_ttl_days,
-                               store_flush_s=s.store_flush_s,
-                               admin_key=s.admin_key or None,
-                               fault_store_down_file=env.fault_store_down_file(),
-                               otlp_endpoint=s.otlp_endpoint or None,
-                               otlp_protocol=s.otlp_protocol,
-                               sampling_defaults=file.sampling_defaults if file else {},
-                               sampling_overrides=file.sampling_overrides if file else {},
-                               config_name=file.name if file else "",
-                               max_body_bytes=s.max_body_bytes,
-                               responses_store_mb=s.responses_store_mb,
-                               limits=RequestLimits(
-                                   max_messages=s.max_messages,
-                                   max_stop_strings=s.max_stop_strings,
-                                   max_stop_chars=s.max_stop_chars,
-                                   max_logit_bias=s.max_logit_bias,
-                                   max_stop_token_ids=s.max_stop_token_ids,
-                                   max_allowed_token_ids=s.max_allowed_token_ids,
-                                   max_json_depth=s.max_json_depth,
-                                   max_schema_bytes=s.max_schema_bytes,
-                                   max_batch_prompts=s.max_batch_prompts),
-                               query_limits=_query_limits(s),
-                               request_timeout_s=s.request_timeout_s or None,
-                               heartbeat_timeout_s=s.heartbeat_timeout_s,
-                               max_queue_mb=s.store_max_queue_mb,
-                               key_id_secret=s.key_id_secret or None,
-                               backends=backends, freeze_gc=True,
-                               gc_threshold=s.gc_threshold,
-                               instance_id=instance_id(s.instance_id, args.port),
-                               remote_replicas=remote,
-                               replica_outbox=s.replica_outbox or None,
-                               replica_key=s.replica_key or None,
-                               replica_cpus=s.replica_cpus,
-                               cors_origins=cors_origins(s.cors_origins))
+        config = GatewayConfig.from_settings(
+            s, tokenizer=args.tokenizer, served_model_name=served,
+            replicas=args.replicas if args.replicas is not None
+            else (file and file.replicas) or (0 if remote else 1),
+            engine=engine, tenants_file=args.config or s.config or None,
+            max_inflight_per_replica=args.max_inflight,
+            queue_timeout_s=(args.queue_timeout if args.queue_timeout is not None
+                             else s.queue_timeout_s) or None,
+            records_jsonl=args.records_jsonl or s.records_jsonl or None,
+            fault_store_down_file=env.fault_store_down_file(),
+            sampling_defaults=file.sampling_defaults if file else {},
+            sampling_overrides=file.sampling_overrides if file else {},
+            config_name=file.name if file else "", backends=backends, freeze_gc=True,
+            instance_id=instance_id(s.instance_id, args.port), remote_replicas=remote,
+            cors_origins=cors_origins(s.cors_origins))
         if args.prepare_only:
             return prepare_replicas(config)
         app = create_app(config)

@@ -307,7 +307,7 @@ def test_weight_bytes_counts_what_a_batch_1_step_reads():
 
 
 def test_the_weights_setting_is_checked():
-    # (an env var, a flag, a YAML key and part of config_id: tests/test_engine_settings.py)
+    # (an env var, a flag, a YAML key and part of config_id: tests/cli/test_settings.py)
     with pytest.raises(ValueError, match="weights must be one of"):
         EngineConfig(weights="int3")
     with pytest.raises(ValueError, match="output_weights must be one of"):

@@ -104,7 +104,7 @@ def test_the_replica_receives_the_whole_config(bundled_path):
 
 
 @pytest.mark.parametrize("path", sorted(
-    (Path(__file__).resolve().parents[1] / "evals" / "configs").glob("*.yaml")),
+    (Path(__file__).resolve().parents[2] / "evals" / "configs").glob("*.yaml")),
     ids=lambda p: p.stem)
 def test_the_shipped_eval_configs_load(path):
     file = load(path)
@@ -118,7 +118,7 @@ def test_the_shipped_eval_configs_load(path):
 def test_the_documented_backend_configs_load(name):
     from pathlib import Path
 
-    file = load(Path(__file__).resolve().parents[1] / "deploy" / "backends" / f"{name}.yaml")
+    file = load(Path(__file__).resolve().parents[2] / "deploy" / "backends" / f"{name}.yaml")
     assert file.backends and all(b.url.startswith("http") and b.model for b in file.backends)
 
 
@@ -150,3 +150,47 @@ def test_dtype_auto_is_resolved_where_the_config_is_made(tmp_path, monkeypatch):
     f.write_text("engine: {dtype: bf8}")
     with pytest.raises(ConfigFileError, match="or auto"):
         load(f)
+
+
+def _other_value(f):
+    """A value of setting ``f`` other than its default, as the environment would give it."""
+    default = f.default
+    if isinstance(default, bool):
+        return "0" if default else "1"
+    if isinstance(default, (int, float)):
+        return str(default + 7)
+    return "tcp://127.0.0.1:1" if f.name == "replica_outbox" else f"x-{f.name}"
+
+
+def test_every_gateway_setting_reaches_the_gateway_config(monkeypatch):
+    """One declaration per gateway setting: its field in ``Settings`` is its environment
+    variable, and ``GatewayConfig.from_settings`` carries it (same name, a renamed field, or a
+    limits group) with nothing else to edit; a setting the gateway does not hold is listed."""
+    import dataclasses
+
+    from gateway.config import NOT_GATEWAY, PARSED, RENAMED
+
+    fields = [f for f in dataclasses.fields(Settings) if f.name != "engine"]
+    for f in fields:
+        monkeypatch.setenv(f"TAILSCOPE_{f.name.upper()}", _other_value(f))
+    s = Settings.from_env()
+    config = GatewayConfig.from_settings(s, **{name: () for name in PARSED})
+    held = {**dataclasses.asdict(config), **dataclasses.asdict(config.limits),
+            **{"query_" + k: v for k, v in dataclasses.asdict(config.query_limits).items()}}
+    for f in fields:
+        if f.name in PARSED or f.name in NOT_GATEWAY:
+            continue
+        got = held[RENAMED.get(f.name, f.name)]
+        assert got == getattr(s, f.name) != f.default, f.name
+    with pytest.raises(TypeError, match="given, parsed"):
+        GatewayConfig.from_settings(s)
+
+
+def test_an_empty_or_zero_setting_is_none_where_the_config_takes_none(monkeypatch):
+    monkeypatch.setenv("TAILSCOPE_STORE_DSN", "none")
+    monkeypatch.setenv("TAILSCOPE_REQUEST_TIMEOUT_S", "0")
+    from gateway.config import PARSED
+
+    config = GatewayConfig.from_settings(Settings.from_env(), **{n: () for n in PARSED})
+    assert config.store_dsn is None and config.request_timeout_s is None
+    assert config.admin_key is None and config.spool_dir is None  # "" by default
