@@ -4,7 +4,7 @@ external backends.
 ``create_app`` only wires: the running gateway's parts (``gateway.runtime.Gateway``: the
 ``Service``, the replicas, the tenants, the record sinks, ``/metrics``) behind
 ``TraceMiddleware`` (ids, traceparent, body limit, one record per request) and CORS, the error
-handlers, and the route modules (``gateway.routes``, ``gateway.store_api``). The
+handlers, and the route modules (``gateway.routes``). The
 configuration is ``gateway.config`` (re-exported here).
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway import store_api
 from gateway.backend import Backend
 from gateway.config import (  # noqa: F401  (re-exported: the CLI's and tests' names)
     NOT_CONFIG,
@@ -25,7 +24,7 @@ from gateway.config import (  # noqa: F401  (re-exported: the CLI's and tests' n
     tokenizer_path,
 )
 from gateway.errors import APIError, api_error_handler, http_error_handler
-from gateway.routes import api, debug, models, ops
+from gateway.routes import api, debug, models, ops, store
 from gateway.runtime import Gateway
 from gateway.trace import TraceMiddleware
 from tailscope.keys import check_key
@@ -90,11 +89,8 @@ def create_app(config: GatewayConfig, extra_sinks: list[RecordSink] | None = Non
                        instance=config.instance_id)
     if config.cors_origins:  # outermost: a preflight is answered before tracing and auth
         app.add_middleware(ApiCORS, origins=config.cors_origins)
-    for family in (ops, debug):
+    for family in (ops, debug, store, models):
         app.include_router(family.router)
-    store_api.register(app, gw.handle, gw.memory, gw.require_admin, gw.writer,
-                       gw.versions["config_id"], config.served_model_name)
-    app.include_router(models.router)
     api.register(app)
 
     def openapi() -> dict:  # built once, on first request (gateway.openapi)

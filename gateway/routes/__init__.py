@@ -1,5 +1,5 @@
 """The gateway's routes, one module per family: ``ops`` (health, version, readiness,
-metrics), ``debug`` (config, replicas, bench runs; the store's are ``gateway.store_api``),
+metrics), ``debug`` (config, replicas, bench-run tokens), ``store`` (the store's admin endpoints),
 ``models`` (model cards, the tokenizer), ``api`` (the OpenAI API and vLLM's tokenizer
 endpoints). Handlers reach the running gateway (``gateway.runtime.Gateway``) through
 ``request.app.state.gw``."""

@@ -1,5 +1,5 @@
 """The gateway's own debug endpoints: its resolved config, its replicas and backends, and
-bench-run tokens (the store's endpoints are ``gateway.store_api``)."""
+bench-run tokens (the store's endpoints are ``gateway.routes.store``)."""
 
 from __future__ import annotations
 
