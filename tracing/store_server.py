@@ -74,62 +74,63 @@ def _write_inbox_file(inbox: Path, table: str, data: pa.Table) -> Path:
     return path
 
 
-def create_app(store: Store, key: str | None = None, inbox: Path | None = None):
-    """The store process's HTTP app over an open (migrated) ``store``; ``inbox``: the
+class StoreApp:
+    """The store process's endpoints over an open (migrated) ``store``; ``inbox``: the
     directory whose Arrow files ``/v1/insert/{table}?file=NAME`` inserts."""
-    app = FastAPI(title="Tailscope store", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.inserts = 0
 
+    def __init__(self, store: Store, key: str | None, inbox: Path | None) -> None:
+        self.store, self.key, self.inbox = store, key, inbox
+        self.inserts = 0  # batches inserted (``/health`` reports it)
+
+    @staticmethod
     def error(status: int, message: str, code: str, **extra) -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": "store_error",
                                        "code": code}, **extra}, status_code=status)
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
+    async def authenticate(self, request: Request, call_next):
         if request.url.path != "/health":
             auth = (request.headers.get("authorization") or "").encode()
-            if key:
-                if not hmac.compare_digest(auth, f"Bearer {key}".encode()):
-                    return error(401, "a valid store key is required (TAILSCOPE_STORE_KEY)",
-                                 "invalid_store_key")
+            if self.key:
+                if not hmac.compare_digest(auth, f"Bearer {self.key}".encode()):
+                    return self.error(401, "a valid store key is required "
+                                      "(TAILSCOPE_STORE_KEY)", "invalid_store_key")
             elif (request.client.host if request.client else "") not in LOOPBACK:
-                return error(403, "without TAILSCOPE_STORE_KEY the store serves loopback "
-                             "clients only", "loopback_only")
+                return self.error(403, "without TAILSCOPE_STORE_KEY the store serves "
+                                  "loopback clients only", "loopback_only")
         return await call_next(request)
 
-    def failure(exc: Exception, **extra) -> JSONResponse:
+    def failure(self, exc: Exception, **extra) -> JSONResponse:
         if isinstance(exc, QueryRefused):
-            return error(400, str(exc), "query_refused", **extra)
+            return self.error(400, str(exc), "query_refused", **extra)
         if isinstance(exc, StoreError):
-            return error(503, str(exc), "store_unavailable", **extra)
+            return self.error(503, str(exc), "store_unavailable", **extra)
         # ClickHouse's own errors (bad SQL, a bad batch): the caller's
-        return error(400, str(exc).strip().splitlines()[0][:500] if str(exc)
-                     else type(exc).__name__, "store_error", **extra)
+        return self.error(400, str(exc).strip().splitlines()[0][:500] if str(exc)
+                          else type(exc).__name__, "store_error", **extra)
 
-    async def run(fn, *args):
+    async def run(self, fn, *args):
         try:
             return await asyncio.to_thread(fn, *args)
         except Exception as exc:
-            return failure(exc)
+            return self.failure(exc)
 
-    async def json_of(request: Request) -> dict | None:
+    async def json_of(self, request: Request) -> dict | None:
         try:
             body = await request.json()
         except ValueError:
             return None
         return body if isinstance(body, dict) else None
 
-    @app.get("/health")
-    async def health() -> dict:
-        return {"ok": True, "dsn": store.dsn, "inserts": app.state.inserts}
+    async def health(self) -> dict:
+        return {"ok": True, "dsn": self.store.dsn, "inserts": self.inserts}
 
-    def inbox_file(file) -> Path | None:
+    def inbox_file(self, file) -> Path | None:
         """The inbox's file of that name (what RemoteStore writes), or None."""
-        if isinstance(file, str) and INBOX_FILE.fullmatch(file) and (inbox / file).is_file():
-            return inbox / file
+        if isinstance(file, str) and INBOX_FILE.fullmatch(file) and (self.inbox / file).is_file():
+            return self.inbox / file
         return None
 
-    def insert_files(batch: list[tuple[str, Path, str | None]]
+    def insert_files(self, batch: list[tuple[str, Path, str | None]]
                      ) -> tuple[list[str], int, Exception | None]:
         """Insert each file in order, stopping at the first that fails; every file is deleted
         either way (inserted or not: the client keeps its own copy). Returns the tables
@@ -137,7 +138,7 @@ def create_app(store: Store, key: str | None = None, inbox: Path | None = None):
         done, rows = [], 0
         try:
             for table, path, token in batch:
-                rows += store.insert_file(table, path, token)
+                rows += self.store.insert_file(table, path, token)
                 done.append(table)
         except Exception as exc:
             return done, rows, exc
@@ -146,90 +147,99 @@ def create_app(store: Store, key: str | None = None, inbox: Path | None = None):
                 path.unlink(missing_ok=True)
         return done, rows, None
 
-    @app.post("/v1/insert")
-    async def insert_batch(request: Request):
+    async def insert_batch(self, request: Request):
         """A writer's flush in one call: ``{"batch": [{"table", "file", "token"}, ...]}``,
         inbox files inserted in order (one HTTP request, not one per table: each cost the store
         process's event loop ~1.1 ms of CPU)."""
-        if inbox is None:
-            return error(400, "this store process has no inbox (--inbox): send each table to "
-                         "/v1/insert/{table} as the request body", "no_inbox")
-        items = (await json_of(request) or {}).get("batch")
+        if self.inbox is None:
+            return self.error(400, "this store process has no inbox (--inbox): send each table "
+                              "to /v1/insert/{table} as the request body", "no_inbox")
+        items = (await self.json_of(request) or {}).get("batch")
         if not isinstance(items, list) or not items or not all(
                 isinstance(i, dict) and isinstance(i.get("token"), str | None) for i in items):
-            return error(400, 'body: {"batch": [{"table": "...", "file": "...", "token": '
-                         '"..."}, ...]}', "bad_body")
+            return self.error(400, 'body: {"batch": [{"table": "...", "file": "...", "token": '
+                              '"..."}, ...]}', "bad_body")
         batch = []
         for item in items:
             table, file = item.get("table"), item.get("file")
             if table not in TABLES:
-                return error(400, f"unknown table {table!r}", "unknown_table")
-            if (path := inbox_file(file)) is None:
-                return error(400, f"no file {file!r} in the inbox", "bad_batch")
+                return self.error(400, f"unknown table {table!r}", "unknown_table")
+            if (path := self.inbox_file(file)) is None:
+                return self.error(400, f"no file {file!r} in the inbox", "bad_batch")
             batch.append((table, path, item.get("token") or None))
-        done, rows, exc = await asyncio.to_thread(insert_files, batch)
-        app.state.inserts += len(done)
+        done, rows, exc = await asyncio.to_thread(self.insert_files, batch)
+        self.inserts += len(done)
         if exc is not None:
-            return failure(exc, inserted=done)
+            return self.failure(exc, inserted=done)
         return {"inserted": done, "rows": rows}
 
-    @app.post("/v1/insert/{table}")
-    async def insert(table: str, request: Request, token: str | None = None,
+    async def insert(self, table: str, request: Request, token: str | None = None,
                      file: str | None = None):
         if table not in TABLES:
-            return error(400, f"unknown table {table!r}", "unknown_table")
+            return self.error(400, f"unknown table {table!r}", "unknown_table")
         if file is not None:
-            if inbox is None:
-                return error(400, "this store process has no inbox (--inbox): send the batch "
-                             "as the request body", "no_inbox")
-            if (path := inbox_file(file)) is None:
-                return error(400, f"no file {file!r} in the inbox", "bad_batch")
-            _, rows, exc = await asyncio.to_thread(insert_files, [(table, path, token or None)])
+            if self.inbox is None:
+                return self.error(400, "this store process has no inbox (--inbox): send the "
+                                  "batch as the request body", "no_inbox")
+            if (path := self.inbox_file(file)) is None:
+                return self.error(400, f"no file {file!r} in the inbox", "bad_batch")
+            _, rows, exc = await asyncio.to_thread(self.insert_files,
+                                                   [(table, path, token or None)])
             if exc is not None:
-                return failure(exc)
-            app.state.inserts += 1
+                return self.failure(exc)
+            self.inserts += 1
             return {"table": table, "rows": rows}
         body = await request.body()
         try:
             data = ipc.open_stream(body).read_all()
         except (pa.ArrowInvalid, OSError) as exc:
-            return error(400, f"body is not an Arrow IPC stream: {exc}", "bad_batch")
-        out = await run(store.insert, table, data, token or None)
+            return self.error(400, f"body is not an Arrow IPC stream: {exc}", "bad_batch")
+        out = await self.run(self.store.insert, table, data, token or None)
         if isinstance(out, Response):
             return out
-        app.state.inserts += 1
+        self.inserts += 1
         return {"table": table, "rows": data.num_rows}
 
-    @app.post("/v1/select")
-    async def select(request: Request):
-        body = await json_of(request) or {}
+    async def select(self, request: Request):
+        body = await self.json_of(request) or {}
         sql, params = body.get("sql"), body.get("params") or None
         if not isinstance(sql, str) or not isinstance(params, dict | None):
-            return error(400, "body: {\"sql\": \"SELECT ...\", \"params\": {...}}", "bad_body")
+            return self.error(400, "body: {\"sql\": \"SELECT ...\", \"params\": {...}}", "bad_body")
         qid = body.get("query_id") or None
         if body.get("format") == "arrow":
-            out = await run(store.select_arrow, sql, params, qid)
+            out = await self.run(self.store.select_arrow, sql, params, qid)
             return out if isinstance(out, Response) else Response(
                 _arrow_bytes(out), media_type="application/vnd.apache.arrow.stream")
-        out = await run(store.select, sql, params, qid)
+        out = await self.run(self.store.select, sql, params, qid)
         if isinstance(out, Response):
             return out
         cols, rows = out
         return JSONResponse({"columns": cols, "rows": jsonable([list(r) for r in rows])})
 
-    @app.post("/v1/cancel")
-    async def cancel(request: Request):
-        out = await run(store.cancel, (await json_of(request) or {}).get("query_id") or None)
+    async def cancel(self, request: Request):
+        query_id = (await self.json_of(request) or {}).get("query_id") or None
+        out = await self.run(self.store.cancel, query_id)
         return out if isinstance(out, Response) else {"cancelled": True}
 
-    @app.post("/v1/delete-tenant")
-    async def delete_tenant(request: Request):
-        tenant = (await json_of(request) or {}).get("tenant")
+    async def delete_tenant(self, request: Request):
+        tenant = (await self.json_of(request) or {}).get("tenant")
         if not isinstance(tenant, str) or not tenant:
-            return error(400, "body: {\"tenant\": \"...\"}", "bad_body")
-        out = await run(store.delete_tenant, tenant)
+            return self.error(400, "body: {\"tenant\": \"...\"}", "bad_body")
+        out = await self.run(self.store.delete_tenant, tenant)
         return out if isinstance(out, Response) else {"deleted_requests": out}
 
+
+def create_app(store: Store, key: str | None = None, inbox: Path | None = None):
+    """The store process's HTTP app (``StoreApp``'s endpoints)."""
+    s = StoreApp(store, key, inbox)
+    app = FastAPI(title="Tailscope store", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.store_app = s
+    app.middleware("http")(s.authenticate)
+    app.get("/health")(s.health)
+    for path, handler in (("/v1/insert", s.insert_batch), ("/v1/insert/{table}", s.insert),
+                          ("/v1/select", s.select), ("/v1/cancel", s.cancel),
+                          ("/v1/delete-tenant", s.delete_tenant)):
+        app.post(path)(handler)
     return app
 
 
