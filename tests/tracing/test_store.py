@@ -457,10 +457,12 @@ def test_writer_keeps_going_after_an_unexpected_error(store, tmp_path):
         w._replay = real_replay
         raise RuntimeError("injected replay fault")
 
+    assert w.flush(10)  # its start-up look at the spool is over: the thread waits, idle
     w._tables, w._replay = tables_fault, replay_fault
+    w._spool_dirty = True  # so that its next round looks at the spool (the replay fault)
     first = make_record()
     w.emit(first)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60  # left as soon as both are seen; a bound, not a margin
     # both faults counted and the batch set aside (the error is counted before its rows are
     # written to the dead-letter file: waiting on the count alone raced with that write)
     while (w.stats["writer_errors"] < 2 or w.stats["dead_lettered"] < 1) \
