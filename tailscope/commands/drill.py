@@ -11,11 +11,12 @@ from tailscope.settings import Settings
 
 def cmd_drill(args: argparse.Namespace) -> int:
     """Serve the Streamlit drill-down on a data source (default: the running gateway)."""
-    from pathlib import Path
+    import importlib.util
 
     s = Settings.from_env()
     source = args.source or (f"gateway:{args.url or s.gateway_url}")
-    app = Path(__file__).resolve().parent.parent / "dashboards" / "drill.py"
+    # the app's file, found where the package is installed (not imported: Streamlit runs it)
+    app = importlib.util.find_spec("dashboards.drill").origin
     env = {**os.environ, "TAILSCOPE_DRILL_SOURCE": source}
     cmd = [sys.executable, "-m", "streamlit", "run", str(app), "--server.port", str(args.port),
            "--server.address", args.host, "--server.headless", "true",

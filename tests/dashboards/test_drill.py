@@ -262,13 +262,14 @@ def test_stopping_tailscope_drill_leaves_no_streamlit_behind():
                              "--source", "gateway:http://127.0.0.1:9"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        deadline, healthy = time.monotonic() + 120, False
+        while not healthy and time.monotonic() < deadline and proc.poll() is None:
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/_stcore/health", timeout=1).is_success:
-                    break
+                healthy = httpx.get(f"http://127.0.0.1:{port}/_stcore/health",
+                                    timeout=1).is_success
             except httpx.HTTPError:
                 time.sleep(0.3)
+        assert healthy, f"the drill-down never answered (exit code {proc.poll()})"
         family = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=20)
