@@ -94,7 +94,7 @@ def test_client_that_never_reads_is_cancelled_and_its_kv_freed(bp_server):
 @pytest.fixture(scope="module")
 def impatient_server(bundled_path):
     """Buffers of 8 deltas and a paused request cancelled after 0.5 s: a choice left unread
-    while another one generates its 1,000 tokens (over a second here) would be cancelled."""
+    while another one generates its 150 tokens (seconds here) would be cancelled."""
     server = start_server("--model", "tiny:49152", "--tokenizer", str(bundled_path),
                           env={"TAILSCOPE_MAX_BUFFERED_DELTAS": "8",
                                "TAILSCOPE_SLOW_CLIENT_TIMEOUT_S": "0.5"})
@@ -108,10 +108,10 @@ def test_a_non_streamed_request_reads_all_its_choices_as_they_come(impatient_ser
     the first choice is still generating (choices read one after the other were: a 500)."""
     server = impatient_server
     r = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
-        "model": server.model, "prompt": "Once upon a time", "n": 4, "max_tokens": 1000,
+        "model": server.model, "prompt": "Once upon a time", "n": 4, "max_tokens": 150,
         "ignore_eos": True})
     assert r.status_code == 200, r.text
     assert [c["finish_reason"] for c in r.json()["choices"]] == ["length"] * 4
-    assert r.json()["usage"]["completion_tokens"] == 4 * 1000
+    assert r.json()["usage"]["completion_tokens"] == 4 * 150
     info = replicas(server.url)["r0"]
     assert info["ended"].get("CANCELLED", 0) == 0 and info["paused"] == 0
