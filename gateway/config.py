@@ -16,7 +16,7 @@ from gateway import replicas
 from gateway.backend import Backend, NoReplicas
 from gateway.limits import RequestLimits
 from gateway.replicas import ReplicaPool
-from gateway.upstream import UpstreamConfig
+from gateway.upstream_config import UpstreamConfig
 from tailscope.keys import redact_url
 from tracing.store import QueryLimits
 

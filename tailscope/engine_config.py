@@ -19,7 +19,7 @@ policy, so an eval run (or a rollout) is reproducible from the file alone::
         model: llama-3-8b            # the model name clients send
         upstream_model: meta-llama/Meta-Llama-3-8B-Instruct
         api_key_env: VLLM_KEY        # optional; timeouts, max_concurrency, eject_*,
-                                     # probe_interval_s too (gateway.upstream.UpstreamConfig)
+                                     # probe_interval_s too (gateway.upstream_config.UpstreamConfig)
 
 ``tailscope serve --engine-config FILE`` starts a gateway with it; the gateway's ``config_id``
 (on every request record and in ``GET /debug/config``) is a hash of the resolved config.
@@ -51,7 +51,7 @@ class EngineConfigFile:
     engine: dict[str, Any] = field(default_factory=dict)  # the settings the file gives
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     sampling_overrides: dict[str, Any] = field(default_factory=dict)
-    backends: tuple = ()  # of gateway.upstream.UpstreamConfig
+    backends: tuple = ()  # of gateway.upstream_config.UpstreamConfig
 
 
 def load(path: str | Path) -> EngineConfigFile:
@@ -89,7 +89,7 @@ def load(path: str | Path) -> EngineConfigFile:
     backends = data.get("backends") or []
     if not isinstance(backends, list) or not all(isinstance(b, dict) for b in backends):
         raise ConfigFileError(f"{path}: backends must be a list of mappings")
-    from gateway.upstream import UpstreamConfig
+    from gateway.upstream_config import UpstreamConfig
 
     try:
         parsed = tuple(UpstreamConfig.from_mapping(b, f"{path}: backends[{i}]")

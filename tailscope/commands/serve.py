@@ -78,7 +78,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     served = args.served_model_name or (file and file.served_model_name) \
         or "SmolLM2-135M-Instruct"
-    from gateway.upstream import UpstreamConfig
+    from gateway.upstream_config import UpstreamConfig
 
     try:
         backends = (*(file.backends if file else ()),
@@ -153,7 +153,7 @@ def add_parser(sub) -> None:
                          "(repeatable); keys: model (default NAME), upstream_model, "
                          "api_key_env, max_concurrency, connect_timeout_s, "
                          "first_byte_timeout_s, idle_timeout_s, eject_after, eject_s, "
-                         "probe_interval_s (gateway.upstream.UpstreamConfig)")
+                         "probe_interval_s (gateway.upstream_config.UpstreamConfig)")
     sv.add_argument("--config", help="TOML file with [[tenants]] (API keys and limits)")
     sv.add_argument("--max-inflight", type=int,
                     help="in-flight requests per replica before new ones get 503 "

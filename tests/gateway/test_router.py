@@ -55,7 +55,7 @@ def test_shedding_exclusion_and_the_preferred_replica():
 
 
 def test_backend_flags_and_yaml_entries_are_checked():
-    from gateway.upstream import UpstreamConfig
+    from gateway.upstream_config import UpstreamConfig
 
     c = UpstreamConfig.parse_flag("vllm=http://gpu:8000,upstream_model=meta/llama,"
                                   "max_concurrency=8,idle_timeout_s=2.5")
