@@ -75,6 +75,7 @@ def main() -> int:
 
     from tracing import queries as Q
     from tracing.store import Store
+    from tracing.why import why
 
     store = Store(f"chdb://{tempfile.mkdtemp(prefix='tailscope-drill-bench-')}/store")
     store.migrate()
@@ -99,7 +100,7 @@ def main() -> int:
                                       by="tenant"),
         "slowest 50": lambda: Q.slowest(store, start, end, limit=50),
         "trace": lambda: Q.trace(store, trace_id),
-        "why (40 tokens over 40 steps with members)": lambda: Q.why(store, victim, top=5),
+        "why (40 tokens over 40 steps with members)": lambda: why(store, victim, top=5),
         "compare_windows e2e by neighbour_tenant (hour vs hour)":
             lambda: Q.compare_windows(store, (hour - dt.timedelta(hours=1), hour), (hour, end),
                                       "e2e_ms", by="neighbour_tenant"),

@@ -476,8 +476,8 @@ def conversion(n: int, rounds: int = 3) -> tuple[float, float]:
 
     import pyarrow as pa
 
+    from tracing.arrow import arrow_type, records_to_arrow
     from tracing.schema import TABLES
-    from tracing.store import arrow_type, records_to_arrow
 
     def plain(records):
         def table(name, rows):
@@ -581,8 +581,9 @@ def store_steady(flushes: int, base: float | None, batch: int = 600, gap_s: floa
     most parts a table held at the looks taken every 25 flushes."""
     import uuid
 
+    from tracing.arrow import records_to_arrow, to_arrow, write_arrow_file
     from tracing.schema import MERGE_SETTINGS, TABLES
-    from tracing.store import Store, records_to_arrow, to_arrow, write_arrow_file
+    from tracing.store import Store
 
     d = Path(tempfile.mkdtemp(prefix="tailscope-merges-"))
     store = Store(f"chdb://{d}/store")
@@ -731,7 +732,7 @@ def main() -> int:
                     help="the gateways' model: tiny (the gateway's own cost dominates) or the "
                          "bundled SmolLM2 (the engine's does)")
     args = ap.parse_args()
-    from tracing.store import skip_pandas_probe, use_arrow_pool
+    from tracing.arrow import skip_pandas_probe, use_arrow_pool
 
     skip_pandas_probe()  # as the gateway and the store process do
     use_arrow_pool()

@@ -28,7 +28,8 @@ def seed(dsn: str) -> str:
     code = f"""
 import datetime as dt, sys
 sys.path.insert(0, {str(ROOT)!r})
-from tracing.store import Store, records_to_arrow
+from tracing.arrow import records_to_arrow
+from tracing.store import Store
 from tracing.seed import synthetic_records, synthetic_steps
 s = Store({dsn!r}); s.migrate()
 now = dt.datetime.now(dt.UTC)

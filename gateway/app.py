@@ -28,8 +28,8 @@ from gateway.routes import api, debug, models, ops, store
 from gateway.runtime import Gateway
 from gateway.trace import TraceMiddleware
 from tailscope.keys import check_key
+from tracing.arrow import skip_pandas_probe, use_arrow_pool
 from tracing.sinks import RecordSink
-from tracing.store import skip_pandas_probe, use_arrow_pool
 
 # traced: one record each (a completions batch: one per prompt)
 API_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})

@@ -40,7 +40,7 @@ class _GcCollector:
 class _ArrowCollector:
     """``tailscope:arrow_allocated_bytes{pool}``: what pyarrow's default memory pool holds now
     (the record writer's batches between conversion and insert), by the pool's backend
-    (``tracing.store.use_arrow_pool``)."""
+    (``tracing.arrow.use_arrow_pool``)."""
 
     def collect(self):
         pool = pa.default_memory_pool()

@@ -19,6 +19,7 @@ import hashlib
 import logging
 import shutil
 import tempfile
+import weakref
 from collections.abc import Callable
 
 import msgspec
@@ -52,6 +53,11 @@ class ZmqTransport:
         self.dir = tempfile.mkdtemp(prefix="tailscope-")
         self.outbox_addr = f"ipc://{self.dir}/gateway.out"
         self.outbox = self.ctx.socket(zmq.PULL)
+        self._sockets = [self.outbox]  # every socket opened, closed by ``_shut``
+        # closed when this transport is collected without ``close`` (a gateway app built but
+        # never started): left to the garbage collector, the context's own finalizer found
+        # its sockets' weak references already cleared and waited in term() forever
+        self._shut = weakref.finalize(self, _shut, self.ctx, self._sockets, self.dir)
         self.outbox.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self.outbox.bind(self.outbox_addr)
         if outbox_bind:
@@ -84,6 +90,7 @@ class ZmqTransport:
                 raise ValueError(f"replica id {replica_id[:40]!r}... is over 255 bytes")
             self._links[replica_id] = GatewayLink(link_key(self.key, replica_id))
         sock = self.ctx.socket(zmq.PUSH)
+        self._sockets.append(sock)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         sock.connect(self.inbox_addr(replica_id))
@@ -174,8 +181,13 @@ class ZmqTransport:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             asyncio.get_running_loop().remove_reader(self.outbox.getsockopt(zmq.FD))
-        for sock in self._inboxes.values():
-            sock.close(linger=0)
-        self.outbox.close(linger=0)
-        self.ctx.term()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        self._shut()
+
+
+def _shut(ctx: zmq.Context, sockets: list[zmq.Socket], directory: str) -> None:
+    """Close every socket without waiting for unsent messages, end the context, and remove the
+    directory of the ipc endpoints."""
+    for sock in sockets:
+        sock.close(linger=0)
+    ctx.term()
+    shutil.rmtree(directory, ignore_errors=True)

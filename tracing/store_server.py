@@ -37,18 +37,9 @@ import pyarrow.ipc as ipc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from tracing.arrow import jsonable, skip_pandas_probe, use_arrow_pool, write_arrow_file
 from tracing.schema import TABLES
-from tracing.store import (
-    InsertStopped,
-    QueryLimits,
-    QueryRefused,
-    Store,
-    StoreError,
-    jsonable,
-    skip_pandas_probe,
-    use_arrow_pool,
-    write_arrow_file,
-)
+from tracing.store import InsertStopped, QueryLimits, QueryRefused, Store, StoreError
 
 log = logging.getLogger("tailscope.store")
 LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})

@@ -20,16 +20,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
+from tracing.arrow import records_to_arrow, to_arrow, write_arrow_file
 from tracing.record import RequestRecord
 from tracing.schema import TABLES, EngineStepRow
-from tracing.store import (
-    InsertStopped,
-    Store,
-    StoreError,
-    records_to_arrow,
-    to_arrow,
-    write_arrow_file,
-)
+from tracing.store import InsertStopped, Store, StoreError
 
 # the list fields of what the writer queues (``untrack``)
 _LISTS = {cls: tuple(f.name for f in dataclasses.fields(cls) if str(f.type).startswith("list["))

@@ -22,8 +22,10 @@ from gateway.routes import gw
 from gateway.schemas import DebugQuery, WhatIfRunBody
 from gateway.store_api import json_body, own_url
 from tracing import queries as Q
+from tracing.arrow import jsonable
 from tracing.schema import BenchRunRow, EvalResultRow, EvalRunRow, WhatIfRunRow
-from tracing.store import QueryRefused, StoreError, jsonable
+from tracing.store import QueryRefused, StoreError
+from tracing.why import why
 
 log = logging.getLogger("tailscope.store")
 
@@ -126,7 +128,7 @@ async def debug_request(trace_id: str, request: Request, top: int = 5) -> dict:
         out["engine_steps"] = await in_thread(
             g.handle, lambda: _steps(g.handle.get(), rec["replica"], start, end))
         if rec.get("token_steps") and out["source"] != "memory":  # its steps are stored
-            gaps, sentence = await in_thread(g.handle, Q.why, g.handle.get(), trace_id,
+            gaps, sentence = await in_thread(g.handle, why, g.handle.get(), trace_id,
                                              max(1, min(top, 100)))
             out["why"] = {"sentence": sentence, "gaps": json.loads(
                 gaps.drop(columns=["neighbours"]).to_json(orient="records"))}

@@ -14,12 +14,13 @@ from tailscope.settings import Settings
 def cmd_why(args: argparse.Namespace) -> int:
     """Why a request was slow: its slowest gaps and the steps and neighbours inside them."""
     from tracing import queries as Q
+    from tracing.why import why
 
     s = Settings.from_env()
     kind, target = _store_target(args, s)
     source = Q.GatewaySource(target, s.admin_key or None) if kind == "gateway" else target
     try:
-        gaps, sentence = Q.why(source, args.trace_id, top=args.top)
+        gaps, sentence = why(source, args.trace_id, top=args.top)
     except Q.QueryError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -443,7 +443,7 @@ def test_end_user_and_metadata_go_on_the_record_and_find_it_in_the_store(client,
     import secrets
 
     from tracing import queries as Q
-    from tracing.store import records_to_arrow
+    from tracing.arrow import records_to_arrow
 
     team = secrets.token_hex(4)  # this run's requests only, in the session's store
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}

@@ -190,7 +190,7 @@ def test_metrics_count_requests_and_latencies(tiny_server):
     assert metric(text, "tailscope:gc_threshold", generation="0") == 20000
     assert metric(text, "tailscope:gc_threshold", generation="1") == 10
     # the writer's Arrow buffers come from the system allocator, not pyarrow's default
-    # mimalloc and its huge pages (tracing.store.use_arrow_pool)
+    # mimalloc and its huge pages (tracing.arrow.use_arrow_pool)
     assert metric(text, "tailscope:arrow_allocated_bytes", pool="system") >= 0
 
 

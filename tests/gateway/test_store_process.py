@@ -61,7 +61,7 @@ def test_the_store_child_killed_mid_load_loses_and_duplicates_nothing(bundled_pa
         pid = child(server.url)["pid"]
         # neither process loaded pandas (~40 MB each) though both made or inserted Arrow
         # tables and read rows: pyarrow's probe for pandas objects is skipped
-        # (tracing.store.skip_pandas_probe), and only a large batch (chDB's Python()) needs it
+        # (tracing.arrow.skip_pandas_probe), and only a large batch (chDB's Python()) needs it
         for proc in (server.proc.pid, pid):
             assert not [m.path for m in psutil.Process(proc).memory_maps()
                         if f"{os.sep}pandas{os.sep}" in m.path]

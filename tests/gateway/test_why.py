@@ -1,5 +1,5 @@
 """Why a request was slow, over real HTTP: a victim tenant's stream decodes while another tenant's
-long prompts are prefilled in chunks beside it; ``queries.why`` on the victim names those
+long prompts are prefilled in chunks beside it; ``tracing.why`` on the victim names those
 requests and that tenant as the prefill in its slowest gaps. A victim alone names nobody."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import pytest
 from tests.gateway.conftest import start_server, stop_server
 from tests.gateway.test_faults import wait_for
 from tracing import queries as Q
+from tracing import why as W
 
 TENANTS = """
 [[tenants]]
@@ -85,8 +86,8 @@ def why(server, trace_id: str, top: int = 5, tokens: int = 120):
     # the steps are flushed by the same writer in their own batches, maybe after the record:
     # wait until every gap between the victim's tokens has its steps (a fixed second once
     # let a loaded CI run read the early steps only, so no gap it saw had the burst in it)
-    assert wait_for(lambda: len(Q.why(source, trace_id, top=1000)[0]) == tokens - 1, 15)
-    return Q.why(source, trace_id, top=top)
+    assert wait_for(lambda: len(W.why(source, trace_id, top=1000)[0]) == tokens - 1, 15)
+    return W.why(source, trace_id, top=top)
 
 
 def test_why_names_the_neighbour_tenant_whose_prefill_sat_in_the_slowest_gaps(server):
@@ -222,7 +223,7 @@ def test_a_wait_for_kv_names_its_holders_and_the_one_behind_it_names_the_head(sm
     # interval later: a full CI run once asked before the record was there)
     source = Q.GatewaySource(url)
     assert wait_for(lambda: Q.records_found(source, [ids["blocked"]]) == 1, 10)
-    _, sentence = Q.why(source, ids["blocked"])
+    _, sentence = W.why(source, ids["blocked"])
     assert "for KV blocks (held by " + ids["holder"] in sentence, sentence
 
 

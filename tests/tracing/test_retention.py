@@ -14,6 +14,7 @@ from tests.gateway.test_faults import wait_for
 from tracing import queries as Q
 from tracing.record import RequestRecord
 from tracing.retention import TailRetention
+from tracing.why import why
 
 
 def record(i: int, e2e: float, ttft: float, state: str = "FINISHED") -> RequestRecord:
@@ -79,9 +80,9 @@ def test_over_http_dropped_and_kept_records_both_work_in_the_drill_down(sampled)
     d = recs[dropped[0]]
     assert d["output_token_ids"] == [] and d["itl_ms"] == [] and d["emitted_tokens"] == 4
     assert recs[traces[9]]["output_token_ids"] and recs[traces[9]]["itl_ms"]
-    _, sentence = Q.why(source, dropped[0])
+    _, sentence = why(source, dropped[0])
     assert "not kept" in sentence
-    gaps, _ = Q.why(source, traces[9])
+    gaps, _ = why(source, traces[9])
     assert not gaps.empty
     for t in (dropped[0], traces[9]):  # the waterfall of either adds up to its E2E
         fall = Q.waterfall(Q.trace(source, t))

@@ -402,8 +402,8 @@ def test_columnar_conversion_matches_a_plain_row_by_row_one():
     odd lengths."""
     import pyarrow as pa
 
+    from tracing.arrow import ARROW_CHUNK_ROWS, arrow_type, records_to_arrow, to_arrow
     from tracing.schema import EventRow
-    from tracing.store import ARROW_CHUNK_ROWS, arrow_type, records_to_arrow, to_arrow
 
     recs = []
     for i in range(2 * ARROW_CHUNK_ROWS + 37):
@@ -623,13 +623,14 @@ def test_a_store_with_rows_upgrades_to_the_codecs_and_keeps_every_row(tmp_path):
     code = f"""
 import json
 import tracing.store as S
+from tracing.arrow import records_to_arrow
 from bench.trace_overhead import make_records, step_rows
 full = list(S.MIGRATIONS)
 S.MIGRATIONS = full[:17]
 store = S.Store("chdb://{tmp_path}/store")
 out = {{"before": store.migrate()[-1]}}
 def write(tag):
-    req, ev = S.records_to_arrow(make_records(500))
+    req, ev = records_to_arrow(make_records(500))
     if tag == "old":  # as a version-17 gateway wrote them (20 added these)
         req = req.drop_columns(["end_user", "metadata"])
     store.insert("requests", req, "r" + tag)
@@ -671,7 +672,8 @@ def test_a_python_insert_loads_no_pandas_and_the_guard_holds_on_its_own_thread_o
     code = f"""
 import sys, threading
 from tracing import store as S
-from tracing.store import Store, records_to_arrow, skip_pandas_probe, without_pandas
+from tracing.arrow import records_to_arrow, skip_pandas_probe, without_pandas
+from tracing.store import Store
 from bench.trace_overhead import make_records
 skip_pandas_probe()
 S.PYTHON_INSERT_MIN_BYTES = 0  # every insert through Python()
@@ -730,7 +732,7 @@ def test_the_writers_arrow_tables_read_back_value_for_value_and_a_resent_batch_i
     all; chDB's ``Python()`` from there)."""
     from bench.trace_overhead import step_rows
     from tracing import store as S
-    from tracing.store import records_to_arrow, to_arrow
+    from tracing.arrow import records_to_arrow, to_arrow
 
     monkeypatch.setattr(S, "PYTHON_INSERT_MIN_BYTES", 0 if route == "Python()" else 1 << 40)
     sent = []  # the statements of chDB's own handle, run as they are (a spy, not a fake)
@@ -811,7 +813,7 @@ def test_a_column_the_table_lacks_is_refused_by_name_not_dropped(store):
     so ClickHouse refuses it naming the column, instead of dropping that column's values."""
     import pyarrow as pa
 
-    from tracing.store import records_to_arrow
+    from tracing.arrow import records_to_arrow
 
     rec = make_record()
     requests, _ = records_to_arrow([rec])
@@ -831,7 +833,8 @@ def test_insert_many_stops_at_the_table_that_fails_and_names_those_that_landed(s
     import pyarrow as pa
 
     from bench.trace_overhead import step_rows
-    from tracing.store import InsertStopped, records_to_arrow, to_arrow
+    from tracing.arrow import records_to_arrow, to_arrow
+    from tracing.store import InsertStopped
 
     rec = make_record()
     requests, events = records_to_arrow([rec])
@@ -863,7 +866,7 @@ def test_the_writer_conversion_leaves_pandas_unloaded_and_pyarrow_can_still_use_
 import sys
 import pyarrow as pa
 from tracing.schema import TABLES
-from tracing.store import records_to_arrow, skip_pandas_probe, to_arrow
+from tracing.arrow import records_to_arrow, skip_pandas_probe, to_arrow
 from bench.trace_overhead import make_records, step_rows
 control = "control" in sys.argv
 if not control:
@@ -899,7 +902,7 @@ def test_use_arrow_pool_moves_conversions_off_mimalloc_unless_a_pool_is_named():
 
     code = """
 import pyarrow as pa
-from tracing.store import records_to_arrow, use_arrow_pool
+from tracing.arrow import records_to_arrow, use_arrow_pool
 from bench.trace_overhead import make_records
 records = make_records(50)
 before = pa.default_memory_pool().backend_name

@@ -13,8 +13,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.tracing.test_store import make_record
+from tracing.arrow import records_to_arrow
 from tracing.record import RecordEvent
-from tracing.store import records_to_arrow
 from tracing.store_server import create_app
 
 
@@ -116,8 +116,9 @@ def test_a_writers_flush_is_one_request_and_a_failure_names_what_landed(child):
     batch whose second table ClickHouse refuses stops there: the error names the first table
     as inserted, the third is not, and every file of the batch is deleted."""
     from bench.trace_overhead import step_rows
+    from tracing.arrow import to_arrow
     from tracing.schema import TABLES
-    from tracing.store import InsertStopped, to_arrow
+    from tracing.store import InsertStopped
     from tracing.store_server import RemoteStore
 
     store = RemoteStore(child.url, child.key, inbox=child.inbox)
