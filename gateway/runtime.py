@@ -256,6 +256,7 @@ class Gateway:
         response.headers.update(rate_limit_headers(tenant))
         return response
 
+
 def check_host(request: Request) -> None:
     """A loopback client in open local mode may still be a web page: a hostname the page's
     site re-pointed at 127.0.0.1 (DNS rebinding) makes it same-origin with this gateway.
