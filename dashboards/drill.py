@@ -185,30 +185,10 @@ def trace_view(src, trace_id: str) -> None:
                      "x2": {"field": "end_ms"},
                      "color": {"field": "segment", "type": "nominal"}}})
     st.dataframe(fall, hide_index=True)
-    steps = t["steps"]
-    if not steps.empty and "member_traces" in steps:
-        others = sorted({m for s in steps.itertuples(index=False)
-                         if trace_id in list(s.member_traces)
-                         for m, p in zip(s.member_traces, s.member_prefill, strict=False)
-                         if m != trace_id and int(p) > 0})
-        if others:
-            st.markdown("Neighbours whose prefill shared its steps: " + ", ".join(
-                f"[{m[:12]}…]({trace_link(m)})" for m in others[:20]))
+    _neighbours(t["steps"], trace_id)
     st.subheader("Inter-token gaps and the replica's batch")
-    itl = list(rec.get("itl_ms") or [])
-    if itl:
-        arrival_us = Q.ts_us(rec["arrival_ts"])
-        first_us = arrival_us + float(rec["ttft_ms"] or 0) * 1000
-        gaps = pd.DataFrame({"t_us": (first_us + pd.Series(itl).cumsum() * 1000).astype(
-            "int64"), "gap_ms": itl})
-        steps = t["steps"]
-        if not steps.empty:  # the replica's last step at or before each flush
-            keys = pd.to_datetime(steps["ts"], utc=True)
-            steps = steps.assign(t_us=[int(k.timestamp() * 1e6) for k in keys])
-            gaps = pd.merge_asof(gaps, steps.sort_values("t_us")[
-                ["t_us", "num_seqs", "kv_blocks_used", "kv_blocks_total"]], on="t_us",
-                direction="backward")
-        gaps.insert(0, "ts", pd.to_datetime(gaps.pop("t_us"), unit="us", utc=True))
+    gaps = _gaps(rec, t["steps"])
+    if gaps is not None:
         st.line_chart(gaps.set_index("ts")[[c for c in ("gap_ms", "num_seqs")
                                             if c in gaps]])
         st.dataframe(gaps, hide_index=True)
@@ -235,6 +215,39 @@ def trace_view(src, trace_id: str) -> None:
             "max_tokens", "stream")
     st.dataframe(pd.DataFrame([{"field": k, "value": str(rec.get(k))} for k in keys]),
                  hide_index=True)
+
+
+def _neighbours(steps, trace_id: str) -> None:
+    """Links to the requests whose prefill shared this one's steps."""
+    if steps.empty or "member_traces" not in steps:
+        return
+    others = sorted({m for s in steps.itertuples(index=False)
+                     if trace_id in list(s.member_traces)
+                     for m, p in zip(s.member_traces, s.member_prefill, strict=False)
+                     if m != trace_id and int(p) > 0})
+    if others:
+        st.markdown("Neighbours whose prefill shared its steps: " + ", ".join(
+            f"[{m[:12]}…]({trace_link(m)})" for m in others[:20]))
+
+
+def _gaps(rec: dict, steps):
+    """Each inter-token gap with the replica's batch at its flush (its last step at or before
+    it); None without gaps."""
+    itl = list(rec.get("itl_ms") or [])
+    if not itl:
+        return None
+    arrival_us = Q.ts_us(rec["arrival_ts"])
+    first_us = arrival_us + float(rec["ttft_ms"] or 0) * 1000
+    gaps = pd.DataFrame({"t_us": (first_us + pd.Series(itl).cumsum() * 1000).astype(
+        "int64"), "gap_ms": itl})
+    if not steps.empty:
+        keys = pd.to_datetime(steps["ts"], utc=True)
+        steps = steps.assign(t_us=[int(k.timestamp() * 1e6) for k in keys])
+        gaps = pd.merge_asof(gaps, steps.sort_values("t_us")[
+            ["t_us", "num_seqs", "kv_blocks_used", "kv_blocks_total"]], on="t_us",
+            direction="backward")
+    gaps.insert(0, "ts", pd.to_datetime(gaps.pop("t_us"), unit="us", utc=True))
+    return gaps
 
 
 def trace_link(trace_id: str) -> str:

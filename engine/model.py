@@ -77,6 +77,11 @@ class LayerWeights:
     post_ffn_norm: torch.Tensor | None = None  # on the MLP output (Gemma 3)
 
 
+def _int4(src: WeightSource) -> Int4Weight:
+    exact = src.int4() if hasattr(src, "int4") else None  # a GGUF Q4 tensor's codes
+    return exact if exact is not None else quantize_int4(_materialise(src))
+
+
 class LlamaModel:
     """Inference-only decoder. ``forward`` reads and writes K/V through block tables;
     ``dense_forward`` is the no-cache full-recompute reference used by tests.
@@ -127,76 +132,16 @@ class LlamaModel:
             raise ValueError("batch_invariant runs on the CPU kernels (kernels.invariant); "
                              "unset TAILSCOPE_KERNELS=triton or turn the mode off")
 
-        def linear(w: torch.Tensor) -> Linear | InvariantLinear:
-            if batch_invariant:
-                return InvariantLinear(w, invariant.invariant_chunk(tuple(w.shape), w.dtype))
-            return Linear(w)
-
         def take(*names: str) -> torch.Tensor:
             parts = [_materialise(weights.pop(n)).to(dtype) for n in names]
             return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
 
-        def int4(src: WeightSource) -> Int4Weight:
-            exact = src.int4() if hasattr(src, "int4") else None  # a GGUF Q4 tensor's codes
-            return exact if exact is not None else quantize_int4(_materialise(src))
-
-        def packed(fmt: str, sources: list[WeightSource], dense: torch.Tensor | None = None
-                   ) -> Int4Linear | Int8Linear:
-            """``dense``: what steps past the packed kernel's rows multiply by (default: the
-            packed values in ``dtype``)."""
-            if fmt == "int8":  # from the float32 values, each row its own scale
-                q8, s8 = quantize_int8(torch.cat([_materialise(w).float() for w in sources]))
-                return Int8Linear(q8, s8, (q8.float() * s8[:, None]).to(dtype)
-                                  if dense is None else dense)
-            q = Int4Weight.cat([int4(w) for w in sources])
-            return Int4Linear(q.codes, q.scale, q.zero, (lambda: q.dequantize().to(dtype))
-                              if dense is None else dense, GROUP, dtype=dtype,
-                              int8_inputs=fmt == "int4a8")
-
         def proj(*names: str) -> Linear | InvariantLinear | Int4Linear | Int8Linear:
             if weight_format == "native":
-                return linear(take(*names))
-            return packed(weight_format, [weights.pop(n) for n in names])
+                return self._linear(take(*names))
+            return self._packed(weight_format, [weights.pop(n) for n in names])
 
-        # a GGUF's Q8_0 embedding (the bundled model's) is kept as stored where nothing needs
-        # all of it in ``dtype`` at once: untied (the lookup reads a row a token), or tied to an
-        # output matrix packed without a dense copy (every step's top logits rescored from it),
-        # or multiplied as stored (``Q8Output``)
-        src = weights.pop("embed")
-        q8 = src.int8_rows() if hasattr(src, "int8_rows") else None
-        rows = Int8Rows(*q8, dtype) if q8 is not None else None
-        embed: torch.Tensor | Int8Rows = rows if rows is not None else \
-            _materialise(src).to(dtype).contiguous()
-        tied = c.tie_word_embeddings
-        out_src = None if tied else weights.pop("lm_head")
-        if output_format == "q8_0":
-            q8_out = q8 if tied else (out_src.int8_rows() if hasattr(out_src, "int8_rows")
-                                      else None)
-            if q8_out is None:  # quantized from the values, as GGUF's Q8_0 rule does
-                q8_out = quantize_q8_0(_materialise(src if tied else out_src).float())
-            # tied: the embedding reads the same values (one matrix for both)
-            if (dtype == torch.bfloat16 and native.available()) or (
-                    dtype == torch.float32 and native.avx2_available()):
-                self.lm_head = Q8Output(*q8_out, dtype)
-                self.embed = self.lm_head.embedding() if tied else embed
-            else:  # no kernel for it here: a copy of the same values in ``dtype``
-                exact = Int8Rows(*q8_out, dtype).dequantize()
-                self.lm_head = linear(exact)
-                self.embed = exact if tied else embed
-        else:
-            if not tied:
-                exact = _materialise(out_src).to(dtype).contiguous()
-            else:  # the output matrix is built from the values in ``dtype``
-                exact = rows.dequantize() if rows is not None else embed
-            if output_format == "native":
-                self.lm_head = linear(exact)
-            else:  # low-bit for small steps, the top logits rescored from ``exact``
-                head = packed(output_format, [exact], dense=exact)
-                if tied and rows is not None and head.dense is None:
-                    exact = rows  # rescored from the rows: no copy in ``dtype`` kept
-                self.lm_head = RescoredOutput(head, exact)
-            self.embed = exact if tied else embed  # tied: one matrix for both
-        del src, out_src
+        self.lm_head, self.embed = self._head_and_embedding(weights)
         self.final_norm = take("final_norm")
         self.layers = [
             LayerWeights(
@@ -231,6 +176,68 @@ class LlamaModel:
         # where it is built and fits this model (bfloat16); False: torch's gather and SDPA
         self.native_decode_attention = not batch_invariant and native.attention_fits(
             c.num_heads, c.num_kv_heads, c.head_dim, dtype) and native.available()
+
+    def _linear(self, w: torch.Tensor) -> Linear | InvariantLinear:
+        if self.batch_invariant:
+            return InvariantLinear(w, invariant.invariant_chunk(tuple(w.shape), w.dtype))
+        return Linear(w)
+
+    def _packed(self, fmt: str, sources: list[WeightSource], dense: torch.Tensor | None = None
+                ) -> Int4Linear | Int8Linear:
+        """A packed matrix in ``fmt``; ``dense``: what steps past the packed kernel's rows
+        multiply by (default: the packed values in ``dtype``)."""
+        dtype = self.dtype
+        if fmt == "int8":  # from the float32 values, each row its own scale
+            q8, s8 = quantize_int8(torch.cat([_materialise(w).float() for w in sources]))
+            return Int8Linear(q8, s8, (q8.float() * s8[:, None]).to(dtype)
+                              if dense is None else dense)
+        q = Int4Weight.cat([_int4(w) for w in sources])
+        return Int4Linear(q.codes, q.scale, q.zero, (lambda: q.dequantize().to(dtype))
+                          if dense is None else dense, GROUP, dtype=dtype,
+                          int8_inputs=fmt == "int4a8")
+
+    def _head_and_embedding(self, weights: dict):
+        """(the output matrix, the embedding) in ``output_format``, a tied pair sharing one
+        matrix."""
+        # a GGUF's Q8_0 embedding (the bundled model's) is kept as stored where nothing needs
+        # all of it in ``dtype`` at once: untied (the lookup reads a row a token), or tied to an
+        # output matrix packed without a dense copy (every step's top logits rescored from it),
+        # or multiplied as stored (``Q8Output``)
+        src = weights.pop("embed")
+        q8 = src.int8_rows() if hasattr(src, "int8_rows") else None
+        rows = Int8Rows(*q8, self.dtype) if q8 is not None else None
+        embed: torch.Tensor | Int8Rows = rows if rows is not None else \
+            _materialise(src).to(self.dtype).contiguous()
+        tied = self.config.tie_word_embeddings
+        out_src = None if tied else weights.pop("lm_head")
+        if self.output_format == "q8_0":
+            q8_out = q8 if tied else (out_src.int8_rows() if hasattr(out_src, "int8_rows")
+                                      else None)
+            if q8_out is None:  # quantized from the values, as GGUF's Q8_0 rule does
+                q8_out = quantize_q8_0(_materialise(src if tied else out_src).float())
+            # tied: the embedding reads the same values (one matrix for both)
+            if (self.dtype == torch.bfloat16 and native.available()) or (
+                    self.dtype == torch.float32 and native.avx2_available()):
+                lm_head = Q8Output(*q8_out, self.dtype)
+                embedding = lm_head.embedding() if tied else embed
+            else:  # no kernel for it here: a copy of the same values in ``dtype``
+                exact = Int8Rows(*q8_out, self.dtype).dequantize()
+                lm_head = self._linear(exact)
+                embedding = exact if tied else embed
+        else:
+            if not tied:
+                exact = _materialise(out_src).to(self.dtype).contiguous()
+            else:  # the output matrix is built from the values in ``dtype``
+                exact = rows.dequantize() if rows is not None else embed
+            if self.output_format == "native":
+                lm_head = self._linear(exact)
+            else:  # low-bit for small steps, the top logits rescored from ``exact``
+                head = self._packed(self.output_format, [exact], dense=exact)
+                if tied and rows is not None and head.dense is None:
+                    exact = rows  # rescored from the rows: no copy in ``dtype`` kept
+                lm_head = RescoredOutput(head, exact)
+            embedding = exact if tied else embed  # tied: one matrix for both
+        return lm_head, embedding
 
     def _rope(self, theta: float, scale: float) -> tuple[torch.Tensor, ...]:
         """cos and sign-folded sin ``[max_pos, D]``, and the ``[max_pos, D/2]`` cos and sin

@@ -334,6 +334,35 @@ class SimReplica:
 Route = Callable[[Sequence[SimReplica], "Arrival"], "SimReplica | None"]
 
 
+def _admit(rep: SimReplica, a: Arrival) -> None:
+    """``a`` joins ``rep``: at its time when the replica was idle until then, else when the
+    step in progress ends (its queue timeout still counts from its arrival)."""
+    if not rep.engine.has_unfinished() and rep.runner.now_ms < a.at_ms:
+        rep.runner.now_ms = a.at_ms  # it was idle until this arrival
+    late_s = max(0.0, rep.runner.now_ms - a.at_ms) / 1e3  # it came during a step
+    rep.engine.add_request(a.request_id, a.prompt_token_ids, SamplingParams(
+        max_tokens=max(1, a.output_tokens), ignore_eos=True, tenant=a.tenant,
+        priority=a.priority), cache_salt=a.cache_salt,
+        queue_timeout_s=None if a.queue_timeout_s is None
+        else max(0.0, a.queue_timeout_s - late_s))
+    rep.inflight.add(a.request_id)
+    if a.max_tokens is not None:  # else its engine max_tokens, the recorded length
+        rep.allowed[a.request_id] = a.max_tokens
+
+
+def _step(rep: SimReplica, sims: dict[str, SimRequest]) -> bool:
+    """One step of ``rep``, its finished requests noted; False when it could run nothing and
+    still has requests."""
+    ran = len(rep.runner.steps)
+    for out in rep.engine.step():
+        if out.finished:
+            sims[out.request_id].end_ms = rep.runner.now_ms
+            sims[out.request_id].state = out.state.name
+            rep.inflight.discard(out.request_id)
+            rep.allowed.pop(out.request_id, None)
+    return len(rep.runner.steps) != ran or not rep.engine.has_unfinished()
+
+
 def simulate(arrivals: Sequence[Arrival], config: EngineConfig, cost: StepCost,
              model_config: ModelConfig, replicas: int = 1, route: Route | None = None,
              contention: float = 0.0) -> tuple[list[SimRequest], list[SimReplica]]:
@@ -379,30 +408,13 @@ def simulate(arrivals: Sequence[Arrival], config: EngineConfig, cost: StepCost,
             if rep is None:
                 sims[a.request_id].state = "SHED"
                 continue
-            if not rep.engine.has_unfinished() and rep.runner.now_ms < a.at_ms:
-                rep.runner.now_ms = a.at_ms  # it was idle until this arrival
-            late_s = max(0.0, rep.runner.now_ms - a.at_ms) / 1e3  # it came during a step
-            rep.engine.add_request(a.request_id, a.prompt_token_ids, SamplingParams(
-                max_tokens=max(1, a.output_tokens), ignore_eos=True, tenant=a.tenant,
-                priority=a.priority), cache_salt=a.cache_salt,
-                queue_timeout_s=None if a.queue_timeout_s is None
-                else max(0.0, a.queue_timeout_s - late_s))
-            rep.inflight.add(a.request_id)
-            if a.max_tokens is not None:  # else its engine max_tokens, the recorded length
-                rep.allowed[a.request_id] = a.max_tokens
+            _admit(rep, a)
             stuck.discard(rep.id)
             continue
         if not busy:
             break
         rep = min(busy, key=lambda r: (r.runner.now_ms, r.id))
-        ran = len(rep.runner.steps)
-        for out in rep.engine.step():
-            if out.finished:
-                sims[out.request_id].end_ms = rep.runner.now_ms
-                sims[out.request_id].state = out.state.name
-                rep.inflight.discard(out.request_id)
-                rep.allowed.pop(out.request_id, None)
-        if len(rep.runner.steps) == ran and rep.engine.has_unfinished():
+        if not _step(rep, sims):
             # nothing could run (e.g. waiting on KV no running request will free): it waits
             # for the next arrival or the next queue timeout; with neither, its run is over
             now = rep.runner.now_ms

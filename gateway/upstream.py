@@ -422,57 +422,21 @@ class UpstreamPool:
         lines = A.lines(resp, c.max_line_kb << 10)
         code, message, done, ended = "", "", False, False
         try:
-            while True:
-                left = math.inf if deadline is None else deadline - time.monotonic()
-                try:
-                    async with asyncio.timeout(max(0.0, min(c.idle_timeout_s, left))):
-                        line = await anext(lines)
-                except StopAsyncIteration:
+            while not done:
+                line, why, said = await _next_line(lines, c, deadline)
+                if why:
+                    code, message = why, said
+                if line is None:
                     break
-                except TimeoutError:
-                    if left <= c.idle_timeout_s:  # the deadline came first
-                        code = "request_timeout"
-                        message = "the request passed the gateway's deadline"
-                    else:
-                        code = "upstream_timeout"
-                        message = f"backend {c.name} sent nothing for {c.idle_timeout_s:g} s"
-                    break
-                except httpx.HTTPError as exc:
-                    code = "upstream_closed"
-                    message = f"backend {c.name} closed the stream: {type(exc).__name__}"
-                    break
-                except A.LineTooLong:
-                    code = "upstream_protocol"
-                    message = (f"backend {c.name} sent a line longer than {c.max_line_kb} KiB "
-                               "(max_line_kb)")
-                    break
-                if sse.is_done(line):
-                    done = True
-                elif (data := sse.data_of(line)) is not None:
-                    try:
-                        chunk = json.loads(data)
-                        flushed = A.note(seen, chunk)
-                    except ValueError as exc:
-                        code, message = "upstream_protocol", (f"backend {c.name} sent an event "
-                                                              f"that is not an OpenAI chunk: "
-                                                              f"{exc}")
-                        break
-                    if flushed:
-                        trace.flush()
-                    if isinstance(chunk, dict) and isinstance(chunk.get("error"), dict):
-                        code = "upstream_error"  # relayed as it came; the record keeps it
-                        message = str(chunk["error"].get("message") or "upstream error")
-                    edited = seen.strip_ids and A.strip_ids(chunk)
-                    if seen.strip_usage and isinstance(chunk, dict) and "usage" in chunk:
-                        if not chunk.get("choices"):
-                            continue  # the usage chunk the gateway asked for (noted above)
-                        del chunk["usage"]
-                        edited = True
-                    if edited:
-                        line = sse.line(json.dumps(chunk, ensure_ascii=False))
-                yield (line + "\n").encode()
-                if done:
-                    break
+                done = sse.is_done(line)
+                if not done and (data := sse.data_of(line)) is not None:
+                    line, why, said = _relayed(data, line, seen, trace, c)
+                    if why:  # the upstream's own error event goes on; a malformed one ends it
+                        code, message = why, said
+                        if why == "upstream_protocol":
+                            break
+                if line is not None:
+                    yield (line + "\n").encode()
             if not code and not done and not seen.finish_reason:
                 code = "upstream_closed"
                 message = f"backend {c.name} ended the stream before it finished"
@@ -499,3 +463,54 @@ class UpstreamPool:
                     used = A.used(seen)
             finally:  # the tenant's slot, whatever happened above
                 settle(used)
+
+
+async def _next_line(lines: AsyncIterator[str], c: UpstreamConfig, deadline: float | None
+                     ) -> tuple[str | None, str, str]:
+    """(the stream's next line, "", "") or (None, an error code or "" at its end, why): within
+    ``idle_timeout_s`` and the gateway's deadline, no line past ``max_line_kb``."""
+    left = math.inf if deadline is None else deadline - time.monotonic()
+    try:
+        async with asyncio.timeout(max(0.0, min(c.idle_timeout_s, left))):
+            return await anext(lines), "", ""
+    except StopAsyncIteration:
+        return None, "", ""
+    except TimeoutError:
+        if left <= c.idle_timeout_s:  # the deadline came first
+            return None, "request_timeout", "the request passed the gateway's deadline"
+        return None, "upstream_timeout", (f"backend {c.name} sent nothing for "
+                                          f"{c.idle_timeout_s:g} s")
+    except httpx.HTTPError as exc:
+        return None, "upstream_closed", (f"backend {c.name} closed the stream: "
+                                         f"{type(exc).__name__}")
+    except A.LineTooLong:
+        return None, "upstream_protocol", (f"backend {c.name} sent a line longer than "
+                                           f"{c.max_line_kb} KiB (max_line_kb)")
+
+
+def _relayed(data: str, line: str, seen: A.Seen, trace: RequestTrace, c: UpstreamConfig
+             ) -> tuple[str | None, str, str]:
+    """An event's line as the client gets it (None: not passed on), noted for the record:
+    (line, "", "") or with the upstream's own error event (relayed as it came) or a malformed
+    one (not relayed) its code and message."""
+    try:
+        chunk = json.loads(data)
+        flushed = A.note(seen, chunk)
+    except ValueError as exc:
+        return None, "upstream_protocol", (f"backend {c.name} sent an event that is not an "
+                                           f"OpenAI chunk: {exc}")
+    if flushed:
+        trace.flush()
+    code = message = ""
+    if isinstance(chunk, dict) and isinstance(chunk.get("error"), dict):
+        code = "upstream_error"  # the record keeps it
+        message = str(chunk["error"].get("message") or "upstream error")
+    edited = seen.strip_ids and A.strip_ids(chunk)
+    if seen.strip_usage and isinstance(chunk, dict) and "usage" in chunk:
+        if not chunk.get("choices"):
+            return None, code, message  # the usage chunk the gateway asked for (noted)
+        del chunk["usage"]
+        edited = True
+    if edited:
+        line = sse.line(json.dumps(chunk, ensure_ascii=False))
+    return line, code, message

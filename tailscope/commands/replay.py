@@ -22,64 +22,22 @@ def cmd_replay(args: argparse.Namespace) -> int:
     on the source gateway when it runs the recorded config_id, else on one started with the
     recorded config (the store's ``configs`` table)."""
     import asyncio
-    import tempfile
 
     import httpx
 
     from tracing import replay as R
-    from tracing.client import GatewayProcess, GatewayStartError
 
     if not 1 <= args.n <= 64 or not 0 <= args.background <= 16:
         print("error: --n must be in [1, 64] and --background in [0, 16]", file=sys.stderr)
         return 2
     s = Settings.from_env()
-    record = None
-    if args.source:
-        kind, source = "gateway", args.source.rstrip("/")
-    elif args.url:  # the gateway it is to run on most often holds the record too
-        kind, source = "gateway", args.url.rstrip("/")
-        try:
-            record = R.fetch_record(source, args.trace_id, s.admin_key or None)
-        except (LookupError, httpx.HTTPError):
-            record = None
-    if record is None and not args.source:
-        kind, source = _store_target(argparse.Namespace(url=None, dsn=args.dsn), s)
     try:
-        if record is None:
-            record = R.fetch_record(source, args.trace_id, s.admin_key or None)
+        record, kind, source = _record(args, s)
         R.replay_params(record)  # refuse now, before starting anything
-    except (LookupError, R.ReplayRefused) as exc:
+        url, gateway, workdir = _target(args, s, record, kind, source)
+    except (LookupError, R.ReplayRefused, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    url, gateway, workdir = args.url, None, None
-    if url is None and args.engine_config is None and kind == "gateway":
-        cfg = httpx.get(f"{source}/debug/config", timeout=30).json()
-        if cfg.get("config_id") == record.get("config_id"):
-            url = source
-    if url is None:
-        config_file = args.engine_config
-        workdir = tempfile.TemporaryDirectory(prefix="tailscope-replay-")
-        if config_file is None:
-            config = R.fetch_config(source, record.get("config_id", ""), s.admin_key or None)
-            if config is None:
-                print(f"error: config {record.get('config_id')!r} is not in the configs table; "
-                      "pass --url (a gateway running it) or --engine-config FILE", file=sys.stderr)
-                return 2
-            config_file = os.path.join(workdir.name, "recorded.yaml")
-            with open(config_file, "w") as f:
-                f.write(R.config_file_text(config))
-        # a gateway of its own: its own store, open local mode, no engine settings from the env
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith("TAILSCOPE_") or k == "TAILSCOPE_THREADS"}
-        env["TAILSCOPE_STORE_DSN"] = f"chdb://{os.path.join(workdir.name, 'store')}"
-        print(f"starting a gateway with {config_file} ...", file=sys.stderr)
-        gateway = GatewayProcess(["--engine-config", config_file], env, quiet=True)
-        try:
-            gateway.start()
-        except GatewayStartError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        url = gateway.url
     try:
         target = httpx.get(f"{url}/debug/config", timeout=30).json()
         model = target["config"]["served_model_name"]
@@ -95,6 +53,71 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if rep["errors"]:
         return 2
     return 0 if rep["identical"] else 1
+
+
+def _record(args: argparse.Namespace, s: Settings) -> tuple[dict, str, str]:
+    """(the record, the kind of its source, the source): ``--source``, else ``--url`` when
+    that gateway holds it, else the running gateway or the store."""
+    import httpx
+
+    from tracing import replay as R
+
+    record = None
+    if args.source:
+        kind, source = "gateway", args.source.rstrip("/")
+    elif args.url:  # the gateway it is to run on most often holds the record too
+        kind, source = "gateway", args.url.rstrip("/")
+        try:
+            record = R.fetch_record(source, args.trace_id, s.admin_key or None)
+        except (LookupError, httpx.HTTPError):
+            record = None
+    if record is None and not args.source:
+        kind, source = _store_target(argparse.Namespace(url=None, dsn=args.dsn), s)
+    if record is None:
+        record = R.fetch_record(source, args.trace_id, s.admin_key or None)
+    return record, kind, source
+
+
+def _target(args: argparse.Namespace, s: Settings, record: dict, kind: str, source: str):
+    """(the gateway URL to replay on, the gateway started for it or None, its directory or
+    None); a ``RuntimeError`` says why none can be had."""
+    import tempfile
+
+    import httpx
+
+    from tracing import replay as R
+    from tracing.client import GatewayProcess, GatewayStartError
+
+    if args.url is not None:
+        return args.url, None, None
+    if args.engine_config is None and kind == "gateway":
+        cfg = httpx.get(f"{source}/debug/config", timeout=30).json()
+        if cfg.get("config_id") == record.get("config_id"):
+            return source, None, None
+    config_file = args.engine_config
+    workdir = tempfile.TemporaryDirectory(prefix="tailscope-replay-")
+    if config_file is None:
+        config = R.fetch_config(source, record.get("config_id", ""), s.admin_key or None)
+        if config is None:
+            workdir.cleanup()
+            raise RuntimeError(f"config {record.get('config_id')!r} is not in the configs "
+                               "table; pass --url (a gateway running it) or --engine-config "
+                               "FILE")
+        config_file = os.path.join(workdir.name, "recorded.yaml")
+        with open(config_file, "w") as f:
+            f.write(R.config_file_text(config))
+    # a gateway of its own: its own store, open local mode, no engine settings from the env
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("TAILSCOPE_") or k == "TAILSCOPE_THREADS"}
+    env["TAILSCOPE_STORE_DSN"] = f"chdb://{os.path.join(workdir.name, 'store')}"
+    print(f"starting a gateway with {config_file} ...", file=sys.stderr)
+    gateway = GatewayProcess(["--engine-config", config_file], env, quiet=True)
+    try:
+        gateway.start()
+    except GatewayStartError as exc:
+        workdir.cleanup()
+        raise RuntimeError(str(exc)) from None
+    return gateway.url, gateway, workdir
 
 
 def add_parser(sub) -> None:
