@@ -66,8 +66,11 @@ def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("evals")
     smoke = subset(d, "smoke-qa", lambda i, c: i < SMOKE_SUBSET)
     determinism = subset(d, "determinism", lambda i, c: c["id"] in DETERMINISM_SUBSET)
+    # no engine-queue time limit: on a loaded machine the 2-token-budget config's requests
+    # waited past the 60 s default and failed as timeouts, which is not what these runs test
     env = {**os.environ, "TAILSCOPE_STORE_DSN": f"chdb://{d}/store",
-           "TAILSCOPE_STORE_FLUSH_S": "0.5", "TAILSCOPE_GATEWAY_URL": "http://127.0.0.1:9"}
+           "TAILSCOPE_STORE_FLUSH_S": "0.5", "TAILSCOPE_GATEWAY_URL": "http://127.0.0.1:9",
+           "TAILSCOPE_QUEUE_TIMEOUT_S": "0"}
     out = {"env": env, "smoke": smoke, "dir": d}
     out["a"] = tailscope(env, "eval", "run", "--suite", str(smoke), "--config", str(BUNDLED),
                          "--gateway-log", str(d / "a.log"))
