@@ -25,9 +25,10 @@ if TYPE_CHECKING:
     from gateway.backend import Route
     from gateway.session import Choice
 
-# a record's JSON (metadata, sampling parameters): msgspec's encoder, ~5x json.dumps on these
-# small dicts (UTF-8 kept as is; compact separators)
-_encode_json = msgspec.json.Encoder().encode
+# the gateway's JSON for small dicts (a record's metadata and sampling parameters, a streamed
+# chunk): msgspec's encoder, ~5x json.dumps on them (UTF-8 kept as is, as ensure_ascii=False
+# did; compact separators)
+encode_json = msgspec.json.Encoder().encode
 
 # an ended choice's engine state -> the record's (final_state, finish_reason)
 _FAILED = {"TIMED_OUT": ("TIMED_OUT", "timeout"), "CANCELLED": ("CANCELLED", "cancelled"),
@@ -105,7 +106,7 @@ class RequestTrace:
         r = self.record
         r.end_user = (end_user or "")[:256]
         if metadata:
-            r.metadata = _encode_json(dict(list(metadata.items())[:16])).decode()
+            r.metadata = encode_json(dict(list(metadata.items())[:16])).decode()
 
     def versioned(self, versions: dict[str, str]) -> None:
         r = self.record
@@ -133,7 +134,7 @@ class RequestTrace:
         """What replay rebuilds (when the tenant's capture keeps it)."""
         # msgspec encodes the dataclass as asdict + json.dumps did (int keys as strings), at a
         # tenth of the cost (asdict deep-copies every field)
-        self.record.sampling_params = _encode_json(sampling).decode()
+        self.record.sampling_params = encode_json(sampling).decode()
 
     def routed(self, route: Route) -> None:
         """Its first sample went to a replica."""

@@ -32,12 +32,11 @@ from gateway.formatting import (
     CompletionFormat,
     Format,
     echoed,
-    encode_json,
     tool_calls,
     usage,
 )
 from gateway.prepare import Preparer, param_error, stops, validated
-from gateway.records import RequestTrace
+from gateway.records import RequestTrace, encode_json
 from gateway.responses import (
     ResponseEvents,
     ResponseStore,

@@ -123,7 +123,6 @@ class RequestSession:
         self.request, self.tenant, self.registry, self.trace = request, tenant, registry, trace
         self.parts: list[Part] = []
         self._holds_slot = True
-        self._on_release: list = []  # called once the slot is given back
 
     @property
     def choices(self) -> list[Choice]:
@@ -134,9 +133,6 @@ class RequestSession:
     def holds_slot(self) -> bool:
         return self._holds_slot
 
-    def on_release(self, fn) -> None:
-        self._on_release.append(fn)
-
     def release(self, unused_tokens: int = 0) -> bool:
         """Give the tenant's slot back (and ``unused_tokens`` of its token budget); False when
         it already was."""
@@ -144,8 +140,6 @@ class RequestSession:
             return False
         self._holds_slot = False
         self.registry.finish(self.tenant, unused_tokens)
-        for fn in self._on_release:
-            fn()
         return True
 
     def release_unused(self) -> bool:

@@ -45,6 +45,7 @@ async def in_thread(handle, fn, *args):
     except Exception as exc:  # ClickHouse's own errors: bad SQL, unknown column, ...
         raise bad_request(f"query failed: {str(exc).splitlines()[0][:500]}", "sql") from None
 
+
 async def read_until_gone(handle, request: Request, fn):
     """Run the read ``fn(query_id)`` in a thread; if the client leaves first, stop the
     query in the store (KILL QUERY) instead of letting it run to its time limit."""
@@ -87,6 +88,7 @@ async def debug_query(request: Request) -> Response:
         g.handle, request, lambda qid: g.handle.get().select(body["sql"], params, qid))
     return JSONResponse({"columns": cols, "rows": jsonable([list(r) for r in rows])})
 
+
 def _lookup(store, trace_id: str) -> dict:
     cols, rows = store.select(Q.TRACE_RECORD, {"t": trace_id})
     record = dict(zip(cols, rows[0], strict=True)) if rows else None
@@ -94,10 +96,12 @@ def _lookup(store, trace_id: str) -> dict:
     events = [dict(zip(cols, r, strict=True)) for r in rows]
     return {"record": record, "events": events}
 
+
 def _steps(store, replica: str, start_us: int, end_us: int) -> list[dict]:
     cols, rows = store.select(Q.STEPS_BETWEEN,
                                      {"r": replica, "a": start_us, "b": end_us})
     return [dict(zip(cols, r, strict=True)) for r in rows]
+
 
 @router.get("/debug/requests/{trace_id}")
 async def debug_request(trace_id: str, request: Request, top: int = 5) -> dict:
@@ -133,6 +137,7 @@ async def debug_request(trace_id: str, request: Request, top: int = 5) -> dict:
             out["why"] = {"sentence": sentence, "gaps": json.loads(
                 gaps.drop(columns=["neighbours"]).to_json(orient="records"))}
     return jsonable(out)
+
 
 @router.post("/debug/replay")
 async def debug_replay(request: Request) -> dict:
@@ -180,6 +185,7 @@ async def debug_replay(request: Request) -> dict:
     report["replayed_on_config_id"] = g.versions["config_id"]
     return jsonable(report)
 
+
 @router.post("/debug/bench-runs")
 async def record_bench_run(request: Request) -> dict:
     """Store a load-generator run (``tailscope bench`` posts its results here)."""
@@ -197,6 +203,7 @@ async def record_bench_run(request: Request) -> dict:
     await in_thread(g.handle, lambda: g.handle.get().insert_rows("bench_runs", [row]))
     return {"run_id": row.run_id, "stored": True}
 
+
 @router.post("/debug/whatif-runs")
 async def record_whatif_run(request: Request) -> dict:
     """Store a what-if or sizing run (``tailscope whatif`` / ``size`` post it here)."""
@@ -209,6 +216,7 @@ async def record_whatif_run(request: Request) -> dict:
     row = WhatIfRunRow.from_body(body.model_dump(), int(time.time() * 1e6))
     await in_thread(g.handle, lambda: g.handle.get().insert_rows("whatif_runs", [row]))
     return {"run_id": row.run_id, "stored": True}
+
 
 @router.post("/debug/eval-runs")
 async def record_eval_run(request: Request) -> dict:
@@ -243,6 +251,7 @@ async def record_eval_run(request: Request) -> dict:
 
     await in_thread(g.handle, insert)
     return {"run_id": run_id, "stored": True, "cases": row.cases, "passed": row.passed}
+
 
 @router.delete("/debug/tenants/{tenant}/records")
 async def delete_tenant(tenant: str, request: Request) -> dict:
